@@ -1,0 +1,1 @@
+//! Model forward passes, one file per architecture family.

@@ -1,0 +1,1 @@
+//! Tensor operations on f32 activations: norms, RoPE, softmax, activations, attention.
