@@ -1,1 +1,203 @@
-//! Model forward passes, one file per architecture family.
+//! Models: loading a GGUF file into a runnable [`Model`] (weights stay in the mapping), and a
+//! [`Context`] that runs batches through it and keeps their keys and values.
+
+pub mod cache;
+pub mod config;
+pub mod llama;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::batch::Batch;
+use crate::error::{invalid, Result};
+use crate::gguf::GgufFile;
+use crate::tokenizer::{Tokenizer, VocabData};
+
+pub use cache::SeqCache;
+pub use config::{Arch, Config};
+
+/// A loaded model: configuration, weight locations in the mmapped file, tokenizer, thread pool.
+pub struct Model {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    weights: llama::Weights,
+    gguf: GgufFile,
+    pool: rayon::ThreadPool,
+}
+
+/// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
+#[derive(Debug, Clone, Default)]
+pub struct Logits {
+    pub data: Vec<f32>,
+    pub n_rows: usize,
+    pub n_vocab: usize,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.n_vocab..(i + 1) * self.n_vocab]
+    }
+}
+
+impl Model {
+    /// Opens and validates a GGUF model. `threads`: compute threads (default: physical cores or
+    /// `KVSERVE_THREADS`).
+    pub fn load(path: impl AsRef<Path>, threads: Option<usize>) -> Result<Model> {
+        Model::from_gguf(GgufFile::open(path)?, threads)
+    }
+
+    pub fn from_gguf(gguf: GgufFile, threads: Option<usize>) -> Result<Model> {
+        let mut config = Config::from_gguf(&gguf)?;
+        let weights = llama::Weights::load(&gguf, &mut config)?;
+        let tokenizer = Tokenizer::new(vocab_from_gguf(&gguf)?)?;
+        if tokenizer.n_vocab() != config.n_vocab {
+            return Err(crate::error::model_err(format!(
+                "GGUF: tokenizer has {} tokens but token_embd.weight has {} rows",
+                tokenizer.n_vocab(),
+                config.n_vocab
+            )));
+        }
+        let pool = crate::threads::build_pool(threads);
+        Ok(Model { config, tokenizer, weights, gguf, pool })
+    }
+
+    pub fn gguf(&self) -> &GgufFile {
+        &self.gguf
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        self.config.n_vocab
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+/// Reads the tokenizer description from GGUF metadata.
+pub fn vocab_from_gguf(g: &GgufFile) -> Result<VocabData> {
+    let model = g
+        .get_str("tokenizer.ggml.model")?
+        .ok_or_else(|| crate::error::model_err("GGUF: missing key 'tokenizer.ggml.model'"))?
+        .to_string();
+    let tokens: Vec<String> = g
+        .get_str_array("tokenizer.ggml.tokens")?
+        .ok_or_else(|| crate::error::model_err("GGUF: missing key 'tokenizer.ggml.tokens'"))?
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    let id = |key: &str| -> Result<Option<u32>> { g.get_u32(key) };
+    Ok(VocabData {
+        model,
+        pre: g.get_str("tokenizer.ggml.pre")?.map(str::to_string),
+        tokens,
+        token_types: g.get_i32_array("tokenizer.ggml.token_type")?,
+        scores: g.get_f32_array("tokenizer.ggml.scores")?,
+        merges: g
+            .get_str_array("tokenizer.ggml.merges")?
+            .map(|m| m.into_iter().map(str::to_string).collect()),
+        bos: id("tokenizer.ggml.bos_token_id")?,
+        eos: id("tokenizer.ggml.eos_token_id")?,
+        eot: id("tokenizer.ggml.eot_token_id")?,
+        eom: id("tokenizer.ggml.eom_token_id")?,
+        unk: id("tokenizer.ggml.unknown_token_id")?,
+        pad: id("tokenizer.ggml.padding_token_id")?,
+        add_bos: g.get_bool("tokenizer.ggml.add_bos_token")?,
+        add_eos: g.get_bool("tokenizer.ggml.add_eos_token")?,
+        add_space_prefix: g.get_bool("tokenizer.ggml.add_space_prefix")?,
+    })
+}
+
+/// A running context: the model plus the keys and values of its sequences.
+pub struct Context {
+    model: Arc<Model>,
+    cache: SeqCache,
+}
+
+impl Context {
+    /// A context holding at most `n_ctx` token cells across all sequences.
+    pub fn new(model: Arc<Model>, n_ctx: usize) -> Result<Context> {
+        if n_ctx == 0 {
+            return Err(invalid("n_ctx must be positive"));
+        }
+        let c = &model.config;
+        let cache = SeqCache::new(c.n_layer, c.kv_dim(), n_ctx);
+        Ok(Context { model, cache })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.cache.n_ctx()
+    }
+
+    pub fn cache(&self) -> &SeqCache {
+        &self.cache
+    }
+
+    /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
+    /// A batch that does not fit fails with `KvCacheFull` and leaves the cache unchanged.
+    pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
+        batch.validate(self.model.n_vocab())?;
+        let model = Arc::clone(&self.model);
+        let cache = &mut self.cache;
+        model.pool.install(|| llama::forward(&model, cache, batch))
+    }
+
+    pub fn clear(&mut self) {
+        self.cache.clear();
+    }
+}
+
+/// Throughput measured like llama-bench: `pp` is one batch of `n_prompt` tokens, `tg` is
+/// `n_gen` single-token steps from an empty context; each after one warm-up run, averaged over
+/// `reps` runs (llama-bench reports the mean too).
+#[derive(Debug, Clone, Copy)]
+pub struct BenchResult {
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+pub fn bench(model: &Arc<Model>, n_prompt: usize, n_gen: usize, reps: usize) -> Result<BenchResult> {
+    let n_vocab = model.n_vocab() as u64;
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut tok = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n_vocab) as u32
+    };
+    let mut ctx = Context::new(Arc::clone(model), (n_prompt + n_gen).max(1) + 8)?;
+    let reps = reps.max(1);
+    let (mut pp, mut tg) = (0.0f64, 0.0f64);
+    if n_prompt > 0 {
+        for r in 0..=reps {
+            ctx.clear();
+            let tokens: Vec<u32> = (0..n_prompt).map(|_| tok()).collect();
+            let t0 = Instant::now();
+            ctx.decode(&Batch::prompt(&tokens, 0, 0))?;
+            if r > 0 {
+                pp += t0.elapsed().as_secs_f64() / reps as f64;
+            }
+        }
+    }
+    if n_gen > 0 {
+        for r in 0..=reps {
+            ctx.clear();
+            let t0 = Instant::now();
+            for i in 0..n_gen {
+                ctx.decode(&Batch::prompt(&[tok()], i as i32, 0))?;
+            }
+            if r > 0 {
+                tg += t0.elapsed().as_secs_f64() / reps as f64;
+            }
+        }
+    }
+    Ok(BenchResult {
+        prefill_tok_s: if n_prompt > 0 { n_prompt as f64 / pp } else { 0.0 },
+        decode_tok_s: if n_gen > 0 { n_gen as f64 / tg } else { 0.0 },
+    })
+}

@@ -1,0 +1,223 @@
+//! Binding of `kvserve_core::model`: `Model` (load, tokenizer, metadata) and `Context` (decode).
+
+use std::sync::Arc;
+
+use kvserve_core::gguf::Value;
+use kvserve_core::model::{self as core_model, Context as CoreContext, Model as CoreModel};
+use kvserve_core::Batch;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use crate::buffer::Logits;
+use crate::errors::to_py;
+
+#[pyclass(frozen, module = "kvserve._core")]
+pub struct Model {
+    inner: Arc<CoreModel>,
+}
+
+fn check_token(m: &CoreModel, t: i64) -> PyResult<u32> {
+    if t < 0 || t as usize >= m.n_vocab() {
+        return Err(PyValueError::new_err(format!(
+            "token {t} is out of range (vocabulary has {})",
+            m.n_vocab()
+        )));
+    }
+    Ok(t as u32)
+}
+
+fn value_to_py<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        Value::U8(x) => x.into_pyobject(py)?.into_any(),
+        Value::I8(x) => x.into_pyobject(py)?.into_any(),
+        Value::U16(x) => x.into_pyobject(py)?.into_any(),
+        Value::I16(x) => x.into_pyobject(py)?.into_any(),
+        Value::U32(x) => x.into_pyobject(py)?.into_any(),
+        Value::I32(x) => x.into_pyobject(py)?.into_any(),
+        Value::U64(x) => x.into_pyobject(py)?.into_any(),
+        Value::I64(x) => x.into_pyobject(py)?.into_any(),
+        Value::F32(x) => x.into_pyobject(py)?.into_any(),
+        Value::F64(x) => x.into_pyobject(py)?.into_any(),
+        Value::Bool(x) => pyo3::types::PyBool::new(py, *x).to_owned().into_any(),
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for it in items {
+                list.append(value_to_py(py, it)?)?;
+            }
+            list.into_any()
+        }
+    })
+}
+
+#[pymethods]
+impl Model {
+    #[new]
+    #[pyo3(signature = (path, threads=None))]
+    fn new(py: Python<'_>, path: &str, threads: Option<usize>) -> PyResult<Model> {
+        let path = path.to_string();
+        let m = py.detach(|| CoreModel::load(&path, threads)).map_err(to_py)?;
+        Ok(Model { inner: Arc::new(m) })
+    }
+
+    #[getter]
+    fn n_vocab(&self) -> usize {
+        self.inner.n_vocab()
+    }
+
+    #[getter]
+    fn n_ctx_train(&self) -> usize {
+        self.inner.config.n_ctx_train
+    }
+
+    #[getter]
+    fn n_layer(&self) -> usize {
+        self.inner.config.n_layer
+    }
+
+    #[getter]
+    fn n_embd(&self) -> usize {
+        self.inner.config.n_embd
+    }
+
+    #[getter]
+    fn threads(&self) -> usize {
+        self.inner.threads()
+    }
+
+    #[getter]
+    fn bos(&self) -> Option<u32> {
+        self.inner.tokenizer.bos()
+    }
+
+    #[getter]
+    fn eos(&self) -> Option<u32> {
+        self.inner.tokenizer.eos()
+    }
+
+    #[getter]
+    fn add_bos(&self) -> bool {
+        self.inner.tokenizer.add_bos()
+    }
+
+    #[getter]
+    fn arch(&self) -> &'static str {
+        self.inner.config.arch.name()
+    }
+
+    #[getter]
+    fn name(&self) -> PyResult<String> {
+        Ok(self.inner.gguf().get_str("general.name").map_err(to_py)?.unwrap_or("").to_string())
+    }
+
+    #[pyo3(signature = (text, add_special=true, parse_special=false))]
+    fn tokenize(&self, py: Python<'_>, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        let text = text.to_string();
+        let m = Arc::clone(&self.inner);
+        py.detach(move || m.tokenizer.encode(&text, add_special, parse_special))
+    }
+
+    fn detokenize(&self, tokens: Vec<i64>) -> PyResult<String> {
+        let ids = tokens
+            .into_iter()
+            .map(|t| check_token(&self.inner, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        Ok(String::from_utf8_lossy(&self.inner.tokenizer.decode(&ids)).into_owned())
+    }
+
+    #[pyo3(signature = (token, special=false))]
+    fn token_to_piece<'py>(&self, py: Python<'py>, token: i64, special: bool) -> PyResult<Bound<'py, PyBytes>> {
+        let t = check_token(&self.inner, token)?;
+        Ok(PyBytes::new(py, &self.inner.tokenizer.token_to_piece(t, special)))
+    }
+
+    fn is_eog(&self, token: i64) -> PyResult<bool> {
+        Ok(self.inner.tokenizer.is_eog(check_token(&self.inner, token)?))
+    }
+
+    #[pyo3(signature = (n_ctx=4096))]
+    fn new_context(&self, n_ctx: usize) -> PyResult<Context> {
+        let ctx = CoreContext::new(Arc::clone(&self.inner), n_ctx).map_err(to_py)?;
+        Ok(Context { inner: ctx })
+    }
+
+    /// GGUF metadata as a dict; arrays longer than 64 items are summarized by their length.
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in self.inner.gguf().metadata() {
+            match v {
+                Value::Array(items) if items.len() > 64 => {
+                    d.set_item(k, format!("<array of {}>", items.len()))?
+                }
+                _ => d.set_item(k, value_to_py(py, v)?)?,
+            }
+        }
+        Ok(d)
+    }
+}
+
+#[pyclass(module = "kvserve._core")]
+pub struct Context {
+    inner: CoreContext,
+}
+
+#[pymethods]
+impl Context {
+    #[getter]
+    fn n_ctx(&self) -> usize {
+        self.inner.n_ctx()
+    }
+
+    /// Cells in use across all sequences.
+    #[getter]
+    fn n_cells(&self) -> usize {
+        self.inner.cache().n_cells()
+    }
+
+    fn pos_max(&self, seq: i32) -> i32 {
+        self.inner.cache().pos_max(seq)
+    }
+
+    /// Runs one batch (parallel lists); returns logits of the tokens whose `logits` flag is set.
+    fn decode(
+        &mut self,
+        py: Python<'_>,
+        tokens: Vec<i64>,
+        positions: Vec<i32>,
+        seq_ids: Vec<i32>,
+        logits: Vec<bool>,
+    ) -> PyResult<Logits> {
+        let model = Arc::clone(self.inner.model());
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_token(&model, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let batch = Batch { tokens, positions, seq_ids, logits };
+        let out = py.detach(|| self.inner.decode(&batch)).map_err(to_py)?;
+        Ok(Logits::new(out.data, out.n_rows, out.n_vocab))
+    }
+
+    fn clear(&mut self) {
+        self.inner.clear()
+    }
+}
+
+/// llama-bench-style throughput: {"prefill_tok_s": pp, "decode_tok_s": tg}.
+#[pyfunction]
+#[pyo3(signature = (model, n_prompt=512, n_gen=128, reps=3))]
+pub fn bench<'py>(
+    py: Python<'py>,
+    model: &Model,
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let m = Arc::clone(&model.inner);
+    let r = py.detach(move || core_model::bench(&m, n_prompt, n_gen, reps)).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("prefill_tok_s", r.prefill_tok_s)?;
+    d.set_item("decode_tok_s", r.decode_tok_s)?;
+    d.set_item("threads", model.inner.threads())?;
+    Ok(d)
+}
