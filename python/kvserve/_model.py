@@ -15,7 +15,6 @@ Generation contract:
 
 from __future__ import annotations
 
-import codecs
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ import numpy.typing as npt
 
 from . import models
 from .sampling import Sampler, SamplingParams
+from .textstream import TextStream
 
 try:
     from . import _core
@@ -65,17 +65,6 @@ def _stop_list(stop: Stop) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     return [s for s in stop if s]
-
-
-def _held_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class Model:
@@ -259,35 +248,21 @@ class _Run:
             pos += 1
 
     def __iter__(self) -> Iterator[str]:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        pending = ""
-        piece = self.model.token_to_piece
+        text = TextStream(self.stops)
         ids = self._token_ids()
-        final = False
-        while not final:
-            tok = next(ids, None)
-            if tok is None:
-                pending += decoder.decode(b"", final=True)
-                final = True
-            else:
-                pending += decoder.decode(piece(tok))
-            if not self.stops:
-                if pending:
-                    yield pending
-                pending = ""
-                continue
-            hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                if min(hits) > 0:
-                    yield pending[: min(hits)]
+        for tok in ids:
+            out = text.push(self.model.token_to_piece(tok))
+            if out:
+                yield out
+            if text.stopped:
                 self.finish_reason = FINISH_STOP
                 ids.close()
                 return
-            keep = 0 if final else _held_suffix(pending, self.stops)
-            ready = len(pending) - keep
-            if ready > 0:
-                yield pending[:ready]
-                pending = pending[ready:]
+        out = text.finish()
+        if out:
+            yield out
+        if text.stopped:
+            self.finish_reason = FINISH_STOP
 
 
 _default_lock = threading.Lock()
