@@ -19,7 +19,8 @@ from kvserve.sampling import (
 
 def ref_softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
-    return e / e.sum()
+    out: np.ndarray = e / e.sum()
+    return out
 
 
 def ref_top_k(x: np.ndarray, k: int) -> np.ndarray:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -179,8 +179,10 @@ class Model:
 
 
 def _last_row(logits: _core.Logits) -> npt.NDArray[np.float32]:
-    view = np.frombuffer(logits, dtype=np.float32)
-    return view.reshape(logits.n_rows, logits.n_vocab)[-1]
+    # memoryview(): numpy's stubs do not accept buffer-protocol objects directly; no copy.
+    view = np.frombuffer(memoryview(logits), dtype=np.float32)
+    row: npt.NDArray[np.float32] = view.reshape(logits.n_rows, logits.n_vocab)[-1]
+    return row
 
 
 class _Run:
@@ -221,7 +223,7 @@ class _Run:
         self.tokens: list[int] = []
         self.finish_reason = FINISH_LENGTH
 
-    def _token_ids(self) -> Iterator[int]:
+    def _token_ids(self) -> Generator[int, None, None]:
         if self.max_tokens == 0:
             self.finish_reason = FINISH_LENGTH
             return

