@@ -1,0 +1,58 @@
+"""kvserve: a CPU inference engine for GGUF language models.
+
+Public API::
+
+    from kvserve import Model
+    model = Model.load()  # the default model, downloaded and cached on first use
+    print(model.generate("The capital of France is", max_tokens=16).text)
+
+The compiled engine (``kvserve._core``) is imported on first use of :class:`Model`,
+:func:`generate`, :class:`ModelError` or :class:`KvCacheFull`, so pure-Python parts
+(:mod:`kvserve.sampling`, :mod:`kvserve.models`) import without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .models import FetchError
+
+if TYPE_CHECKING:
+    from ._model import GenerateResult, KvCacheFull, Model, ModelError, generate
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+__version__ = _version()
+
+__all__ = [
+    "FetchError",
+    "GenerateResult",
+    "KvCacheFull",
+    "Model",
+    "ModelError",
+    "__version__",
+    "generate",
+]
+
+_LAZY = {"GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module("._model", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)

@@ -1,0 +1,305 @@
+"""The public :class:`Model`: a loaded GGUF model plus single-sequence text generation.
+
+Generation contract:
+- The prompt is tokenized with ``add_special=True`` (the model's own add-BOS rule) and
+  ``parse_special=True`` (special-token text such as ``<|im_start|>`` becomes its token).
+- The whole prompt is prefilled in one decode call (logits for the last position only), then
+  one token is decoded per step.
+- Generation ends at an end-of-generation token (not part of the result), after
+  ``max_tokens`` tokens, when the context is full, or when a ``stop`` string appears (the text
+  is cut before it; the tokens include the one that completed it).
+- Streamed pieces are always complete UTF-8 characters: bytes of a character split across
+  tokens are held back until the character is complete; invalid bytes become U+FFFD.
+  Concatenating the pieces of :meth:`Model.stream` gives exactly :meth:`Model.generate`'s text.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import numpy.typing as npt
+
+from . import models
+from .sampling import Sampler, SamplingParams
+from .textstream import TextStream
+
+try:
+    from . import _core
+except ImportError as _e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "kvserve's compiled extension kvserve._core is missing; "
+        "install kvserve with `pip install .` (needs a Rust toolchain)"
+    ) from _e
+
+KvCacheFull = _core.KvCacheFull
+ModelError = _core.ModelError
+
+__all__ = ["GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"]
+
+StrPath = Union[str, "os.PathLike[str]"]
+Stop = Union[str, Sequence[str], None]
+
+FINISH_STOP = "stop"  # end-of-generation token or stop string
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_CONTEXT = "context"  # the context window is full
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """Generated text and token ids (the prompt is not included)."""
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = FINISH_LENGTH
+
+
+def _stop_list(stop: Stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    return [s for s in stop if s]
+
+
+class Model:
+    """A GGUF model loaded from disk (memory-mapped, read-only).
+
+    ``threads``: worker threads for the engine; ``None`` lets the engine decide
+    (``KVSERVE_THREADS`` or the number of physical cores).
+    """
+
+    def __init__(self, path: StrPath, threads: int | None = None) -> None:
+        spath = os.fspath(path)
+        models.check_model_file(spath)
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.path = Path(spath)
+        self.threads = threads
+        self._core = _core.Model(spath, threads)
+
+    @classmethod
+    def load(cls, path: StrPath | None = None, threads: int | None = None) -> Model:
+        """Load ``path``, or the default model (downloaded and cached on first use) if None."""
+        return cls(models.pull() if path is None else path, threads)
+
+    def __repr__(self) -> str:
+        return f"Model(path={str(self.path)!r}, arch={self.arch!r}, n_vocab={self.n_vocab})"
+
+    # -- model facts --------------------------------------------------------------------------
+    @property
+    def core(self) -> _core.Model:
+        """The underlying binding object."""
+        return self._core
+
+    @property
+    def n_vocab(self) -> int:
+        return self._core.n_vocab
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self._core.n_ctx_train
+
+    @property
+    def bos(self) -> int | None:
+        return self._core.bos
+
+    @property
+    def eos(self) -> int | None:
+        return self._core.eos
+
+    @property
+    def add_bos(self) -> bool:
+        return self._core.add_bos
+
+    @property
+    def arch(self) -> str:
+        return self._core.arch
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    def metadata(self) -> dict[str, object]:
+        return self._core.metadata()
+
+    # -- tokenizer ----------------------------------------------------------------------------
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        return self._core.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._core.detokenize(list(tokens))
+
+    def token_to_piece(self, token: int) -> bytes:
+        return self._core.token_to_piece(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self._core.is_eog(token)
+
+    def new_context(self, n_ctx: int = 4096) -> _core.Context:
+        return self._core.new_context(n_ctx)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Stop = None,
+        n_ctx: int | None = None,
+    ) -> GenerateResult:
+        """Complete ``prompt``; see the module docs for when generation ends."""
+        run = _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx)
+        text = "".join(run)
+        return GenerateResult(text=text, tokens=run.tokens, finish_reason=run.finish_reason)
+
+    def stream(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Stop = None,
+        n_ctx: int | None = None,
+    ) -> Iterator[str]:
+        """Like :meth:`generate`, yielding text pieces (complete characters) as they come."""
+        yield from _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx)
+
+
+def _last_row(logits: _core.Logits) -> npt.NDArray[np.float32]:
+    # memoryview(): numpy's stubs do not accept buffer-protocol objects directly; no copy.
+    view = np.frombuffer(memoryview(logits), dtype=np.float32)
+    row: npt.NDArray[np.float32] = view.reshape(logits.n_rows, logits.n_vocab)[-1]
+    return row
+
+
+class _Run:
+    """One generation: iterate for text pieces; ``tokens``/``finish_reason`` fill in as it runs."""
+
+    def __init__(
+        self,
+        model: Model,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int | None,
+        stop: Stop,
+        n_ctx: int | None,
+    ) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if n_ctx is not None and n_ctx < 1:
+            raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        self.model = model
+        self.sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed=seed)
+        self.stops = _stop_list(stop)
+        self.max_tokens = max_tokens
+        self.prompt_tokens = model.tokenize(prompt, add_special=True, parse_special=True)
+        if not self.prompt_tokens:
+            if model.bos is None:
+                raise ValueError("the prompt is empty and the model has no BOS token to start from")
+            self.prompt_tokens = [model.bos]
+        n_prompt = len(self.prompt_tokens)
+        limit = model.n_ctx_train if model.n_ctx_train > 0 else 4096
+        self.n_ctx = n_ctx if n_ctx is not None else min(limit, n_prompt + max(max_tokens, 1))
+        if n_prompt > self.n_ctx:
+            raise KvCacheFull(
+                f"the prompt has {n_prompt} tokens but the context holds {self.n_ctx}"
+            )
+        self.tokens: list[int] = []
+        self.finish_reason = FINISH_LENGTH
+
+    def _token_ids(self) -> Generator[int, None, None]:
+        if self.max_tokens == 0:
+            self.finish_reason = FINISH_LENGTH
+            return
+        ctx = self.model.new_context(self.n_ctx)
+        toks = self.prompt_tokens
+        n = len(toks)
+        logits = ctx.decode(toks, list(range(n)), [0] * n, [False] * (n - 1) + [True])
+        pos = n
+        is_eog = self.model.is_eog
+        while True:
+            tok = self.sampler(_last_row(logits))
+            if is_eog(tok):
+                self.finish_reason = FINISH_STOP
+                return
+            self.tokens.append(tok)
+            yield tok
+            if len(self.tokens) >= self.max_tokens:
+                self.finish_reason = FINISH_LENGTH
+                return
+            if pos >= ctx.n_ctx:
+                self.finish_reason = FINISH_CONTEXT
+                return
+            logits = ctx.decode([tok], [pos], [0], [True])
+            pos += 1
+
+    def __iter__(self) -> Iterator[str]:
+        text = TextStream(self.stops)
+        ids = self._token_ids()
+        for tok in ids:
+            out = text.push(self.model.token_to_piece(tok))
+            if out:
+                yield out
+            if text.stopped:
+                self.finish_reason = FINISH_STOP
+                ids.close()
+                return
+        out = text.finish()
+        if out:
+            yield out
+        if text.stopped:
+            self.finish_reason = FINISH_STOP
+
+
+_default_lock = threading.Lock()
+_default_model: Model | None = None
+
+
+def generate(
+    prompt: str,
+    *,
+    model: Model | StrPath | None = None,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Stop = None,
+) -> GenerateResult:
+    """Complete ``prompt`` with ``model`` (a :class:`Model`, a path, or None for the default
+    model, which is loaded once and kept)."""
+    global _default_model
+    if model is None:
+        with _default_lock:
+            if _default_model is None:
+                _default_model = Model.load()
+            m = _default_model
+    elif isinstance(model, Model):
+        m = model
+    else:
+        m = Model(model)
+    return m.generate(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+    )

@@ -1,0 +1,304 @@
+"""The ``kvserve`` command line (also ``python -m kvserve``).
+
+Subcommands: ``pull``, ``tokenize``, ``complete``, ``bench``, ``info``. Without ``--model`` the
+default model is used (downloaded and cached on first use).
+
+Guarantees: every expected failure (missing or malformed model file, download error, bad
+argument value, full context) prints exactly one line ``kvserve: error: <message>`` on stderr
+and exits with status 1, without a traceback (set ``KVSERVE_DEBUG=1`` to re-raise instead).
+Output to stdout is UTF-8 regardless of the locale; ``--json`` output is a single JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .models import check_model_file
+
+if TYPE_CHECKING:
+    from ._model import Model
+
+PROG = "kvserve"
+
+
+def _write(text: str) -> None:
+    buf = getattr(sys.stdout, "buffer", None)
+    if buf is not None:
+        buf.write(text.encode("utf-8"))
+    else:
+        sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _print_json(obj: object) -> None:
+    _write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def _env_threads() -> int | None:
+    raw = os.environ.get("KVSERVE_THREADS", "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"KVSERVE_THREADS must be a positive integer, got {raw!r}")
+    return n
+
+
+def _threads(args: argparse.Namespace) -> int | None:
+    """``--threads``, else ``KVSERVE_THREADS``, else None (the engine picks physical cores)."""
+    t: int | None = args.threads
+    return t if t is not None else _env_threads()
+
+
+def _physical_cores() -> int:
+    """Logical CPUs available to this process, halved when SMT siblings are active."""
+    try:
+        logical = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        logical = os.cpu_count() or 1
+    try:
+        with open("/sys/devices/system/cpu/smt/active", encoding="ascii") as f:
+            smt = f.read().strip() == "1"
+    except OSError:
+        smt = False
+    return max(1, logical // 2 if smt and logical > 1 else logical)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _load(args: argparse.Namespace) -> Model:
+    if args.model is not None:
+        check_model_file(args.model)  # a clear error even before the engine is imported
+    from ._model import Model
+
+    return Model.load(args.model, threads=_threads(args))
+
+
+def _read_text(text: str) -> str:
+    return sys.stdin.read() if text == "-" else text
+
+
+# -- subcommands ------------------------------------------------------------------------------
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .models import pull
+
+    path = pull(progress=False if args.quiet else None)
+    _write(f"{path}\n")
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    model = _load(args)
+    tokens = model.tokenize(_read_text(args.text), add_special=args.add_special, parse_special=True)
+    if args.json:
+        _print_json({"tokens": tokens})
+    else:
+        _write(" ".join(map(str, tokens)) + "\n")
+    return 0
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    model = _load(args)
+    kwargs: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+        "n_ctx": args.ctx_size,
+    }
+    prompt = _read_text(args.prompt)
+    if args.json:
+        result = model.generate(prompt, **kwargs)
+        _print_json({"text": result.text, "tokens": result.tokens})
+        return 0
+    for piece in model.stream(prompt, **kwargs):
+        _write(piece)
+    if sys.stdout.isatty():
+        _write("\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import _core
+
+    model = _load(args)
+    threads = _threads(args) or _physical_cores()
+    result = _core.bench(model.core, threads, args.n_prompt, args.n_gen)
+    if args.json:
+        _print_json(result)
+    else:
+        _write(
+            f"model: {model.path.name}  threads: {threads}  simd: {_core.simd_level()}\n"
+            f"prefill ({args.n_prompt} tokens): {result['prefill_tok_s']:.1f} tok/s\n"
+            f"decode  ({args.n_gen} tokens): {result['decode_tok_s']:.1f} tok/s\n"
+        )
+    return 0
+
+
+def _summarize(value: object) -> object:
+    """A metadata value made short enough to print: long arrays become their length."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"[{len(value)} items]"
+    if isinstance(value, str) and len(value) > 80:
+        return value[:77] + "..."
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return value
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from . import _core
+
+    model = _load(args)
+    summary: dict[str, object] = {
+        "path": str(model.path),
+        "file_size": model.path.stat().st_size,
+        "arch": model.arch,
+        "name": model.name,
+        "n_vocab": model.n_vocab,
+        "n_ctx_train": model.n_ctx_train,
+        "bos": model.bos,
+        "eos": model.eos,
+        "add_bos": model.add_bos,
+        "simd": _core.simd_level(),
+    }
+    metadata = {k: _summarize(v) for k, v in sorted(model.metadata().items())}
+    if args.json:
+        _print_json({**summary, "metadata": metadata})
+        return 0
+    lines = [f"{k}: {v}" for k, v in summary.items()]
+    lines.append("metadata:")
+    lines += [
+        f"  {k} = {json.dumps(v, ensure_ascii=False, default=str)}" for k, v in metadata.items()
+    ]
+    _write("\n".join(lines) + "\n")
+    return 0
+
+
+# -- parser -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="CPU inference for GGUF models.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def model_args(p: argparse.ArgumentParser, threads: bool = True) -> None:
+        p.add_argument(
+            "-m",
+            "--model",
+            metavar="PATH",
+            help="GGUF model file (default: the default model, downloaded on first use)",
+        )
+        if threads:
+            p.add_argument(
+                "-t",
+                "--threads",
+                type=_positive_int,
+                help="worker threads (default: $KVSERVE_THREADS or the number of physical cores)",
+            )
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("pull", help="download and cache the default model; print its path")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("tokenize", help="print the token ids of TEXT ('-' reads stdin)")
+    model_args(p, threads=False)
+    p.set_defaults(threads=None)
+    p.add_argument(
+        "--add-special",
+        action="store_true",
+        help="add the model's special tokens (BOS) as the model's metadata asks",
+    )
+    p.add_argument("text", metavar="TEXT")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("complete", help="continue PROMPT ('-' reads stdin)")
+    model_args(p)
+    p.add_argument("-n", "--max-tokens", type=_nonneg_int, default=128, help="default: 128")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+    p.add_argument("-s", "--seed", type=int, help="random seed for sampling")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)")
+    p.add_argument(
+        "-c", "--ctx-size", type=_positive_int, help="context size (default: prompt + max tokens)"
+    )
+    p.add_argument("prompt", metavar="PROMPT")
+    p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser("bench", help="measure prefill and decode speed")
+    model_args(p)
+    p.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="default: 512")
+    p.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="default: 128")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("info", help="print a summary of the model's metadata")
+    model_args(p, threads=False)
+    p.set_defaults(threads=None)
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    debug = os.environ.get("KVSERVE_DEBUG", "") not in ("", "0")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): silence the flush at interpreter exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except Exception as exc:
+        if debug:
+            raise
+        sys.stderr.write(f"{PROG}: error: {_one_line(exc)}\n")
+        return 1
+    except BaseException as exc:
+        # pyo3 turns a Rust panic into PanicException (a BaseException): still one line.
+        if debug or type(exc).__name__ != "PanicException":
+            raise
+        sys.stderr.write(f"{PROG}: error: internal error: {_one_line(exc)}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

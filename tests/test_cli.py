@@ -1,0 +1,278 @@
+"""End-to-end tests of the ``kvserve`` command line (``python -m kvserve``) on a real model.
+
+Oracles independent of the engine: token ids are checked against the GGUF vocabulary read with
+the ``gguf`` package (pieces must spell the input text; special-token text must map to the id
+of that token), and generated text must equal the bytes of the generated tokens' vocabulary
+pieces. Error paths must print one ``kvserve: error:`` line and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvserve
+
+PROMPT = "The capital of France is"
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m kvserve`` with the same kvserve package this test process imports."""
+    env = dict(os.environ)
+    pkg_root = str(Path(kvserve.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
+    env.pop("KVSERVE_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        env=env,
+        timeout=600,
+        check=False,
+    )
+
+
+def ok_json(*args: str) -> dict[str, object]:
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    obj = json.loads(proc.stdout)
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.fixture(scope="module", autouse=True)
+def binding_built() -> None:
+    try:
+        import kvserve._core  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"kvserve._core is not built ({e}); run `pip install -e .` first")
+
+
+# -- vocabulary oracle (gguf package) ---------------------------------------------------------
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable-unicode map used in byte-level BPE vocabularies."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class Vocab:
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+
+        def field(key: str) -> object:
+            f = reader.fields.get(key)
+            return None if f is None else f.contents()
+
+        self.model = str(field("tokenizer.ggml.model"))
+        tokens = field("tokenizer.ggml.tokens")
+        assert isinstance(tokens, list)
+        self.tokens: list[str] = [str(t) for t in tokens]
+        self.add_bos = field("tokenizer.ggml.add_bos_token")
+        self.bos = field("tokenizer.ggml.bos_token_id")
+        self._bytes = _gpt2_byte_decoder()
+
+    def piece(self, token: int) -> bytes:
+        text = self.tokens[token]
+        if self.model == "gpt2":
+            return bytes(self._bytes[c] for c in text)
+        if self.model == "llama":
+            if text.startswith("<0x") and text.endswith(">") and len(text) == 6:
+                return bytes([int(text[3:5], 16)])
+            return text.replace("\u2581", " ").encode()
+        raise AssertionError(f"no vocabulary oracle for tokenizer model {self.model!r}")
+
+    def text(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def vocab(model_path: Path) -> Vocab:
+    return Vocab(model_path)
+
+
+# -- tokenize ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", [PROMPT, "Hello,  world!\n\tcafé 日本 🙂 1234567", " leading"])
+def test_tokenize_json_spells_the_text(model_path: Path, vocab: Vocab, text: str) -> None:
+    obj = ok_json("tokenize", "--model", str(model_path), "--json", text)
+    assert list(obj) == ["tokens"]
+    tokens = obj["tokens"]
+    assert isinstance(tokens, list) and tokens
+    assert all(isinstance(t, int) and 0 <= t < len(vocab.tokens) for t in tokens)
+    expected = text if vocab.model == "gpt2" else " " + text  # SPM adds a space prefix
+    assert vocab.text(tokens) == expected
+
+
+def test_tokenize_parses_special_tokens(model_path: Path, vocab: Vocab) -> None:
+    assert isinstance(vocab.bos, int)
+    special = "<|im_start|>" if "<|im_start|>" in vocab.tokens else vocab.tokens[vocab.bos]
+    obj = ok_json("tokenize", "--model", str(model_path), "--json", f"{special}user")
+    tokens = obj["tokens"]
+    assert isinstance(tokens, list)
+    assert tokens[0] == vocab.tokens.index(special)
+    assert vocab.text(tokens[1:]).strip() == "user"
+
+
+def test_tokenize_add_special_follows_model_metadata(model_path: Path, vocab: Vocab) -> None:
+    plain = ok_json("tokenize", "--model", str(model_path), "--json", PROMPT)["tokens"]
+    special = ok_json("tokenize", "--model", str(model_path), "--json", "--add-special", PROMPT)[
+        "tokens"
+    ]
+    assert isinstance(plain, list) and isinstance(special, list)
+    if vocab.add_bos is not None:
+        assert special == ([vocab.bos] if vocab.add_bos else []) + plain
+    else:
+        assert special[-len(plain) :] == plain
+
+
+def test_tokenize_reads_stdin(model_path: Path) -> None:
+    proc = run_cli("tokenize", "--model", str(model_path), "--json", "-", stdin=PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    direct = ok_json("tokenize", "--model", str(model_path), "--json", PROMPT)
+    assert json.loads(proc.stdout) == direct
+
+
+# -- complete ---------------------------------------------------------------------------------
+def test_complete_json_greedy(model_path: Path, vocab: Vocab) -> None:
+    args = ("complete", "--model", str(model_path), "--max-tokens", "16", "--json", PROMPT)
+    obj = ok_json(*args)
+    assert sorted(obj) == ["text", "tokens"]
+    text, tokens = obj["text"], obj["tokens"]
+    assert isinstance(text, str) and isinstance(tokens, list)
+    assert 1 <= len(tokens) <= 16
+    assert vocab.text(tokens) == text  # generated tokens only, no prompt
+    assert "Paris" in text
+    assert ok_json(*args) == obj  # greedy is deterministic
+
+
+def test_complete_seeded_sampling_is_reproducible(model_path: Path) -> None:
+    base = ("complete", "--model", str(model_path), "--max-tokens", "12", "--json")
+    sampled = (*base, "--temperature", "1.0", "--seed", "7", "Once upon a time")
+    a = ok_json(*sampled)
+    assert ok_json(*sampled) == a
+    tokens = a["tokens"]
+    assert isinstance(tokens, list) and len(tokens) <= 12
+
+
+def test_complete_stream_matches_json(model_path: Path) -> None:
+    common = ("complete", "--model", str(model_path), "--max-tokens", "12", "--threads", "2")
+    obj = ok_json(*common, "--json", PROMPT)
+    proc = run_cli(*common, PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == obj["text"]
+
+
+def test_complete_max_tokens_zero(model_path: Path) -> None:
+    obj = ok_json("complete", "--model", str(model_path), "--max-tokens", "0", "--json", PROMPT)
+    assert obj == {"text": "", "tokens": []}
+
+
+# -- bench, info ------------------------------------------------------------------------------
+def test_bench_json(model_path: Path) -> None:
+    obj = ok_json(
+        "bench", "--model", str(model_path), "--threads", "2", "-p", "16", "-n", "4", "--json"
+    )
+    assert {"prefill_tok_s", "decode_tok_s"} <= set(obj)
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        value = obj[key]
+        assert isinstance(value, float) and value > 0
+
+
+def test_info(model_path: Path) -> None:
+    proc = run_cli("info", "--model", str(model_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "arch: llama" in proc.stdout
+    obj = ok_json("info", "--model", str(model_path), "--json")
+    assert obj["arch"] == "llama" and obj["n_vocab"] == 49152
+
+
+# -- errors -----------------------------------------------------------------------------------
+def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvserve: error: ")
+    assert proc.stdout == ""
+    return lines[0]
+
+
+def _bad_files(tmp: Path, model_path: Path) -> dict[str, Path]:
+    garbage = tmp / "garbage.gguf"
+    garbage.write_bytes(os.urandom(4096))
+    empty = tmp / "empty.gguf"
+    empty.write_bytes(b"")
+    bad_magic = tmp / "text.gguf"
+    bad_magic.write_text("this is not a model\n")
+    truncated = tmp / "truncated.gguf"
+    with open(model_path, "rb") as f:
+        truncated.write_bytes(f.read(1 << 20))  # header + part of the tensor infos/data
+    header_only = tmp / "header.gguf"
+    with open(model_path, "rb") as f:
+        header_only.write_bytes(f.read(24))
+    return {
+        "missing": tmp / "does-not-exist.gguf",
+        "directory": tmp,
+        "garbage": garbage,
+        "empty": empty,
+        "bad_magic": bad_magic,
+        "truncated": truncated,
+        "header_only": header_only,
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["missing", "directory", "garbage", "empty", "bad_magic", "truncated", "header_only"]
+)
+@pytest.mark.parametrize("command", ["tokenize", "complete", "info"])
+def test_bad_model_file_is_one_line_error(
+    tmp_path: Path, model_path: Path, kind: str, command: str
+) -> None:
+    path = _bad_files(tmp_path, model_path)[kind]
+    extra = ["--json"] if command != "info" else []
+    args = [command, "--model", str(path), *extra]
+    if command != "info":
+        args.append(PROMPT)
+    line = assert_one_line_error(run_cli(*args))
+    if kind in ("missing", "directory"):
+        assert str(path) in line
+
+
+def test_bad_argument_values_are_one_line_errors(model_path: Path) -> None:
+    proc = run_cli("complete", "--model", str(model_path), "--temperature", "-1", "--json", PROMPT)
+    assert "temperature" in assert_one_line_error(proc)
+    proc = run_cli("complete", "--model", str(model_path), "--top-p", "0", "--json", PROMPT)
+    assert "top_p" in assert_one_line_error(proc)
+
+
+def test_bad_kvserve_threads_env_is_one_line_error(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSERVE_THREADS", "lots")
+    proc = run_cli("complete", "--model", str(model_path), "--json", PROMPT)
+    assert "KVSERVE_THREADS" in assert_one_line_error(proc)
+
+
+def test_context_too_small_is_one_line_error(model_path: Path) -> None:
+    proc = run_cli("complete", "--model", str(model_path), "-c", "2", "--json", PROMPT)
+    assert_one_line_error(proc)
