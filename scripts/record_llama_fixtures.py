@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Record golden reference outputs from llama.cpp for kvserve's tests.
+
+What it records (for the SmolLM2-135M-Instruct Q4_1 GGUF):
+  * prompt token ids (add_special=True, i.e. the model's own add_bos rule, parse_special=True),
+  * a 16-token greedy continuation computed by argmax over llama.cpp's *raw* logits
+    (no sampler chain at all: no temperature, no repeat penalty, no top-k/p),
+  * at every generated position, the top-10 token ids and their log-probabilities
+    (log_softmax of the raw logits, computed here in float64),
+  * the full-vocabulary logits of the last prompt position for a few prompts, saved as float16
+    in a compressed .npz next to the JSON.
+
+The decode loop mirrors the one in tests/test_golden.py: the whole prompt is evaluated in one
+call (n_batch=512 > longest prompt), then one token per call.
+
+How to reproduce (exactly what produced tests/fixtures/llama_smollm2.json):
+
+  # 1. build llama.cpp as shared libraries (see benches/README.md for the cmake line:
+  #    GGML_NATIVE=OFF, AVX-512 + VNNI on, AMX off), from the tree vendored in the
+  #    llama-cpp-python 0.3.36 sdist: vendor/llama.cpp -> build/bin/libllama.so
+  # 2. install the Python binding without building llama.cpp again:
+  cd llama_cpp_python-0.3.36
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip install --no-deps .
+  pip install typing-extensions diskcache jinja2 numpy
+  # 3. run this script, pointing the binding at the cmake-built libllama.so:
+  LLAMA_CPP_LIB_PATH=/path/to/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin \
+      python scripts/record_llama_fixtures.py --model /work/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Options --llama-src lets the script read the llama.cpp commit (git) and the build flags
+(build/CMakeCache.txt) into the fixture metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_LLAMA_SRC = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"
+OUT_JSON = REPO_ROOT / "tests" / "fixtures" / "llama_smollm2.json"
+OUT_LOGITS = REPO_ROOT / "tests" / "fixtures" / "llama_smollm2_logits.npz"
+
+N_GEN = 16
+TOP_K = 10
+N_CTX = 2048
+N_BATCH = 512
+N_THREADS = 2
+
+LONG_PROMPT = (
+    "The history of the lighthouse is closely tied to the history of sea travel. Long before "
+    "electric lamps, coastal communities lit fires on hills and cliffs to warn sailors of rocks "
+    "and shallow water. The ancient Pharos of Alexandria, built in the third century BC, was "
+    "one of the tallest structures of its time and served as a model for later towers across "
+    "the Mediterranean. During the Middle Ages many harbours relied on monks or local guilds "
+    "to keep a flame burning through the night. In the eighteenth and nineteenth centuries, "
+    "engineers began to build towers on exposed reefs, where waves could break over the "
+    "entire structure during storms. Building such a tower required interlocking blocks of "
+    "granite, careful study of the tides, and crews who could only work for a few hours each "
+    "day when the sea was calm. The invention of the Fresnel lens in 1822 changed everything: "
+    "a set of glass prisms arranged in rings could gather the light of a single lamp and send "
+    "it as a narrow beam visible for more than twenty miles. Each lighthouse was given its own "
+    "pattern of flashes, so that a navigator could identify it at night by counting the "
+    "seconds between them. Keepers lived in small rooms at the base of the tower, trimming "
+    "wicks, polishing brass, and writing the weather into a log book every few hours. Today "
+    "most lighthouses are automated, and satellite navigation has made them less important, "
+    "but many are still maintained because a simple light on the horizon remains one of the "
+    "most reliable signals a sailor can have. In summary, the main purpose of a lighthouse is"
+)
+
+PROMPTS: list[tuple[str, str]] = [
+    ("capital_france", "The capital of France is"),
+    ("fibonacci", "def fibonacci(n):"),
+    ("shopping_list", "Shopping list:\n1. Milk\n2. Eggs\n3."),
+    ("chat_2plus2", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"),
+    (
+        "chat_system_haiku",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    ("long_lighthouse", LONG_PROMPT),
+    ("unicode_mixed", "Café, naïve, façade — 日本語のテキスト and emoji 🚀🌍 mean"),
+    ("numbers_count", "1, 2, 3, 4, 5, 6,"),
+    ("numbers_arith", "12 + 30 = 42, 100 - 58 ="),
+    ("year_fact", "In 1969, the first humans to walk on the Moon were"),
+    ("once_upon", "Once upon a time, in a small village by the river,"),
+    ("python_import", "import numpy as np\n\nx = np.array([1, 2, 3])\nprint("),
+    ("html_snippet", "<html>\n<head>\n<title>"),
+    ("json_snippet", '{"name": "Alice", "age": 30, "city": "'),
+    ("question_sky", "Q: Why is the sky blue?\nA:"),
+    ("whitespace", "   leading spaces\tand\ttabs\n\n\nand newlines"),
+    ("single_word", "Hello"),
+    ("recipe", "To make a simple pancake batter, you need flour, milk,"),
+    ("german", "Der schnelle braune Fuchs springt über den"),
+    ("special_mid_text", "Text before <|endoftext|> text after"),
+]
+
+# prompts whose full-vocab last-position logits are stored
+FULL_LOGIT_PROMPTS = ["capital_france", "chat_2plus2", "long_lighthouse"]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def top_k(lp: np.ndarray, k: int) -> tuple[list[int], list[float]]:
+    # stable order: by logprob desc, then by id asc (deterministic on exact ties)
+    idx = np.lexsort((np.arange(lp.shape[0]), -lp))[:k]
+    return [int(i) for i in idx], [round(float(lp[i]), 6) for i in idx]
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def llama_src_info(src: str) -> dict:
+    info: dict = {"source_dir": src}
+    try:
+        out = subprocess.run(
+            ["git", "-C", src, "log", "-1", "--format=%H%n%cI%n%s"],
+            capture_output=True, text=True, check=True,
+        ).stdout.splitlines()
+        info.update(commit=out[0], commit_date=out[1], commit_subject=out[2])
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        info["commit"] = "unknown"
+    cache = Path(src) / "build" / "CMakeCache.txt"
+    if cache.exists():
+        flags = {}
+        for line in cache.read_text().splitlines():
+            if line.startswith(("GGML_NATIVE", "GGML_AVX", "GGML_AMX", "GGML_FMA", "GGML_F16C",
+                                "GGML_BMI2", "CMAKE_BUILD_TYPE")):
+                k, _, v = line.partition("=")
+                flags[k.split(":")[0]] = v
+        info["cmake_flags"] = flags
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--llama-src", default=DEFAULT_LLAMA_SRC)
+    ap.add_argument("--out", default=str(OUT_JSON))
+    ap.add_argument("--out-logits", default=str(OUT_LOGITS))
+    args = ap.parse_args()
+
+    if not os.environ.get("LLAMA_CPP_LIB_PATH"):
+        print("warning: LLAMA_CPP_LIB_PATH unset; llama_cpp will load its bundled libllama", file=sys.stderr)
+
+    import llama_cpp
+    from llama_cpp import Llama
+
+    llm = Llama(
+        args.model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=N_THREADS,
+        n_threads_batch=N_THREADS, logits_all=True, verbose=False, seed=0,
+    )
+    n_vocab = llm.n_vocab()
+
+    records = []
+    full_logits: dict[str, np.ndarray] = {}
+    for name, text in PROMPTS:
+        toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        assert len(toks) < N_BATCH, "prompt must fit one batch"
+        llm.reset()
+        llm.eval(toks)
+        logits = np.array(llm.scores[len(toks) - 1], dtype=np.float32)
+        if name in FULL_LOGIT_PROMPTS:
+            full_logits[name] = logits.astype(np.float16)
+        gen: list[int] = []
+        steps = []
+        for step in range(N_GEN):
+            lp = log_softmax(logits)
+            ids, lps = top_k(lp, TOP_K)
+            nxt = ids[0]
+            steps.append({"top_ids": ids, "top_logprobs": lps})
+            gen.append(nxt)
+            if step + 1 < N_GEN:
+                llm.eval([nxt])
+                logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        records.append({
+            "name": name,
+            "text": text,
+            "prompt_tokens": [int(t) for t in toks],
+            "greedy_tokens": gen,
+            "greedy_text": llm.detokenize(gen).decode("utf-8", errors="replace"),
+            "steps": steps,
+        })
+        print(f"{name:20s} n_prompt={len(toks):4d} -> {records[-1]['greedy_text']!r}")
+
+    Path(args.out_logits).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(args.out_logits, **full_logits)
+
+    meta = {
+        "generator": "scripts/record_llama_fixtures.py",
+        "command": (
+            "LLAMA_CPP_LIB_PATH=<llama.cpp>/build/bin python scripts/record_llama_fixtures.py "
+            f"--model {args.model}"
+        ),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "llama_cpp": llama_src_info(args.llama_src),
+        "llama_cpp_lib_path": os.environ.get("LLAMA_CPP_LIB_PATH"),
+        "machine": platform.machine(),
+        "model_file": os.path.basename(args.model),
+        "model_sha256": sha256_file(args.model),
+        "n_vocab": n_vocab,
+        "n_ctx": N_CTX, "n_batch": N_BATCH, "n_threads": N_THREADS,
+        "n_gen": N_GEN, "top_k": TOP_K,
+        "tokenize": {"add_special": True, "parse_special": True},
+        "sampling": "argmax over raw logits (no sampler chain); logprobs = float64 log_softmax of raw logits",
+        "decode_loop": "prompt evaluated in one call, then one token per call",
+        "full_logits_file": os.path.basename(args.out_logits),
+        "full_logits_prompts": FULL_LOGIT_PROMPTS,
+        "full_logits_dtype": "float16, last prompt position",
+    }
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "prompts": records}, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    print(f"wrote {args.out} ({os.path.getsize(args.out)} B) and {args.out_logits} "
+          f"({os.path.getsize(args.out_logits)} B)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
