@@ -133,7 +133,9 @@ def llama_src_info(src: str) -> dict:
     try:
         out = subprocess.run(
             ["git", "-C", src, "log", "-1", "--format=%H%n%cI%n%s"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.splitlines()
         info.update(commit=out[0], commit_date=out[1], commit_subject=out[2])
     except (OSError, subprocess.CalledProcessError, IndexError):
@@ -142,8 +144,17 @@ def llama_src_info(src: str) -> dict:
     if cache.exists():
         flags = {}
         for line in cache.read_text().splitlines():
-            if line.startswith(("GGML_NATIVE", "GGML_AVX", "GGML_AMX", "GGML_FMA", "GGML_F16C",
-                                "GGML_BMI2", "CMAKE_BUILD_TYPE")):
+            if line.startswith(
+                (
+                    "GGML_NATIVE",
+                    "GGML_AVX",
+                    "GGML_AMX",
+                    "GGML_FMA",
+                    "GGML_F16C",
+                    "GGML_BMI2",
+                    "CMAKE_BUILD_TYPE",
+                )
+            ):
                 k, _, v = line.partition("=")
                 flags[k.split(":")[0]] = v
         info["cmake_flags"] = flags
@@ -151,7 +162,9 @@ def llama_src_info(src: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
     ap.add_argument("--llama-src", default=DEFAULT_LLAMA_SRC)
     ap.add_argument("--out", default=str(OUT_JSON))
@@ -159,14 +172,24 @@ def main() -> int:
     args = ap.parse_args()
 
     if not os.environ.get("LLAMA_CPP_LIB_PATH"):
-        print("warning: LLAMA_CPP_LIB_PATH unset; llama_cpp will load its bundled libllama", file=sys.stderr)
+        print(
+            "warning: LLAMA_CPP_LIB_PATH unset; llama_cpp will load its bundled libllama",
+            file=sys.stderr,
+        )
 
     import llama_cpp
     from llama_cpp import Llama
 
     llm = Llama(
-        args.model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=N_THREADS,
-        n_threads_batch=N_THREADS, logits_all=True, verbose=False, seed=0,
+        args.model,
+        n_ctx=N_CTX,
+        n_batch=N_BATCH,
+        n_ubatch=N_BATCH,
+        n_threads=N_THREADS,
+        n_threads_batch=N_THREADS,
+        logits_all=True,
+        verbose=False,
+        seed=0,
     )
     n_vocab = llm.n_vocab()
 
@@ -191,14 +214,16 @@ def main() -> int:
             if step + 1 < N_GEN:
                 llm.eval([nxt])
                 logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-        records.append({
-            "name": name,
-            "text": text,
-            "prompt_tokens": [int(t) for t in toks],
-            "greedy_tokens": gen,
-            "greedy_text": llm.detokenize(gen).decode("utf-8", errors="replace"),
-            "steps": steps,
-        })
+        records.append(
+            {
+                "name": name,
+                "text": text,
+                "prompt_tokens": [int(t) for t in toks],
+                "greedy_tokens": gen,
+                "greedy_text": llm.detokenize(gen).decode("utf-8", errors="replace"),
+                "steps": steps,
+            }
+        )
         print(f"{name:20s} n_prompt={len(toks):4d} -> {records[-1]['greedy_text']!r}")
 
     Path(args.out_logits).parent.mkdir(parents=True, exist_ok=True)
@@ -218,10 +243,16 @@ def main() -> int:
         "model_file": os.path.basename(args.model),
         "model_sha256": sha256_file(args.model),
         "n_vocab": n_vocab,
-        "n_ctx": N_CTX, "n_batch": N_BATCH, "n_threads": N_THREADS,
-        "n_gen": N_GEN, "top_k": TOP_K,
+        "n_ctx": N_CTX,
+        "n_batch": N_BATCH,
+        "n_threads": N_THREADS,
+        "n_gen": N_GEN,
+        "top_k": TOP_K,
         "tokenize": {"add_special": True, "parse_special": True},
-        "sampling": "argmax over raw logits (no sampler chain); logprobs = float64 log_softmax of raw logits",
+        "sampling": (
+            "argmax over raw logits (no sampler chain); "
+            "logprobs = float64 log_softmax of raw logits"
+        ),
         "decode_loop": "prompt evaluated in one call, then one token per call",
         "full_logits_file": os.path.basename(args.out_logits),
         "full_logits_prompts": FULL_LOGIT_PROMPTS,
@@ -230,8 +261,10 @@ def main() -> int:
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "prompts": records}, f, ensure_ascii=False, indent=1)
         f.write("\n")
-    print(f"wrote {args.out} ({os.path.getsize(args.out)} B) and {args.out_logits} "
-          f"({os.path.getsize(args.out_logits)} B)")
+    print(
+        f"wrote {args.out} ({os.path.getsize(args.out)} B) and {args.out_logits} "
+        f"({os.path.getsize(args.out_logits)} B)"
+    )
     return 0
 
 

@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""Compare kvserve's prefill/decode throughput with llama.cpp's llama-bench, same model/threads.
+
+Runs, interleaved for ``--rounds`` rounds (the order flips each round so neither engine always
+runs on a "warmer" or quieter machine):
+
+  llama-bench -m MODEL -t THREADS -p P -n N -r REPS -o json
+  kvserve bench --model MODEL --threads THREADS -p P -n N --json
+
+takes the median tokens/s of each engine over the rounds, and prints a markdown table (date,
+machine, load average, both commands, llama.cpp ppP/tgN, kvserve ppP/tgN, ratios).
+``--write`` appends the table to BENCHMARKS.md at the repository root.
+
+llama-bench is looked up in $LLAMA_CPP_BIN_DIR (or --llama-bin-dir), default: the build dir
+described in benches/README.md. The kvserve command is $KVSERVE_BIN if set, else ``kvserve`` on
+PATH, else ``python -m kvserve``. The kvserve CLI must print a JSON object with
+``prefill_tok_s`` and ``decode_tok_s`` (the last JSON object on stdout is used).
+
+Example:
+  python benches/bench_vs_llama.py --model /work/models/SmolLM2-135M-Instruct.Q4_1.gguf --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_LLAMA_BIN_DIR = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def machine_desc() -> str:
+    model = "unknown CPU"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        nproc = str(os.cpu_count())
+    return f"{model}, nproc {nproc}"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run(cmd: list[str], timeout: float) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError as e:
+        raise BenchError(f"cannot run {cmd[0]}: {e}") from e
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"timed out after {timeout:.0f}s: {shlex.join(cmd)}") from e
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+        raise BenchError(f"exit {p.returncode}: {shlex.join(cmd)}\n" + "\n".join(tail))
+    return p.stdout
+
+
+def llama_cmd(args) -> list[str]:
+    exe = Path(args.llama_bin_dir) / "llama-bench"
+    return [
+        str(exe), "-m", args.model, "-t", str(args.threads), "-p", str(args.p),
+        "-n", str(args.n), "-r", str(args.llama_reps), "-o", "json",
+    ]  # fmt: skip
+
+
+def kvserve_base() -> list[str]:
+    env = os.environ.get("KVSERVE_BIN")
+    if env:
+        return shlex.split(env)
+    exe = shutil.which("kvserve")
+    return [exe] if exe else [sys.executable, "-m", "kvserve"]
+
+
+def kvserve_cmd(args) -> list[str]:
+    return kvserve_base() + [
+        "bench", "--model", args.model, "--threads", str(args.threads),
+        "-p", str(args.p), "-n", str(args.n), "--json",
+    ]  # fmt: skip
+
+
+def parse_llama(out: str, p: int, n: int) -> tuple[float, float, str]:
+    try:
+        rows = json.loads(out)
+    except json.JSONDecodeError as e:
+        raise BenchError(f"llama-bench did not print JSON: {e}") from e
+    pp = [r["avg_ts"] for r in rows if r.get("n_prompt") == p and r.get("n_gen") == 0]
+    tg = [r["avg_ts"] for r in rows if r.get("n_prompt") == 0 and r.get("n_gen") == n]
+    if not pp or not tg:
+        raise BenchError(f"llama-bench output lacks pp{p}/tg{n} rows")
+    commit = rows[0].get("build_commit", "?")
+    return float(pp[0]), float(tg[0]), str(commit)
+
+
+def parse_kvserve(out: str) -> tuple[float, float]:
+    for line in reversed(out.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                d = json.loads(line)
+                return float(d["prefill_tok_s"]), float(d["decode_tok_s"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    try:  # a pretty-printed object over several lines
+        d = json.loads(out)
+        return float(d["prefill_tok_s"]), float(d["decode_tok_s"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise BenchError(
+            "kvserve bench did not print a JSON object with prefill_tok_s/decode_tok_s"
+        ) from e
+
+
+def fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp)")
+    ap.add_argument("-n", type=int, default=128, help="generated tokens (tg)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench -r per round")
+    ap.add_argument(
+        "--llama-bin-dir", default=os.environ.get("LLAMA_CPP_BIN_DIR", DEFAULT_LLAMA_BIN_DIR)
+    )
+    ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-bench")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per command")
+    ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
+    args = ap.parse_args()
+
+    if not os.path.exists(args.model):
+        print(f"error: model not found: {args.model}", file=sys.stderr)
+        return 2
+    lcmd, kcmd = llama_cmd(args), kvserve_cmd(args)
+    load_before = loadavg()
+    l_pp, l_tg, k_pp, k_tg = [], [], [], []
+    commit = "?"
+    errors: list[str] = []
+    for r in range(args.rounds):
+        order = ["llama", "kvserve"] if r % 2 == 0 else ["kvserve", "llama"]
+        for eng in order:
+            try:
+                if eng == "llama":
+                    pp, tg, commit = parse_llama(run(lcmd, args.timeout), args.p, args.n)
+                    l_pp.append(pp)
+                    l_tg.append(tg)
+                elif not args.skip_kvserve:
+                    pp, tg = parse_kvserve(run(kcmd, args.timeout))
+                    k_pp.append(pp)
+                    k_tg.append(tg)
+                else:
+                    continue
+                print(f"round {r + 1} {eng:8s} pp{args.p} {pp:8.1f}  tg{args.n} {tg:7.1f} tok/s",
+                      file=sys.stderr)  # fmt: skip
+            except BenchError as e:
+                errors.append(f"{eng}: {e}")
+                print(f"round {r + 1} {eng}: FAILED: {e}", file=sys.stderr)
+    load_after = loadavg()
+
+    def med(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    lp, lt, kp, kt = med(l_pp), med(l_tg), med(k_pp), med(k_tg)
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    p, n = args.p, args.n
+    lines = [
+        f"### {now}: {os.path.basename(args.model)}, {args.threads} threads",
+        "",
+        f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
+        f"- medians of {args.rounds} interleaved rounds (tokens/s)",
+        f"- llama.cpp ({commit}): `{shlex.join(lcmd)}`",
+        f"- kvserve: `{shlex.join(kcmd)}`" + (" (skipped)" if args.skip_kvserve else ""),
+        "",
+        f"| engine | pp{p} tok/s | tg{n} tok/s |",
+        "|---|---:|---:|",
+        f"| llama.cpp {commit} | {fmt(lp)} | {fmt(lt)} |",
+        f"| kvserve | {fmt(kp)} | {fmt(kt)} |",
+        f"| kvserve / llama.cpp | {ratio(kp, lp)} | {ratio(kt, lt)} |",
+        "",
+        f"samples: llama.cpp pp {[round(x, 1) for x in l_pp]} tg {[round(x, 1) for x in l_tg]}; "
+        f"kvserve pp {[round(x, 1) for x in k_pp]} tg {[round(x, 1) for x in k_tg]}",
+        "",
+    ]
+    if errors:
+        lines += ["errors:", ""] + [f"- {e.splitlines()[0]}" for e in errors] + [""]
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        path = REPO_ROOT / "BENCHMARKS.md"
+        new = not path.exists()
+        with open(path, "a", encoding="utf-8") as f:
+            if new:
+                f.write("# Benchmarks: kvserve vs llama.cpp\n\n")
+                f.write("Appended by `python benches/bench_vs_llama.py --write`.\n\n")
+            f.write(table + "\n")
+        print(f"appended to {path}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
