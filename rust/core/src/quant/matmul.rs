@@ -152,6 +152,9 @@ mod tiled {
         });
     }
 
+    /// Rows per inner block: their weights stay in L1/L2 while all token groups pass over them.
+    const ROW_BLOCK: usize = 64;
+
     fn range<const T: u8>(
         w: &QMatrix,
         a: &QuantizedActs,
@@ -161,30 +164,35 @@ mod tiled {
         g0: usize,
         g1: usize,
     ) {
-        let mut g = g0;
-        while g < g1 {
-            let mut r = r0;
-            if g + 2 <= g1 {
-                while r + 4 <= r1 {
-                    call::<T, 4, 2>(w, a, ptr, r, g);
-                    r += 4;
+        let mut rb = r0;
+        while rb < r1 {
+            let rb1 = (rb + ROW_BLOCK).min(r1);
+            let mut g = g0;
+            while g < g1 {
+                let mut r = rb;
+                if g + 2 <= g1 {
+                    while r + 4 <= rb1 {
+                        call::<T, 4, 2>(w, a, ptr, r, g);
+                        r += 4;
+                    }
+                    while r < rb1 {
+                        call::<T, 1, 2>(w, a, ptr, r, g);
+                        r += 1;
+                    }
+                    g += 2;
+                } else {
+                    while r + 4 <= rb1 {
+                        call::<T, 4, 1>(w, a, ptr, r, g);
+                        r += 4;
+                    }
+                    while r < rb1 {
+                        call::<T, 1, 1>(w, a, ptr, r, g);
+                        r += 1;
+                    }
+                    g += 1;
                 }
-                while r < r1 {
-                    call::<T, 1, 2>(w, a, ptr, r, g);
-                    r += 1;
-                }
-                g += 2;
-            } else {
-                while r + 4 <= r1 {
-                    call::<T, 4, 1>(w, a, ptr, r, g);
-                    r += 4;
-                }
-                while r < r1 {
-                    call::<T, 1, 1>(w, a, ptr, r, g);
-                    r += 1;
-                }
-                g += 1;
             }
+            rb = rb1;
         }
     }
 

@@ -109,7 +109,8 @@ pub(crate) fn act_kind(ty: GgmlType) -> Option<ActKind> {
     }
 }
 
-/// Quantizes one block of 32 values; returns `(da, sa)`.
+/// Quantizes one block of 32 values (`d = amax / 127`, `q = round(x / d)`); returns
+/// `(da, sa)`.
 #[inline]
 pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -117,7 +118,8 @@ pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut sum = 0i32;
     for (o, &v) in q.iter_mut().zip(x) {
-        let r = (v * id).round() as i8; // saturating cast; NaN -> 0
+        // Nearest, ties to even (what the SIMD conversion does); saturating cast, NaN -> 0.
+        let r = (v * id).round_ties_even() as i8;
         *o = r;
         sum += r as i32;
     }
@@ -169,6 +171,7 @@ pub(crate) fn quantize_acts_impl(
     for_type: GgmlType,
     pack: bool,
 ) -> Result<()> {
+    let level = simd::level();
     let kind = act_kind(for_type).ok_or_else(|| {
         Error::Unsupported(format!(
             "no kernels for weight type {}; supported types are {}",
@@ -224,19 +227,89 @@ pub(crate) fn quantize_acts_impl(
             a.d.resize(n_tokens * nb, 0.0);
             a.s.clear();
             a.s.resize(n_tokens * nb, 0.0);
-            for ((xb, qb), (d, s)) in x
-                .chunks_exact(QK)
-                .zip(a.qs.chunks_exact_mut(QK))
-                .zip(a.d.iter_mut().zip(a.s.iter_mut()))
-            {
-                (*d, *s) = quantize_block(xb, qb);
-            }
+            quantize_blocks(x, &mut a.qs, &mut a.d, &mut a.s, level);
             if pack {
                 pack_q8(a);
             }
         }
     }
     Ok(())
+}
+
+/// Quantizes consecutive blocks of `x` into `qs`, `d`, `s` with the kernels of `level`.
+pub(crate) fn quantize_blocks(
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    level: SimdLevel,
+) {
+    assert!(qs.len() == x.len() && d.len() * QK == x.len() && s.len() == d.len());
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        for (i, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+            // SAFETY: AVX2 was detected (level never exceeds detection); both blocks hold 32.
+            (d[i], s[i]) = unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+        }
+        return;
+    }
+    let _ = level;
+    for ((xb, qb), (d, s)) in x
+        .chunks_exact(QK)
+        .zip(qs.chunks_exact_mut(QK))
+        .zip(d.iter_mut().zip(s.iter_mut()))
+    {
+        (*d, *s) = quantize_block(xb, qb);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// AVX2 twin of `quantize_block` (identical results for finite input: `cvtps2dq` rounds
+    /// to nearest even like `round_ties_even`).
+    ///
+    /// # Safety
+    /// AVX2 available; `x` readable and `q` writable for 32 elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_block_avx2(x: *const f32, q: *mut i8) -> (f32, f32) {
+        // SAFETY: 32 elements at x and q (caller).
+        unsafe {
+            let v = [
+                _mm256_loadu_ps(x),
+                _mm256_loadu_ps(x.add(8)),
+                _mm256_loadu_ps(x.add(16)),
+                _mm256_loadu_ps(x.add(24)),
+            ];
+            let absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+            let m01 = _mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm));
+            let m23 = _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm));
+            let m = _mm256_max_ps(m01, m23);
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m1 = _mm_max_ss(m2, _mm_movehdup_ps(m2));
+            let amax = _mm_cvtss_f32(m1);
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id));
+            let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id));
+            let i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id));
+            let i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            let s4 = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0x4E>(s4));
+            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<0xB1>(s2));
+            let isum = _mm_cvtsi128_si32(s1);
+            let p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.cast(), p);
+            (d, d * isum as f32)
+        }
+    }
 }
 
 /// Builds the 16-token interleaved copy of Q8 activations (see [`QuantizedActs::packed`]).
@@ -247,17 +320,22 @@ fn pack_q8(a: &mut QuantizedActs) {
     a.packed.resize(groups * nb * 8, Line([0; 64]));
     a.pd.resize(groups * nb * GROUP, 0.0);
     a.ps.resize(groups * nb * GROUP, 0.0);
-    for t in 0..n {
-        let (g, lane) = (t / GROUP, t % GROUP);
-        let q = &a.qs[t * cols..(t + 1) * cols];
+    for g in 0..groups {
+        let lanes = (n - g * GROUP).min(GROUP);
         for b in 0..nb {
-            let base = (g * nb + b) * 8;
+            let gb = g * nb + b;
             for k in 0..8 {
-                let src = &q[b * QK + 4 * k..b * QK + 4 * k + 4];
-                a.packed[base + k].0[4 * lane..4 * lane + 4].copy_from_slice(src);
+                let line = &mut a.packed[gb * 8 + k].0;
+                for lane in 0..lanes {
+                    let off = (g * GROUP + lane) * cols + b * QK + 4 * k;
+                    line[4 * lane..4 * lane + 4].copy_from_slice(&a.qs[off..off + 4]);
+                }
             }
-            a.pd[(g * nb + b) * GROUP + lane] = a.d[t * nb + b];
-            a.ps[(g * nb + b) * GROUP + lane] = a.s[t * nb + b];
+            for lane in 0..lanes {
+                let t = g * GROUP + lane;
+                a.pd[gb * GROUP + lane] = a.d[t * nb + b];
+                a.ps[gb * GROUP + lane] = a.s[t * nb + b];
+            }
         }
     }
 }
@@ -313,6 +391,36 @@ mod tests {
                 let want_d = if t < n { a.d[t * nb + b] } else { 0.0 };
                 assert_eq!(a.pd[(g * nb + b) * 16 + lane], want_d);
             }
+        }
+    }
+
+    #[test]
+    fn simd_quantize_matches_scalar() {
+        let mut seed = 99u64;
+        let x: Vec<f32> = (0..32 * 40)
+            .map(|i| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let v = ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0;
+                if i % 97 == 0 {
+                    0.0
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let mut x = x;
+        x[32..64].fill(0.0); // an all-zero block
+        let nb = x.len() / 32;
+        let (mut q0, mut d0, mut s0) = (vec![0i8; x.len()], vec![0f32; nb], vec![0f32; nb]);
+        quantize_blocks(&x, &mut q0, &mut d0, &mut s0, SimdLevel::Scalar);
+        for level in SimdLevel::available() {
+            let (mut q, mut d, mut s) = (vec![0i8; x.len()], vec![0f32; nb], vec![0f32; nb]);
+            quantize_blocks(&x, &mut q, &mut d, &mut s, level);
+            assert_eq!(q, q0, "{}", level.name());
+            assert_eq!(d, d0);
+            assert_eq!(s, s0);
         }
     }
 
