@@ -129,12 +129,12 @@ pub(crate) unsafe fn dot_maddubs(w: __m256i, a: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
 }
 
-/// Generates a one-row-one-token kernel `$name::<T>(row, qa, da, sa, nb)` for the feature
+/// Generates a one-row-one-token kernel `$name::<T>(row, qa, ds, nb)` for the feature
 /// set `$feat`, with `$dot(q, a) -> __m256i` the 4-byte u8 x i8 dot.
 macro_rules! natural_kernel {
     ($name:ident, $feat:literal, $dot:path) => {
         /// Dot product of one legacy row (`nb` blocks at `row`) with one token's Q8
-        /// activations (`qa`: `32 * nb` quants, `da`/`sa`: `nb` scales/sums).
+        /// activations (`qa`: `32 * nb` quants, `ds`: `nb` interleaved pairs `(da, sa)`).
         ///
         /// # Safety
         /// The features in the attribute are available and all pointers cover `nb` blocks.
@@ -142,8 +142,7 @@ macro_rules! natural_kernel {
         pub(crate) unsafe fn $name<const T: u8>(
             row: *const u8,
             qa: *const i8,
-            da: *const f32,
-            sa: *const f32,
+            ds: *const f32,
             nb: usize,
         ) -> f32 {
             use std::arch::x86_64::*;
@@ -162,17 +161,17 @@ macro_rules! natural_kernel {
                     let (w1, a1, d1, m1) = unpack::<T>(row.add(b * ts + ts), a1);
                     let p0 = _mm256_cvtepi32_ps($dot(w0, a0));
                     let p1 = _mm256_cvtepi32_ps($dot(w1, a1));
-                    acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *da.add(b)), acc0);
-                    acc1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(d1 * *da.add(b + 1)), acc1);
-                    mins += m0 * *sa.add(b) + m1 * *sa.add(b + 1);
+                    acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *ds.add(2 * b)), acc0);
+                    acc1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(d1 * *ds.add(2 * b + 2)), acc1);
+                    mins += m0 * *ds.add(2 * b + 1) + m1 * *ds.add(2 * b + 3);
                     b += 2;
                 }
                 if b < nb {
                     let a0 = _mm256_loadu_si256(qa.add(b * 32).cast());
                     let (w0, a0, d0, m0) = unpack::<T>(row.add(b * ts), a0);
                     let p0 = _mm256_cvtepi32_ps($dot(w0, a0));
-                    acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *da.add(b)), acc0);
-                    mins += m0 * *sa.add(b);
+                    acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *ds.add(2 * b)), acc0);
+                    mins += m0 * *ds.add(2 * b + 1);
                 }
                 hsum256(_mm256_add_ps(acc0, acc1)) + mins
             }

@@ -136,8 +136,8 @@ pub(crate) fn unpack_block(ty: GgmlType, blk: &[u8], q: &mut [i32; QK]) -> (f32,
 }
 
 /// Scalar reference dot product of one weight row with one token's Q8 activations
-/// (`qa`: quants, `da`: per-block scales, `sa`: per-block `da * sum(qa)`).
-pub(crate) fn vec_dot_scalar(ty: GgmlType, row: &[u8], qa: &[i8], da: &[f32], sa: &[f32]) -> f32 {
+/// (`qa`: quants, `ds`: per block the scale `da` and `sa = da * sum(qa)`).
+pub(crate) fn vec_dot_scalar(ty: GgmlType, row: &[u8], qa: &[i8], ds: &[f32]) -> f32 {
     let ts = ty.type_size();
     let mut q = [0i32; QK];
     let mut sum = 0.0f32;
@@ -145,7 +145,7 @@ pub(crate) fn vec_dot_scalar(ty: GgmlType, row: &[u8], qa: &[i8], da: &[f32], sa
         let (d, m) = unpack_block(ty, blk, &mut q);
         let a = &qa[b * QK..(b + 1) * QK];
         let isum: i32 = q.iter().zip(a).map(|(&w, &x)| w * x as i32).sum();
-        sum += d * da[b] * isum as f32 + m * sa[b];
+        sum += d * ds[2 * b] * isum as f32 + m * ds[2 * b + 1];
     }
     sum
 }

@@ -197,9 +197,8 @@ pub(crate) fn dot_row(
         ActKind::Q8 => {
             let nb = cols / legacy::QK;
             let qa = &a.qs[t * cols..(t + 1) * cols];
-            let da = &a.d[t * nb..(t + 1) * nb];
-            let sa = &a.s[t * nb..(t + 1) * nb];
-            legacy_dot(ty, row, qa, da, sa, level)
+            let ds = &a.ds[2 * t * nb..2 * (t + 1) * nb];
+            legacy_dot(ty, row, qa, ds, level)
         }
     }
 }
@@ -210,26 +209,25 @@ fn legacy_dot(
     ty: GgmlType,
     row: &[u8],
     qa: &[i8],
-    da: &[f32],
-    sa: &[f32],
+    ds: &[f32],
     level: SimdLevel,
 ) -> f32 {
-    let nb = da.len();
-    debug_assert!(qa.len() == nb * 32 && sa.len() == nb && row.len() == nb * ty.type_size());
+    let nb = ds.len() / 2;
+    debug_assert!(qa.len() == nb * 32 && row.len() == nb * ty.type_size());
     #[cfg(target_arch = "x86_64")]
     {
         use avx2::{T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0};
-        let (r, q, d, s) = (row.as_ptr(), qa.as_ptr(), da.as_ptr(), sa.as_ptr());
+        let (r, q, d) = (row.as_ptr(), qa.as_ptr(), ds.as_ptr());
         if level >= SimdLevel::Avx512Vnni {
             // SAFETY: AVX-512 VNNI (and AVX2/FMA/F16C) were detected since `level` never exceeds
             // `simd::detect()`; the pointers cover `nb` blocks of row and activations.
             unsafe {
                 return match ty {
-                    GgmlType::Q4_0 => avx512::dot_row::<T_Q4_0>(r, q, d, s, nb),
-                    GgmlType::Q4_1 => avx512::dot_row::<T_Q4_1>(r, q, d, s, nb),
-                    GgmlType::Q5_0 => avx512::dot_row::<T_Q5_0>(r, q, d, s, nb),
-                    GgmlType::Q5_1 => avx512::dot_row::<T_Q5_1>(r, q, d, s, nb),
-                    _ => avx512::dot_row::<T_Q8_0>(r, q, d, s, nb),
+                    GgmlType::Q4_0 => avx512::dot_row::<T_Q4_0>(r, q, d, nb),
+                    GgmlType::Q4_1 => avx512::dot_row::<T_Q4_1>(r, q, d, nb),
+                    GgmlType::Q5_0 => avx512::dot_row::<T_Q5_0>(r, q, d, nb),
+                    GgmlType::Q5_1 => avx512::dot_row::<T_Q5_1>(r, q, d, nb),
+                    _ => avx512::dot_row::<T_Q8_0>(r, q, d, nb),
                 };
             }
         }
@@ -237,16 +235,16 @@ fn legacy_dot(
             // SAFETY: AVX2/FMA/F16C were detected (level >= Avx2); pointers cover `nb` blocks.
             unsafe {
                 return match ty {
-                    GgmlType::Q4_0 => avx2::dot_row::<T_Q4_0>(r, q, d, s, nb),
-                    GgmlType::Q4_1 => avx2::dot_row::<T_Q4_1>(r, q, d, s, nb),
-                    GgmlType::Q5_0 => avx2::dot_row::<T_Q5_0>(r, q, d, s, nb),
-                    GgmlType::Q5_1 => avx2::dot_row::<T_Q5_1>(r, q, d, s, nb),
-                    _ => avx2::dot_row::<T_Q8_0>(r, q, d, s, nb),
+                    GgmlType::Q4_0 => avx2::dot_row::<T_Q4_0>(r, q, d, nb),
+                    GgmlType::Q4_1 => avx2::dot_row::<T_Q4_1>(r, q, d, nb),
+                    GgmlType::Q5_0 => avx2::dot_row::<T_Q5_0>(r, q, d, nb),
+                    GgmlType::Q5_1 => avx2::dot_row::<T_Q5_1>(r, q, d, nb),
+                    _ => avx2::dot_row::<T_Q8_0>(r, q, d, nb),
                 };
             }
         }
     }
-    legacy::vec_dot_scalar(ty, row, qa, da, sa)
+    legacy::vec_dot_scalar(ty, row, qa, ds)
 }
 
 #[cfg(test)]

@@ -40,10 +40,8 @@ pub struct QuantizedActs {
     pub(crate) cols: usize,
     /// Q8: `n_tokens * cols` quants, token-major.
     pub(crate) qs: Vec<i8>,
-    /// Q8: `n_tokens * cols / 32` scales `da`.
-    pub(crate) d: Vec<f32>,
-    /// Q8: `n_tokens * cols / 32` values `da * sum(qa)`.
-    pub(crate) s: Vec<f32>,
+    /// Q8: per block the pair `(da, sa = da * sum(qa))`, interleaved: `2 * n_tokens * cols / 32`.
+    pub(crate) ds: Vec<f32>,
     /// Q8 packed copy (empty when not built): line `(g * nb + b) * 8 + k` holds bytes
     /// `4k..4k+4` of block `b` for tokens `16g..16g+16` (zero for padding tokens).
     pub(crate) packed: Vec<Line>,
@@ -63,8 +61,7 @@ impl Default for QuantizedActs {
             n_tokens: 0,
             cols: 0,
             qs: Vec::new(),
-            d: Vec::new(),
-            s: Vec::new(),
+            ds: Vec::new(),
             packed: Vec::new(),
             pd: Vec::new(),
             ps: Vec::new(),
@@ -223,11 +220,9 @@ pub(crate) fn quantize_acts_impl(
             let nb = cols / QK;
             a.qs.clear();
             a.qs.resize(n_tokens * cols, 0);
-            a.d.clear();
-            a.d.resize(n_tokens * nb, 0.0);
-            a.s.clear();
-            a.s.resize(n_tokens * nb, 0.0);
-            quantize_blocks(x, &mut a.qs, &mut a.d, &mut a.s, level);
+            a.ds.clear();
+            a.ds.resize(2 * n_tokens * nb, 0.0);
+            quantize_blocks(x, &mut a.qs, &mut a.ds, level);
             if pack {
                 pack_q8(a);
             }
@@ -237,29 +232,20 @@ pub(crate) fn quantize_acts_impl(
 }
 
 /// Quantizes consecutive blocks of `x` into `qs`, `d`, `s` with the kernels of `level`.
-pub(crate) fn quantize_blocks(
-    x: &[f32],
-    qs: &mut [i8],
-    d: &mut [f32],
-    s: &mut [f32],
-    level: SimdLevel,
-) {
-    assert!(qs.len() == x.len() && d.len() * QK == x.len() && s.len() == d.len());
+/// `ds` receives `(da, sa)` per block.
+pub(crate) fn quantize_blocks(x: &[f32], qs: &mut [i8], ds: &mut [f32], level: SimdLevel) {
+    assert!(qs.len() == x.len() && ds.len() * QK == 2 * x.len());
     #[cfg(target_arch = "x86_64")]
     if level >= SimdLevel::Avx2 {
         for (i, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
             // SAFETY: AVX2 was detected (level never exceeds detection); both blocks hold 32.
-            (d[i], s[i]) = unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+            (ds[2 * i], ds[2 * i + 1]) = unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
         }
         return;
     }
     let _ = level;
-    for ((xb, qb), (d, s)) in x
-        .chunks_exact(QK)
-        .zip(qs.chunks_exact_mut(QK))
-        .zip(d.iter_mut().zip(s.iter_mut()))
-    {
-        (*d, *s) = quantize_block(xb, qb);
+    for ((xb, qb), p) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(ds.chunks_exact_mut(2)) {
+        (p[0], p[1]) = quantize_block(xb, qb);
     }
 }
 
@@ -333,8 +319,8 @@ fn pack_q8(a: &mut QuantizedActs) {
             }
             for lane in 0..lanes {
                 let t = g * GROUP + lane;
-                a.pd[gb * GROUP + lane] = a.d[t * nb + b];
-                a.ps[gb * GROUP + lane] = a.s[t * nb + b];
+                a.pd[gb * GROUP + lane] = a.ds[2 * (t * nb + b)];
+                a.ps[gb * GROUP + lane] = a.ds[2 * (t * nb + b) + 1];
             }
         }
     }
@@ -388,7 +374,7 @@ mod tests {
                     };
                     assert_eq!(got, want);
                 }
-                let want_d = if t < n { a.d[t * nb + b] } else { 0.0 };
+                let want_d = if t < n { a.ds[2 * (t * nb + b)] } else { 0.0 };
                 assert_eq!(a.pd[(g * nb + b) * 16 + lane], want_d);
             }
         }
@@ -413,14 +399,13 @@ mod tests {
         let mut x = x;
         x[32..64].fill(0.0); // an all-zero block
         let nb = x.len() / 32;
-        let (mut q0, mut d0, mut s0) = (vec![0i8; x.len()], vec![0f32; nb], vec![0f32; nb]);
-        quantize_blocks(&x, &mut q0, &mut d0, &mut s0, SimdLevel::Scalar);
+        let (mut q0, mut ds0) = (vec![0i8; x.len()], vec![0f32; 2 * nb]);
+        quantize_blocks(&x, &mut q0, &mut ds0, SimdLevel::Scalar);
         for level in SimdLevel::available() {
-            let (mut q, mut d, mut s) = (vec![0i8; x.len()], vec![0f32; nb], vec![0f32; nb]);
-            quantize_blocks(&x, &mut q, &mut d, &mut s, level);
+            let (mut q, mut ds) = (vec![0i8; x.len()], vec![0f32; 2 * nb]);
+            quantize_blocks(&x, &mut q, &mut ds, level);
             assert_eq!(q, q0, "{}", level.name());
-            assert_eq!(d, d0);
-            assert_eq!(s, s0);
+            assert_eq!(ds, ds0);
         }
     }
 
