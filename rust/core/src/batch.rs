@@ -67,7 +67,9 @@ impl Batch {
         }
         for (i, &s) in self.seq_ids.iter().enumerate() {
             if s < 0 {
-                return Err(invalid(format!("negative sequence id {s} at batch index {i}")));
+                return Err(invalid(format!(
+                    "negative sequence id {s} at batch index {i}"
+                )));
             }
         }
         Ok(())

@@ -14,7 +14,9 @@ pub fn default_threads() -> usize {
 }
 
 fn physical_cores() -> usize {
-    let logical = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let logical = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     // Linux: count distinct (physical id, core id) pairs in /proc/cpuinfo.
     if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
         let mut pairs = std::collections::HashSet::new();

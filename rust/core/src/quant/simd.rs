@@ -38,10 +38,15 @@ impl SimdLevel {
     /// Every level this CPU can run, lowest first (for tests comparing kernels).
     pub fn available() -> Vec<SimdLevel> {
         let best = detect();
-        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Vnni]
-            .into_iter()
-            .filter(|l| *l <= best)
-            .collect()
+        [
+            SimdLevel::Scalar,
+            SimdLevel::Avx2,
+            SimdLevel::Avx512,
+            SimdLevel::Avx512Vnni,
+        ]
+        .into_iter()
+        .filter(|l| *l <= best)
+        .collect()
     }
 }
 
@@ -76,7 +81,10 @@ pub fn level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         let best = detect();
-        match std::env::var("KVSERVE_SIMD").ok().and_then(|v| SimdLevel::from_name(&v)) {
+        match std::env::var("KVSERVE_SIMD")
+            .ok()
+            .and_then(|v| SimdLevel::from_name(&v))
+        {
             Some(forced) => forced.min(best),
             None => best,
         }

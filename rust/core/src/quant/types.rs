@@ -141,7 +141,9 @@ impl GgmlType {
     }
 
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        (0..64).filter_map(GgmlType::from_id).find(|t| t.name().eq_ignore_ascii_case(name))
+        (0..64)
+            .filter_map(GgmlType::from_id)
+            .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 
     /// Elements per block.
@@ -207,7 +209,11 @@ impl GgmlType {
 
     /// Comma-separated list of supported type names, for error messages.
     pub fn supported_list() -> String {
-        SUPPORTED_TYPES.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+        SUPPORTED_TYPES
+            .iter()
+            .map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 

@@ -1,0 +1,486 @@
+//! Matrix multiplication `out[t * rows + r] = dot(W row r, token t)` on the current rayon pool.
+//!
+//! Two paths:
+//! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
+//!   every token while it is hot in L1 (decode, few tokens, non-VNNI CPUs, K-quant and float
+//!   weights);
+//! - tiled (legacy weights, AVX-512 VNNI, activations packed by `quantize_acts` for at least
+//!   `PACK_MIN_TOKENS` tokens): tasks own a range of rows (and of 16-token groups when rows are
+//!   few); inside, 4 rows x 32 tokens are computed per kernel call with weights unpacked once per
+//!   block and activations of the token groups staying in L1 across rows.
+//!
+//! No allocation happens inside the parallel loops.
+
+use super::legacy;
+use super::q8::{self, QuantizedActs};
+use super::simd::{self, SimdLevel};
+use super::QMatrix;
+use crate::error::{invalid, Result};
+use rayon::prelude::*;
+
+/// Output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint (token, row) elements of a buffer that outlives the parallel
+// loop (it is borrowed mutably for the whole call), so sharing the pointer is sound.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// `out[t * w.rows + r]` = dot of row `r` with token `t`, for all rows and tokens of `a`.
+///
+/// # Panics
+/// If the shapes disagree (see [`try_matmul_q`] for a `Result`).
+pub fn matmul_q(w: &QMatrix, a: &QuantizedActs, out: &mut [f32]) {
+    if let Err(e) = try_matmul_q(w, a, out) {
+        panic!("matmul_q: {e}");
+    }
+}
+
+/// [`matmul_q`] returning an error when `a` does not match `w` or `out` has the wrong length.
+pub fn try_matmul_q(w: &QMatrix, a: &QuantizedActs, out: &mut [f32]) -> Result<()> {
+    matmul_level(w, a, out, simd::level())
+}
+
+/// Quantizes `x` (`n_tokens` rows of `w.cols`) for `w.ty` and multiplies.
+///
+/// # Panics
+/// If the shapes disagree.
+pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+    let a = q8::quantize_acts(x, n_tokens, w.cols, w.ty);
+    matmul_q(w, &a, out);
+}
+
+pub(crate) fn matmul_level(
+    w: &QMatrix,
+    a: &QuantizedActs,
+    out: &mut [f32],
+    level: SimdLevel,
+) -> Result<()> {
+    if !a.serves(w.ty) {
+        return Err(invalid(format!(
+            "activations were not quantized for {} weights",
+            w.ty.name()
+        )));
+    }
+    if a.cols != w.cols {
+        return Err(invalid(format!(
+            "activations have {} columns, weights {}",
+            a.cols, w.cols
+        )));
+    }
+    let n = a.n_tokens;
+    if out.len() != n * w.rows {
+        return Err(invalid(format!(
+            "output holds {} values, expected {n} tokens x {} rows",
+            out.len(),
+            w.rows
+        )));
+    }
+    if n == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    let level = level.min(simd::detect());
+    let threads = rayon::current_num_threads().max(1);
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx512Vnni && a.has_packed() && legacy::is_legacy(w.ty) {
+        tiled::run(w, a, out, threads);
+        return Ok(());
+    }
+    per_row(w, a, out, level, threads);
+    Ok(())
+}
+
+fn per_row(w: &QMatrix, a: &QuantizedActs, out: &mut [f32], level: SimdLevel, threads: usize) {
+    let rows = w.rows;
+    let n = a.n_tokens;
+    let chunk = rows.div_ceil(4 * threads).max(1);
+    let ptr = OutPtr(out.as_mut_ptr());
+    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let p = ptr;
+        for r in c * chunk..((c + 1) * chunk).min(rows) {
+            let row = w.row(r);
+            for t in 0..n {
+                let v = super::dot_row(w.ty, row, a, t, level);
+                // SAFETY: r < rows and t < n, so the index is inside `out` (length n * rows,
+                // checked by the caller); each (t, r) is written by exactly one task.
+                unsafe { *p.0.add(t * rows + r) = v };
+            }
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod tiled {
+    use super::*;
+    use crate::quant::avx2::{T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0};
+    use crate::quant::avx512::tile;
+    use crate::quant::q8::GROUP;
+    use crate::quant::GgmlType;
+
+    pub(super) fn run(w: &QMatrix, a: &QuantizedActs, out: &mut [f32], threads: usize) {
+        match w.ty {
+            GgmlType::Q4_0 => run_t::<T_Q4_0>(w, a, out, threads),
+            GgmlType::Q4_1 => run_t::<T_Q4_1>(w, a, out, threads),
+            GgmlType::Q5_0 => run_t::<T_Q5_0>(w, a, out, threads),
+            GgmlType::Q5_1 => run_t::<T_Q5_1>(w, a, out, threads),
+            _ => run_t::<T_Q8_0>(w, a, out, threads),
+        }
+    }
+
+    fn run_t<const T: u8>(w: &QMatrix, a: &QuantizedActs, out: &mut [f32], threads: usize) {
+        let rows = w.rows;
+        let groups = a.n_tokens.div_ceil(GROUP);
+        let target = 4 * threads;
+        let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
+        let row_chunks = rows.div_ceil(row_chunk);
+        let tok_chunks = if row_chunks >= target {
+            1
+        } else {
+            target.div_ceil(row_chunks).min(groups)
+        };
+        let group_chunk = groups.div_ceil(tok_chunks);
+        let tok_chunks = groups.div_ceil(group_chunk);
+        let ptr = OutPtr(out.as_mut_ptr());
+        (0..row_chunks * tok_chunks).into_par_iter().for_each(|i| {
+            let (rc, tc) = (i / tok_chunks, i % tok_chunks);
+            let r0 = rc * row_chunk;
+            let r1 = (r0 + row_chunk).min(rows);
+            let g0 = tc * group_chunk;
+            let g1 = (g0 + group_chunk).min(groups);
+            range::<T>(w, a, ptr, r0, r1, g0, g1);
+        });
+    }
+
+    /// Rows per inner block: their weights stay in L1/L2 while all token groups pass over them.
+    const ROW_BLOCK: usize = 64;
+
+    fn range<const T: u8>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        ptr: OutPtr,
+        r0: usize,
+        r1: usize,
+        g0: usize,
+        g1: usize,
+    ) {
+        let mut rb = r0;
+        while rb < r1 {
+            let rb1 = (rb + ROW_BLOCK).min(r1);
+            let mut g = g0;
+            while g < g1 {
+                let mut r = rb;
+                if g + 2 <= g1 {
+                    while r + 4 <= rb1 {
+                        call::<T, 4, 2>(w, a, ptr, r, g);
+                        r += 4;
+                    }
+                    while r < rb1 {
+                        call::<T, 1, 2>(w, a, ptr, r, g);
+                        r += 1;
+                    }
+                    g += 2;
+                } else {
+                    while r + 4 <= rb1 {
+                        call::<T, 4, 1>(w, a, ptr, r, g);
+                        r += 4;
+                    }
+                    while r < rb1 {
+                        call::<T, 1, 1>(w, a, ptr, r, g);
+                        r += 1;
+                    }
+                    g += 1;
+                }
+            }
+            rb = rb1;
+        }
+    }
+
+    #[inline]
+    fn call<const T: u8, const R: usize, const G: usize>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        ptr: OutPtr,
+        r: usize,
+        g: usize,
+    ) {
+        let nb = w.cols / 32;
+        let rows: [*const u8; R] = std::array::from_fn(|i| w.row(r + i).as_ptr());
+        let mut res = [[[0f32; 16]; G]; R];
+        let off = g * nb;
+        // The slices prove the packed buffers cover groups g..g+G (panics otherwise).
+        let lines = &a.packed[off * 8..(off + G * nb) * 8];
+        let pd = &a.pd[off * GROUP..(off + G * nb) * GROUP];
+        let ps = &a.ps[off * GROUP..(off + G * nb) * GROUP];
+        // SAFETY: the caller only takes this path at level Avx512Vnni (detected); each row slice
+        // has `nb` blocks of type T (QMatrix invariant); the packed slices above cover G groups.
+        unsafe {
+            tile::<T, R, G>(
+                &rows,
+                nb,
+                lines.as_ptr(),
+                pd.as_ptr(),
+                ps.as_ptr(),
+                &mut res,
+            )
+        };
+        let n = a.n_tokens;
+        let total_rows = w.rows;
+        for (i, rr) in res.iter().enumerate() {
+            for (gi, lanes) in rr.iter().enumerate() {
+                for (lane, &v) in lanes.iter().enumerate() {
+                    let t = (g + gi) * GROUP + lane;
+                    if t < n {
+                        // SAFETY: t < n and r + i < rows: inside `out`; this task owns rows
+                        // r0..r1 x groups g0..g1, disjoint from every other task.
+                        unsafe { *ptr.0.add(t * total_rows + r + i) = v };
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::q8::quantize_acts_impl;
+    use crate::quant::{dequantize, GgmlType};
+    use half::f16;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            self.0 >> 33
+        }
+        fn f(&mut self) -> f32 {
+            (self.next() % 1_000_000) as f32 / 500_000.0 - 1.0
+        }
+    }
+
+    /// Random legacy weights with sane scales (random bytes elsewhere).
+    fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+        let ts = ty.type_size();
+        let mut data: Vec<u8> = (0..rows * cols / 32 * ts)
+            .map(|_| rng.next() as u8)
+            .collect();
+        for blk in data.chunks_exact_mut(ts) {
+            blk[..2].copy_from_slice(&f16::from_f32(rng.f() * 0.05).to_bits().to_le_bytes());
+            if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                blk[2..4].copy_from_slice(&f16::from_f32(rng.f() * 0.2).to_bits().to_le_bytes());
+            }
+        }
+        data
+    }
+
+    const LEGACY: [GgmlType; 5] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ];
+
+    #[test]
+    fn matmul_matches_dequantized_f32() {
+        let mut rng = Rng(1);
+        let (rows, cols, n) = (13, 96, 5);
+        for ty in LEGACY {
+            let data = random_weights(ty, rows, cols, &mut rng);
+            let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+            let mut out = vec![0f32; n * rows];
+            matmul(&w, &x, n, &mut out);
+            let mut wr = vec![0f32; cols];
+            for r in 0..rows {
+                dequantize(ty, w.row(r), &mut wr).unwrap();
+                for t in 0..n {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let want: f32 = wr.iter().zip(xt).map(|(a, b)| a * b).sum();
+                    let nw = wr.iter().map(|v| v * v).sum::<f32>().sqrt();
+                    let nx = xt.iter().map(|v| v * v).sum::<f32>().sqrt();
+                    let got = out[t * rows + r];
+                    assert!(
+                        (got - want).abs() <= 1e-2 * nw * nx,
+                        "{} r={r} t={t}: {got} vs {want}",
+                        ty.name()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every level (and the tiled path) against the scalar kernel on the same activations.
+    #[test]
+    fn all_levels_match_scalar() {
+        let mut rng = Rng(2);
+        for ty in LEGACY {
+            for &(rows, cols) in &[(1usize, 32usize), (5, 64), (13, 96), (9, 576)] {
+                let data = random_weights(ty, rows, cols, &mut rng);
+                let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+                for n in [1usize, 3, 8, 17, 33, 40] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+                    let mut plain = QuantizedActs::new();
+                    quantize_acts_impl(&mut plain, &x, n, cols, ty, false).unwrap();
+                    let mut packed = QuantizedActs::new();
+                    quantize_acts_impl(&mut packed, &x, n, cols, ty, n >= 8).unwrap();
+                    let mut want = vec![0f32; n * rows];
+                    matmul_level(&w, &plain, &mut want, SimdLevel::Scalar).unwrap();
+                    // Scale for the tolerance: sum of |w| * |a| per output.
+                    let mut wr = vec![0f32; cols];
+                    let mut norm = vec![0f32; n * rows];
+                    for r in 0..rows {
+                        dequantize(ty, w.row(r), &mut wr).unwrap();
+                        for t in 0..n {
+                            let xt = &x[t * cols..(t + 1) * cols];
+                            norm[t * rows + r] =
+                                wr.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum::<f32>() + 1e-6;
+                        }
+                    }
+                    for level in SimdLevel::available() {
+                        for acts in [&plain, &packed] {
+                            let mut got = vec![f32::NAN; n * rows];
+                            matmul_level(&w, acts, &mut got, level).unwrap();
+                            for i in 0..n * rows {
+                                assert!(
+                                    (got[i] - want[i]).abs() <= 1e-4 * norm[i],
+                                    "{} {}x{cols} n={n} {} packed={} i={i}: {} vs {}",
+                                    ty.name(),
+                                    rows,
+                                    level.name(),
+                                    acts.has_packed(),
+                                    got[i],
+                                    want[i]
+                                );
+                            }
+                        }
+                        // vec_dot agrees with the matmul entry.
+                        let t = n - 1;
+                        let v = crate::quant::vec_dot(ty, w.row(rows - 1), &plain, t, level);
+                        let i = t * rows + rows - 1;
+                        assert!((v - want[i]).abs() <= 1e-4 * norm[i]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn float_weights_matmul() {
+        let mut rng = Rng(3);
+        let (rows, cols, n) = (7, 40, 3);
+        let wf: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+            let data: Vec<u8> = match ty {
+                GgmlType::F32 => wf.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                GgmlType::F16 => wf
+                    .iter()
+                    .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
+                    .collect(),
+                _ => wf
+                    .iter()
+                    .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+            };
+            let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let mut out = vec![0f32; n * rows];
+            matmul(&w, &x, n, &mut out);
+            let mut wr = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut wr).unwrap();
+                for t in 0..n {
+                    let want: f32 = wr
+                        .iter()
+                        .zip(&x[t * cols..(t + 1) * cols])
+                        .map(|(a, b)| a * b)
+                        .sum();
+                    assert!((out[t * rows + r] - want).abs() < 1e-4, "{}", ty.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_shapes_are_errors() {
+        let data = vec![0u8; 2 * 20];
+        let w = QMatrix::new(GgmlType::Q4_1, 2, 32, &data).unwrap();
+        let a = q8::quantize_acts(&[0.5; 64], 1, 64, GgmlType::Q4_1);
+        assert!(try_matmul_q(&w, &a, &mut [0.0; 2]).is_err());
+        let a = q8::quantize_acts(&[0.5; 32], 1, 32, GgmlType::F16);
+        assert!(try_matmul_q(&w, &a, &mut [0.0; 2]).is_err());
+        let a = q8::quantize_acts(&[0.5; 32], 1, 32, GgmlType::Q8_0);
+        assert!(try_matmul_q(&w, &a, &mut [0.0; 3]).is_err());
+        assert!(try_matmul_q(&w, &a, &mut [0.0; 2]).is_ok());
+    }
+
+    /// Timing: `cargo test --release -p kvserve-core --lib bench_matmul -- --ignored --nocapture`.
+    /// Reports the best of several runs (the machine may be shared) with 1 and 2 threads.
+    /// `KVSERVE_BENCH_THREADS` restricts to one thread count.
+    #[test]
+    #[ignore]
+    fn bench_matmul() {
+        let counts: Vec<usize> = match std::env::var("KVSERVE_BENCH_THREADS") {
+            Ok(v) => vec![v.parse().unwrap()],
+            Err(_) => vec![1, 2],
+        };
+        let mut rng = Rng(4);
+        for &(ty, rows, cols) in &[
+            (GgmlType::Q4_1, 1536usize, 576usize),
+            (GgmlType::Q4_1, 576, 1536),
+            (GgmlType::Q8_0, 49152, 576),
+        ] {
+            let data = random_weights(ty, rows, cols, &mut rng);
+            let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+            for n in [1usize, 512] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+                let mut out = vec![0f32; n * rows];
+                let mut a = QuantizedActs::new();
+                q8::quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                let tq = std::time::Instant::now();
+                q8::quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                let dq = tq.elapsed().as_secs_f64();
+                let iters = match (n, rows > 10000) {
+                    (1, false) => 2000,
+                    (1, true) => 40,
+                    (_, false) => 20,
+                    _ => 2,
+                };
+                if n == 1 {
+                    let mut best = f64::MAX;
+                    for _ in 0..iters {
+                        let t0 = std::time::Instant::now();
+                        for r in 0..rows {
+                            out[r] = crate::quant::vec_dot(ty, w.row(r), &a, 0, simd::level());
+                        }
+                        best = best.min(t0.elapsed().as_secs_f64());
+                    }
+                    println!("  (sequential vec_dot loop: {:.3} ms)", best * 1e3);
+                }
+                for &threads in &counts {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| matmul_q(&w, &a, &mut out));
+                    let mut best = f64::MAX;
+                    for _ in 0..iters {
+                        let t0 = std::time::Instant::now();
+                        pool.install(|| matmul_q(&w, &a, &mut out));
+                        best = best.min(t0.elapsed().as_secs_f64());
+                    }
+                    println!(
+                        "{} {rows}x{cols} n={n} threads={threads}: best {:.3} ms, {:.1} GFLOP/s \
+                         (quantize acts {:.3} ms) level={}",
+                        ty.name(),
+                        best * 1e3,
+                        2.0 * (rows * cols * n) as f64 / best / 1e9,
+                        dq * 1e3,
+                        simd::level().name()
+                    );
+                }
+            }
+        }
+    }
+}

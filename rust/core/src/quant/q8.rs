@@ -1,0 +1,419 @@
+//! Activation formats: each token's row of f32 activations is converted once into the format
+//! the weight type's dot product consumes, and the result is reused by every matmul that shares
+//! the input (Q, K, V).
+//!
+//! - Legacy weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0): blocks of 32 int8 `qa` with f32 scale
+//!   `da = amax / 127` and `sa = da * sum(qa)` (like ggml's Q8_1 but with f32 scales). Values
+//!   round to nearest, ties away from zero. Stored contiguously per token. When the tile kernel
+//!   for many tokens will be used (AVX-512 VNNI), a second "packed" copy interleaves 16 tokens:
+//!   for every block and every 4-element group, 16 tokens x 4 bytes in one 64-byte line.
+//! - K-quant weights: Q8_K blocks of 256 per token.
+//! - Float weights: a plain f32 copy.
+
+use super::kquants::{self, BlockQ8K, QK_K};
+use super::legacy::QK;
+use super::simd::{self, SimdLevel};
+use super::types::GgmlType;
+use crate::error::{invalid, Error, Result};
+
+/// Tokens interleaved in one packed group.
+pub(crate) const GROUP: usize = 16;
+/// Packing is done only from this many tokens on (below it the per-row kernels win).
+pub(crate) const PACK_MIN_TOKENS: usize = 8;
+
+/// 64 activation bytes aligned to a cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line(pub [i8; 64]);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActKind {
+    Q8,
+    Q8K,
+    F32,
+}
+
+/// `n_tokens` rows of `cols` activations, quantized for one family of weight types.
+pub struct QuantizedActs {
+    pub(crate) kind: ActKind,
+    pub(crate) n_tokens: usize,
+    pub(crate) cols: usize,
+    /// Q8: `n_tokens * cols` quants, token-major.
+    pub(crate) qs: Vec<i8>,
+    /// Q8: per block the pair `(da, sa = da * sum(qa))`, interleaved: `2 * n_tokens * cols / 32`.
+    pub(crate) ds: Vec<f32>,
+    /// Q8 packed copy (empty when not built): line `(g * nb + b) * 8 + k` holds bytes
+    /// `4k..4k+4` of block `b` for tokens `16g..16g+16` (zero for padding tokens).
+    pub(crate) packed: Vec<Line>,
+    /// Packed scales: `(g * nb + b) * 16 + lane`.
+    pub(crate) pd: Vec<f32>,
+    pub(crate) ps: Vec<f32>,
+    /// Q8_K: `n_tokens * cols / 256` blocks.
+    pub(crate) k: Vec<BlockQ8K>,
+    /// F32: `n_tokens * cols` values.
+    pub(crate) f: Vec<f32>,
+}
+
+impl Default for QuantizedActs {
+    fn default() -> Self {
+        QuantizedActs {
+            kind: ActKind::F32,
+            n_tokens: 0,
+            cols: 0,
+            qs: Vec::new(),
+            ds: Vec::new(),
+            packed: Vec::new(),
+            pd: Vec::new(),
+            ps: Vec::new(),
+            k: Vec::new(),
+            f: Vec::new(),
+        }
+    }
+}
+
+impl QuantizedActs {
+    /// An empty buffer, to be filled by [`quantize_acts_into`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Whether these activations can be multiplied with weights of type `ty`.
+    pub fn serves(&self, ty: GgmlType) -> bool {
+        act_kind(ty) == Some(self.kind)
+    }
+
+    pub(crate) fn has_packed(&self) -> bool {
+        !self.packed.is_empty()
+    }
+}
+
+pub(crate) fn act_kind(ty: GgmlType) -> Option<ActKind> {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+            Some(ActKind::Q8)
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => Some(ActKind::Q8K),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(ActKind::F32),
+        _ => None,
+    }
+}
+
+/// Quantizes one block of 32 values (`d = amax / 127`, `q = round(x / d)`); returns
+/// `(da, sa)`.
+#[inline]
+pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (o, &v) in q.iter_mut().zip(x) {
+        // Nearest, ties to even (what the SIMD conversion does); saturating cast, NaN -> 0.
+        let r = (v * id).round_ties_even() as i8;
+        *o = r;
+        sum += r as i32;
+    }
+    (d, d * sum as f32)
+}
+
+/// Quantizes `x` (`n_tokens * cols` values, token-major) for weights of type `for_type`.
+///
+/// # Panics
+/// If the shapes are inconsistent or the type is unsupported; use [`try_quantize_acts`] for a
+/// `Result`.
+pub fn quantize_acts(x: &[f32], n_tokens: usize, cols: usize, for_type: GgmlType) -> QuantizedActs {
+    let mut a = QuantizedActs::new();
+    if let Err(e) = quantize_acts_into(&mut a, x, n_tokens, cols, for_type) {
+        panic!("quantize_acts: {e}");
+    }
+    a
+}
+
+/// Like [`quantize_acts`] but returns an error for bad shapes or unsupported types.
+pub fn try_quantize_acts(
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+    for_type: GgmlType,
+) -> Result<QuantizedActs> {
+    let mut a = QuantizedActs::new();
+    quantize_acts_into(&mut a, x, n_tokens, cols, for_type)?;
+    Ok(a)
+}
+
+/// Quantizes into an existing buffer, reusing its allocations.
+pub fn quantize_acts_into(
+    a: &mut QuantizedActs,
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+    for_type: GgmlType,
+) -> Result<()> {
+    let pack = simd::level() >= SimdLevel::Avx512Vnni && n_tokens >= PACK_MIN_TOKENS;
+    quantize_acts_impl(a, x, n_tokens, cols, for_type, pack)
+}
+
+pub(crate) fn quantize_acts_impl(
+    a: &mut QuantizedActs,
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+    for_type: GgmlType,
+    pack: bool,
+) -> Result<()> {
+    let level = simd::level();
+    let kind = act_kind(for_type).ok_or_else(|| {
+        Error::Unsupported(format!(
+            "no kernels for weight type {}; supported types are {}",
+            for_type.name(),
+            GgmlType::supported_list()
+        ))
+    })?;
+    if n_tokens.checked_mul(cols) != Some(x.len()) {
+        return Err(invalid(format!(
+            "activations have {} values, expected {n_tokens} tokens x {cols} columns",
+            x.len()
+        )));
+    }
+    let bs = for_type.block_size();
+    if cols % bs != 0 {
+        return Err(invalid(format!(
+            "{} weights need a multiple of {bs} columns, got {cols}",
+            for_type.name()
+        )));
+    }
+    a.kind = kind;
+    a.n_tokens = n_tokens;
+    a.cols = cols;
+    a.packed.clear();
+    a.pd.clear();
+    a.ps.clear();
+    match kind {
+        ActKind::F32 => {
+            a.f.clear();
+            a.f.extend_from_slice(x);
+        }
+        ActKind::Q8K => {
+            let nb = cols / QK_K;
+            let zero = BlockQ8K {
+                d: 0.0,
+                qs: [0; QK_K],
+                bsums: [0; 16],
+            };
+            a.k.clear();
+            a.k.resize(n_tokens * nb, zero);
+            for t in 0..n_tokens {
+                kquants::quantize_row_q8_k(
+                    &x[t * cols..(t + 1) * cols],
+                    &mut a.k[t * nb..(t + 1) * nb],
+                );
+            }
+        }
+        ActKind::Q8 => {
+            let nb = cols / QK;
+            a.qs.clear();
+            a.qs.resize(n_tokens * cols, 0);
+            a.ds.clear();
+            a.ds.resize(2 * n_tokens * nb, 0.0);
+            quantize_blocks(x, &mut a.qs, &mut a.ds, level);
+            if pack {
+                pack_q8(a);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Quantizes consecutive blocks of `x` into `qs`, `d`, `s` with the kernels of `level`.
+/// `ds` receives `(da, sa)` per block.
+pub(crate) fn quantize_blocks(x: &[f32], qs: &mut [i8], ds: &mut [f32], level: SimdLevel) {
+    assert!(qs.len() == x.len() && ds.len() * QK == 2 * x.len());
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        for (i, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+            // SAFETY: AVX2 was detected (level never exceeds detection); both blocks hold 32.
+            (ds[2 * i], ds[2 * i + 1]) = unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+        }
+        return;
+    }
+    let _ = level;
+    for ((xb, qb), p) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(ds.chunks_exact_mut(2)) {
+        (p[0], p[1]) = quantize_block(xb, qb);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// AVX2 twin of `quantize_block` (identical results for finite input: `cvtps2dq` rounds
+    /// to nearest even like `round_ties_even`).
+    ///
+    /// # Safety
+    /// AVX2 available; `x` readable and `q` writable for 32 elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_block_avx2(x: *const f32, q: *mut i8) -> (f32, f32) {
+        // SAFETY: 32 elements at x and q (caller).
+        unsafe {
+            let v = [
+                _mm256_loadu_ps(x),
+                _mm256_loadu_ps(x.add(8)),
+                _mm256_loadu_ps(x.add(16)),
+                _mm256_loadu_ps(x.add(24)),
+            ];
+            let absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+            let m01 = _mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm));
+            let m23 = _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm));
+            let m = _mm256_max_ps(m01, m23);
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m1 = _mm_max_ss(m2, _mm_movehdup_ps(m2));
+            let amax = _mm_cvtss_f32(m1);
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id));
+            let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id));
+            let i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id));
+            let i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            let s4 = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0x4E>(s4));
+            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<0xB1>(s2));
+            let isum = _mm_cvtsi128_si32(s1);
+            let p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.cast(), p);
+            (d, d * isum as f32)
+        }
+    }
+}
+
+/// Builds the 16-token interleaved copy of Q8 activations (see [`QuantizedActs::packed`]).
+fn pack_q8(a: &mut QuantizedActs) {
+    let (n, cols) = (a.n_tokens, a.cols);
+    let nb = cols / QK;
+    let groups = n.div_ceil(GROUP);
+    a.packed.resize(groups * nb * 8, Line([0; 64]));
+    a.pd.resize(groups * nb * GROUP, 0.0);
+    a.ps.resize(groups * nb * GROUP, 0.0);
+    for g in 0..groups {
+        let lanes = (n - g * GROUP).min(GROUP);
+        for b in 0..nb {
+            let gb = g * nb + b;
+            for k in 0..8 {
+                let line = &mut a.packed[gb * 8 + k].0;
+                for lane in 0..lanes {
+                    let off = (g * GROUP + lane) * cols + b * QK + 4 * k;
+                    line[4 * lane..4 * lane + 4].copy_from_slice(&a.qs[off..off + 4]);
+                }
+            }
+            for lane in 0..lanes {
+                let t = g * GROUP + lane;
+                a.pd[gb * GROUP + lane] = a.ds[2 * (t * nb + b)];
+                a.ps[gb * GROUP + lane] = a.ds[2 * (t * nb + b) + 1];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantize_block_known_values() {
+        let mut x = [0f32; 32];
+        for (j, v) in x.iter_mut().enumerate() {
+            *v = (j as f32 - 16.0) / 16.0 * 2.54; // amax = 2.54 at j = 0 -> d = 0.02
+        }
+        let mut q = [0i8; 32];
+        let (d, s) = quantize_block(&x, &mut q);
+        assert!((d - 0.02).abs() < 1e-7);
+        assert_eq!(q[0], -127);
+        assert_eq!(q[16], 0);
+        for j in 0..32 {
+            assert!((q[j] as f32 * d - x[j]).abs() <= d / 2.0 + 1e-6);
+        }
+        let sum: i32 = q.iter().map(|&v| v as i32).sum();
+        assert!((s - d * sum as f32).abs() < 1e-6);
+        // All-zero block: d = 0, quants 0.
+        let (d, s) = quantize_block(&[0.0; 32], &mut q);
+        assert_eq!((d, s), (0.0, 0.0));
+        assert!(q.iter().all(|&v| v == 0));
+    }
+
+    #[test]
+    fn packed_layout_matches_token_major() {
+        let (n, cols) = (19, 64);
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut a = QuantizedActs::new();
+        quantize_acts_impl(&mut a, &x, n, cols, GgmlType::Q4_1, true).unwrap();
+        let nb = cols / 32;
+        assert_eq!(a.packed.len(), 2 * nb * 8);
+        for t in 0..32 {
+            let (g, lane) = (t / 16, t % 16);
+            for b in 0..nb {
+                for e in 0..32 {
+                    let got = a.packed[(g * nb + b) * 8 + e / 4].0[4 * lane + e % 4];
+                    let want = if t < n {
+                        a.qs[t * cols + b * 32 + e]
+                    } else {
+                        0
+                    };
+                    assert_eq!(got, want);
+                }
+                let want_d = if t < n { a.ds[2 * (t * nb + b)] } else { 0.0 };
+                assert_eq!(a.pd[(g * nb + b) * 16 + lane], want_d);
+            }
+        }
+    }
+
+    #[test]
+    fn simd_quantize_matches_scalar() {
+        let mut seed = 99u64;
+        let x: Vec<f32> = (0..32 * 40)
+            .map(|i| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let v = ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0;
+                if i % 97 == 0 {
+                    0.0
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let mut x = x;
+        x[32..64].fill(0.0); // an all-zero block
+        let nb = x.len() / 32;
+        let (mut q0, mut ds0) = (vec![0i8; x.len()], vec![0f32; 2 * nb]);
+        quantize_blocks(&x, &mut q0, &mut ds0, SimdLevel::Scalar);
+        for level in SimdLevel::available() {
+            let (mut q, mut ds) = (vec![0i8; x.len()], vec![0f32; 2 * nb]);
+            quantize_blocks(&x, &mut q, &mut ds, level);
+            assert_eq!(q, q0, "{}", level.name());
+            assert_eq!(ds, ds0);
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        assert!(try_quantize_acts(&[0.0; 10], 1, 10, GgmlType::Q4_1).is_err());
+        assert!(try_quantize_acts(&[0.0; 64], 2, 64, GgmlType::Q4_1).is_err());
+        assert!(try_quantize_acts(&[0.0; 32], 1, 32, GgmlType::IQ2_XS).is_err());
+        assert!(try_quantize_acts(&[0.0; 32], 1, 32, GgmlType::Q8_0).is_ok());
+    }
+}
