@@ -1183,14 +1183,18 @@ mod tests {
             for level in SimdLevel::available() {
                 let row = nb * kind.bytes();
                 let mut sink = 0f32;
-                let iters = 40;
-                let t = std::time::Instant::now();
-                for _ in 0..iters {
-                    for r in 0..rows {
-                        sink += kind.dot(&w[r * row..(r + 1) * row], &a, level);
+                let iters = 20;
+                // Best of 5 timings: the machine is shared, so the minimum is the signal.
+                let mut dt = f64::INFINITY;
+                for _ in 0..5 {
+                    let t = std::time::Instant::now();
+                    for _ in 0..iters {
+                        for r in 0..rows {
+                            sink += kind.dot(&w[r * row..(r + 1) * row], &a, level);
+                        }
                     }
+                    dt = dt.min(t.elapsed().as_secs_f64());
                 }
-                let dt = t.elapsed().as_secs_f64();
                 let blocks = (iters * rows * nb) as f64;
                 eprintln!(
                     "{kind:?} {:>10}: {:6.2} ns/block, {:6.2} GB/s weights (sink {sink:e})",
