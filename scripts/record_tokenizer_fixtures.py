@@ -11,13 +11,16 @@ combination of add_special / parse_special, and writes
 
 `decoded_hex` is llama_detokenize(tokens, remove_special=false, unparse_special=false) as hex
 (the bytes need not be UTF-8); `pieces` holds llama_token_to_piece(id, lstrip=0, special) for a
-sample of ids.  With --cross-check-cli the script also runs the `llama-tokenize` binary on every
+sample of ids.  With --pre-variants, the SmolLM2 vocabulary is also recorded under the
+pre-tokenizers in PRE_VARIANTS (smollm2-pre-<pre>.json, with "pre_override"; no pieces).
+With --cross-check-cli the script also runs the `llama-tokenize` binary on every
 case and fails if its ids differ from the library's.
 
 Usage:
   LLAMA_CPP_LIB_PATH=<llama.cpp>/build/bin python scripts/record_tokenizer_fixtures.py \
       --smollm2 /work/models/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --gemma3 /work/models/gemma3-270m-q4_k_m.gguf [--cross-check-cli <llama.cpp>/build/bin]
+      --gemma3 /work/models/gemma3-270m-q4_k_m.gguf --pre-variants \
+      [--cross-check-cli <llama.cpp>/build/bin]
 """
 from __future__ import annotations
 
@@ -97,9 +100,17 @@ CORPUS: list[str] = [
     "\ufeffBOM at start",
     "control \x01\x02\x7f chars",
     "\U00010348 gothic \U0001d400 math \U00020000 cjk-ext",
+    "it'S THEY'RE we'Ll YOU'vE 'd",
+    "x  \r\n\r\n  y",
+    "end.\n\n\nNext!!\n\n?",
+    "a\u2003\u2003b \u00a0\u00a0c 1\u00a02",
     "a" * 64,
     "Supercalifragilisticexpialidocious antidisestablishmentarianism",
 ]
+
+# Pre-tokenizers exercised on the SmolLM2 vocabulary (tokenizer.ggml.pre swapped in a
+# metadata-only copy of the GGUF), so every supported split family has a llama.cpp golden.
+PRE_VARIANTS = ["llama-bpe", "qwen2", "default", "gpt-2"]
 
 FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
@@ -165,7 +176,28 @@ def cli_tokenize(bin_dir: str, model: str, text: bytes, add_special: bool, parse
     return json.loads(res.stdout.decode().strip().splitlines()[-1])
 
 
-def record(L, name: str, path: str, cli_bin: str | None) -> None:
+def make_pre_variant(src: str, dst: str, pre: str) -> None:
+    """Copy the metadata (no tensors) of `src` to `dst` with tokenizer.ggml.pre = `pre`."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        val = pre if k == "tokenizer.ggml.pre" else f.contents()
+        if f.types[0] == GGUFValueType.ARRAY:
+            w.add_key_value(k, val, f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, val, f.types[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def record(L, name: str, path: str, cli_bin: str | None, with_pieces: bool = True,
+           pre: str | None = None) -> None:
     v = Vocab(L, path)
     cases = []
     mismatches = 0
@@ -190,13 +222,14 @@ def record(L, name: str, path: str, cli_bin: str | None) -> None:
     ids = sorted(set(range(min(300, v.n_vocab))) | set(range(0, v.n_vocab, 997))
                  | set(range(max(0, v.n_vocab - 50), v.n_vocab)))
     pieces = []
-    for tid in ids:
+    for tid in ids if with_pieces else []:
         for special in (False, True):
             pieces.append({"id": tid, "special": special, "piece_hex": v.piece(tid, special).hex()})
     doc = {
         "model": os.path.basename(path),
         "llama_cpp": "llama.cpp vendored in llama_cpp_python 0.3.36 (libllama llama_tokenize/llama_detokenize)",
         "n_vocab": v.n_vocab,
+        "pre_override": pre,
         "cases": cases,
         "pieces": pieces,
     }
@@ -213,11 +246,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2", help="SmolLM2 GGUF (gpt2 BPE, pre smollm)")
     ap.add_argument("--gemma3", help="Gemma 3 GGUF (llama/SPM)")
+    ap.add_argument("--pre-variants", action="store_true",
+                    help="also record the SmolLM2 vocabulary under other tokenizer.ggml.pre values")
     ap.add_argument("--cross-check-cli", metavar="BIN_DIR", help="also compare with llama-tokenize")
     args = ap.parse_args()
     L = load_lib()
     if args.smollm2:
         record(L, "smollm2", args.smollm2, args.cross_check_cli)
+    if args.smollm2 and args.pre_variants:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for pre in PRE_VARIANTS:
+                dst = os.path.join(tmp, f"smollm2-{pre}.gguf")
+                make_pre_variant(args.smollm2, dst, pre)
+                record(L, f"smollm2-pre-{pre}", dst, args.cross_check_cli, with_pieces=False, pre=pre)
     if args.gemma3:
         record(L, "gemma3", args.gemma3, args.cross_check_cli)
 
