@@ -14,6 +14,7 @@ Whitespace is not derived here: the tokenizer hard-codes the Unicode White_Space
 
 Usage: python scripts/gen_unicode_tables.py [output.rs]
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,8 +46,11 @@ def cls(cp: int) -> int:
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else (
-        Path(__file__).resolve().parent.parent / "rust/core/src/tokenizer/unicode_tables.rs")
+    out = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else (Path(__file__).resolve().parent.parent / "rust/core/src/tokenizer/unicode_tables.rs")
+    )
     runs: list[tuple[int, int]] = []
     prev = None
     for cp in range(0x110000):
@@ -68,7 +72,7 @@ def main() -> None:
     ]
     per_line = 6
     for i in range(0, len(runs), per_line):
-        chunk = runs[i:i + per_line]
+        chunk = runs[i : i + per_line]
         lines.append("    " + " ".join(f"(0x{cp:05X}, {c})," for cp, c in chunk))
     lines.append("];")
     out.write_text("\n".join(lines) + "\n")

@@ -22,6 +22,7 @@ Usage:
       --gemma3 /work/models/gemma3-270m-q4_k_m.gguf --pre-variants \
       [--cross-check-cli <llama.cpp>/build/bin]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,9 +74,11 @@ CORPUS: list[str] = [
     "\u0393\u03b5\u03b9\u03ac \u03c3\u03bf\u03c5 \u039a\u03cc\u03c3\u03bc\u03b5",
     "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
     "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35\u0e04\u0e23\u0e31\u0e1a",
-    "emoji \U0001f600\U0001f389\U0001f44d\U0001f3fd and \U0001f468\u200d\U0001f469\u200d\U0001f467 family",
+    "emoji \U0001f600\U0001f389\U0001f44d\U0001f3fd and "
+    "\U0001f468\u200d\U0001f469\u200d\U0001f467 family",
     "\u2764\ufe0f\u2728\u2b50",
-    "mixed: English \u4e2d\u6587 \u0627\u0644\u0639\u0631\u0628\u064a\u0629 \u0420\u0443\u0441\u0441\u043a\u0438\u0439 123",
+    "mixed: English \u4e2d\u6587 \u0627\u0644\u0639\u0631\u0628\u064a\u0629 "
+    "\u0420\u0443\u0441\u0441\u043a\u0438\u0439 123",
     "def add(a, b):\n    return a + b\n",
     "for (int i = 0; i < n; ++i) { sum += x[i]; }",
     "if x == 1:\n\tprint('one')\nelse:\n\tprint(\"other\")",
@@ -114,11 +117,124 @@ PRE_VARIANTS = ["llama-bpe", "qwen2", "default", "gpt-2"]
 
 FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
+# Randomized cases (fixed seed): short strings drawn from pieces that stress the
+# pre-tokenizer rules (whitespace kinds, contractions, digits, scripts, special-token texts).
+FUZZ_PIECES = [
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\r",
+    "\r\n",
+    "\n\n",
+    "\u00a0",
+    "\u3000",
+    "\u2003",
+    "a",
+    "b",
+    "Z",
+    "hello",
+    "World",
+    "THE",
+    "x",
+    "0",
+    "7",
+    "42",
+    "123",
+    "2024",
+    "\u0663",
+    "\u00bd",
+    "\u2167",
+    "'",
+    "'s",
+    "'S",
+    "'t",
+    "'re",
+    "'VE",
+    "'ll",
+    "'d",
+    "'m",
+    "'x",
+    ".",
+    ",",
+    "!",
+    "?",
+    ";",
+    ":",
+    '"',
+    "(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    "<",
+    ">",
+    "|",
+    "`",
+    "~",
+    "^",
+    "$",
+    "+",
+    "=",
+    "-",
+    "_",
+    "*",
+    "&",
+    "%",
+    "#",
+    "@",
+    "/",
+    "\\",
+    "...",
+    "--",
+    "\u00e9",
+    "\u00df",
+    "na\u00efve",
+    "\u4e2d\u6587",
+    "\u65e5",
+    "\u0645\u0631\u062d\u0628\u0627",
+    "\u05e9\u05dc\u05d5\u05dd",
+    "\u041f\u0440\u0438",
+    "\U0001f600",
+    "\U0001f44d\U0001f3fd",
+    "\u2764\ufe0f",
+    "\u0301",
+    "\u200d",
+    "\u200b",
+    "\u2581",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<start_of_turn>",
+    "</s>",
+    "<bos>",
+    "<table>",
+    "<|im_start",
+    "im_end|>",
+]
+N_FUZZ = 300
+
+
+def fuzz_cases() -> list[tuple[str, bool, bool]]:
+    import random
+
+    rng = random.Random(1234)
+    out = []
+    for i in range(N_FUZZ):
+        text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(1, 24)))
+        flags = FLAGS[i % len(FLAGS)]
+        out.append((text, *flags))
+    return out
+
 
 def load_lib():
     if "LLAMA_CPP_LIB_PATH" not in os.environ:
         sys.exit("set LLAMA_CPP_LIB_PATH to the llama.cpp build/bin directory holding libllama.so")
-    import llama_cpp.llama_cpp as L  # noqa: N812
+    import llama_cpp.llama_cpp as L
+
     L.llama_backend_init()
     return L
 
@@ -137,11 +253,15 @@ class Vocab:
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
         n_max = len(text) + 16
         buf = (self.L.llama_token * n_max)()
-        n = self.L.llama_tokenize(self.vocab, text, len(text), buf, n_max, add_special, parse_special)
+        n = self.L.llama_tokenize(
+            self.vocab, text, len(text), buf, n_max, add_special, parse_special
+        )
         if n < 0:
             n_max = -n
             buf = (self.L.llama_token * n_max)()
-            n = self.L.llama_tokenize(self.vocab, text, len(text), buf, n_max, add_special, parse_special)
+            n = self.L.llama_tokenize(
+                self.vocab, text, len(text), buf, n_max, add_special, parse_special
+            )
         assert n >= 0
         return list(buf[:n])
 
@@ -166,8 +286,15 @@ class Vocab:
 
 
 def cli_tokenize(bin_dir: str, model: str, text: bytes, add_special: bool, parse_special: bool):
-    cmd = [os.path.join(bin_dir, "llama-tokenize"), "-m", model, "--stdin", "--ids",
-           "--log-disable", "--no-escape"]
+    cmd = [
+        os.path.join(bin_dir, "llama-tokenize"),
+        "-m",
+        model,
+        "--stdin",
+        "--ids",
+        "--log-disable",
+        "--no-escape",
+    ]
     if not add_special:
         cmd.append("--no-bos")
     if not parse_special:
@@ -196,38 +323,47 @@ def make_pre_variant(src: str, dst: str, pre: str) -> None:
     w.close()
 
 
-def record(L, name: str, path: str, cli_bin: str | None, with_pieces: bool = True,
-           pre: str | None = None) -> None:
+def record(
+    L, name: str, path: str, cli_bin: str | None, with_pieces: bool = True, pre: str | None = None
+) -> None:
     v = Vocab(L, path)
     cases = []
     mismatches = 0
-    for text in CORPUS:
+    todo = [(t, a, p) for t in CORPUS for a, p in FLAGS] + fuzz_cases()
+    for text, add_special, parse_special in todo:
         raw = text.encode("utf-8")
-        for add_special, parse_special in FLAGS:
-            toks = v.tokenize(raw, add_special, parse_special)
-            if cli_bin is not None and raw:
-                cli = cli_tokenize(cli_bin, path, raw, add_special, parse_special)
-                # llama-tokenize --no-bos only suppresses the BOS; compare like for like
-                if cli != toks:
-                    mismatches += 1
-                    print(f"CLI mismatch {name} {text!r} {add_special} {parse_special}: {cli} vs {toks}")
-            cases.append({
+        toks = v.tokenize(raw, add_special, parse_special)
+        if cli_bin is not None and raw:
+            cli = cli_tokenize(cli_bin, path, raw, add_special, parse_special)
+            # llama-tokenize --no-bos only suppresses the BOS; compare like for like
+            if cli != toks:
+                mismatches += 1
+                print(
+                    f"CLI mismatch {name} {text!r} {add_special} {parse_special}: {cli} vs {toks}"
+                )
+        cases.append(
+            {
                 "text": text,
                 "add_special": add_special,
                 "parse_special": parse_special,
                 "tokens": toks,
                 "decoded_hex": v.detokenize(toks).hex(),
-            })
+            }
+        )
     # sample of ids for token_to_piece: the first 300, every 997th, and the last 50
-    ids = sorted(set(range(min(300, v.n_vocab))) | set(range(0, v.n_vocab, 997))
-                 | set(range(max(0, v.n_vocab - 50), v.n_vocab)))
+    ids = sorted(
+        set(range(min(300, v.n_vocab)))
+        | set(range(0, v.n_vocab, 997))
+        | set(range(max(0, v.n_vocab - 50), v.n_vocab))
+    )
     pieces = []
     for tid in ids if with_pieces else []:
         for special in (False, True):
             pieces.append({"id": tid, "special": special, "piece_hex": v.piece(tid, special).hex()})
     doc = {
         "model": os.path.basename(path),
-        "llama_cpp": "llama.cpp vendored in llama_cpp_python 0.3.36 (libllama llama_tokenize/llama_detokenize)",
+        "llama_cpp": "llama.cpp vendored in llama_cpp_python 0.3.36 "
+        "(libllama llama_tokenize/llama_detokenize)",
         "n_vocab": v.n_vocab,
         "pre_override": pre,
         "cases": cases,
@@ -236,18 +372,25 @@ def record(L, name: str, path: str, cli_bin: str | None, with_pieces: bool = Tru
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     out = OUT_DIR / f"{name}.json"
     out.write_text(json.dumps(doc, ensure_ascii=True, indent=0) + "\n")
-    print(f"wrote {out}: {len(cases)} cases, {len(pieces)} pieces"
-          + (f", {mismatches} CLI mismatches" if cli_bin else ""))
+    print(
+        f"wrote {out}: {len(cases)} cases, {len(pieces)} pieces"
+        + (f", {mismatches} CLI mismatches" if cli_bin else "")
+    )
     if mismatches:
         sys.exit(1)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--smollm2", help="SmolLM2 GGUF (gpt2 BPE, pre smollm)")
     ap.add_argument("--gemma3", help="Gemma 3 GGUF (llama/SPM)")
-    ap.add_argument("--pre-variants", action="store_true",
-                    help="also record the SmolLM2 vocabulary under other tokenizer.ggml.pre values")
+    ap.add_argument(
+        "--pre-variants",
+        action="store_true",
+        help="also record the SmolLM2 vocabulary under other tokenizer.ggml.pre values",
+    )
     ap.add_argument("--cross-check-cli", metavar="BIN_DIR", help="also compare with llama-tokenize")
     args = ap.parse_args()
     L = load_lib()
@@ -260,7 +403,9 @@ def main() -> None:
             for pre in PRE_VARIANTS:
                 dst = os.path.join(tmp, f"smollm2-{pre}.gguf")
                 make_pre_variant(args.smollm2, dst, pre)
-                record(L, f"smollm2-pre-{pre}", dst, args.cross_check_cli, with_pieces=False, pre=pre)
+                record(
+                    L, f"smollm2-pre-{pre}", dst, args.cross_check_cli, with_pieces=False, pre=pre
+                )
     if args.gemma3:
         record(L, "gemma3", args.gemma3, args.cross_check_cli)
 

@@ -195,6 +195,8 @@ pub struct Tokenizer {
     token_to_id: HashMap<String, u32>,
     /// control / user-defined / unknown tokens, longest text first
     specials: Vec<u32>,
+    /// trie over the texts of `specials`, yielding indices into `specials`
+    special_trie: Trie,
     eog: Vec<u32>,
     bos: Option<u32>,
     eos: Option<u32>,
@@ -442,12 +444,14 @@ impl Tokenizer {
             }
         };
 
+        let special_trie = Trie::new(specials.iter().map(|&id| tokens[id as usize].as_bytes()));
         Ok(Tokenizer {
             kind,
             tokens,
             scores,
             attrs,
             token_to_id,
+            special_trie,
             specials,
             eog,
             bos,
@@ -542,17 +546,16 @@ impl Tokenizer {
             return frags;
         }
         frags.push(Frag::Text(0, text.len()));
-        for &id in &self.specials {
+        // only the specials occurring somewhere in `text`, in priority order
+        let mut present = self.special_trie.occurring(text.as_bytes());
+        present.sort_unstable();
+        present.dedup();
+        for rank in present {
+            let id = self.specials[rank as usize];
             if !parse_special && self.attrs[id as usize] & (ATTR_CONTROL | ATTR_UNKNOWN) != 0 {
                 continue;
             }
             let pat = self.tokens[id as usize].as_str();
-            if !frags
-                .iter()
-                .any(|f| matches!(*f, Frag::Text(s, e) if text[s..e].contains(pat)))
-            {
-                continue;
-            }
             let mut next = Vec::with_capacity(frags.len() + 2);
             for f in frags {
                 match f {
@@ -670,6 +673,56 @@ impl Tokenizer {
     /// The id whose vocabulary text is exactly `text`.
     pub fn token_id(&self, text: &str) -> Option<u32> {
         self.token_to_id.get(text).copied()
+    }
+}
+
+/// Byte trie over a list of strings, to find which of them occur in a text in one pass.
+struct Trie {
+    /// (node, byte) -> child node; node 0 is the root
+    edges: HashMap<(u32, u8), u32>,
+    /// per node: index of the string ending there
+    terminal: Vec<Option<u32>>,
+}
+
+impl Trie {
+    fn new<'a>(keys: impl Iterator<Item = &'a [u8]>) -> Trie {
+        let mut t = Trie {
+            edges: HashMap::new(),
+            terminal: vec![None],
+        };
+        for (i, key) in keys.enumerate() {
+            let mut node = 0u32;
+            for &b in key {
+                let next = t.terminal.len() as u32;
+                node = *t.edges.entry((node, b)).or_insert(next);
+                if node == next {
+                    t.terminal.push(None);
+                }
+            }
+            t.terminal[node as usize] = Some(i as u32);
+        }
+        t
+    }
+
+    /// Indices of the keys occurring anywhere in `text` (with repetitions).
+    fn occurring(&self, text: &[u8]) -> Vec<u32> {
+        let mut found = Vec::new();
+        if self.edges.is_empty() {
+            return found;
+        }
+        for start in 0..text.len() {
+            let mut node = 0u32;
+            for &b in &text[start..] {
+                match self.edges.get(&(node, b)) {
+                    Some(&n) => node = n,
+                    None => break,
+                }
+                if let Some(k) = self.terminal[node as usize] {
+                    found.push(k);
+                }
+            }
+        }
+        found
     }
 }
 
