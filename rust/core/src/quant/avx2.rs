@@ -178,6 +178,5 @@ macro_rules! natural_kernel {
         }
     };
 }
-pub(crate) use natural_kernel;
 
 natural_kernel!(dot_row, "avx2,fma,f16c", dot_maddubs);

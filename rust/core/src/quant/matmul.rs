@@ -462,7 +462,10 @@ mod tests {
                     println!("  (sequential vec_dot loop: {:.3} ms)", best * 1e3);
                 }
                 for &threads in &counts {
-                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
                     pool.install(|| matmul_q(&w, &a, &mut out));
                     let mut best = f64::MAX;
                     for _ in 0..iters {

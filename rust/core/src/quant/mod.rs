@@ -205,13 +205,7 @@ pub(crate) fn dot_row(
 
 /// Legacy row dot at `level`; slices are one row / one token of matching length.
 #[inline]
-fn legacy_dot(
-    ty: GgmlType,
-    row: &[u8],
-    qa: &[i8],
-    ds: &[f32],
-    level: SimdLevel,
-) -> f32 {
+fn legacy_dot(ty: GgmlType, row: &[u8], qa: &[i8], ds: &[f32], level: SimdLevel) -> f32 {
     let nb = ds.len() / 2;
     debug_assert!(qa.len() == nb * 32 && row.len() == nb * ty.type_size());
     #[cfg(target_arch = "x86_64")]
@@ -223,11 +217,11 @@ fn legacy_dot(
             // `simd::detect()`; the pointers cover `nb` blocks of row and activations.
             unsafe {
                 return match ty {
-                    GgmlType::Q4_0 => avx512::dot_row::<T_Q4_0>(r, q, d, nb),
-                    GgmlType::Q4_1 => avx512::dot_row::<T_Q4_1>(r, q, d, nb),
-                    GgmlType::Q5_0 => avx512::dot_row::<T_Q5_0>(r, q, d, nb),
-                    GgmlType::Q5_1 => avx512::dot_row::<T_Q5_1>(r, q, d, nb),
-                    _ => avx512::dot_row::<T_Q8_0>(r, q, d, nb),
+                    GgmlType::Q4_0 => avx512::dot_row2::<T_Q4_0>(r, q, d, nb),
+                    GgmlType::Q4_1 => avx512::dot_row2::<T_Q4_1>(r, q, d, nb),
+                    GgmlType::Q5_0 => avx512::dot_row2::<T_Q5_0>(r, q, d, nb),
+                    GgmlType::Q5_1 => avx512::dot_row2::<T_Q5_1>(r, q, d, nb),
+                    _ => avx512::dot_row2::<T_Q8_0>(r, q, d, nb),
                 };
             }
         }

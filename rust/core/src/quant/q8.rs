@@ -183,7 +183,7 @@ pub(crate) fn quantize_acts_impl(
         )));
     }
     let bs = for_type.block_size();
-    if cols % bs != 0 {
+    if !cols.is_multiple_of(bs) {
         return Err(invalid(format!(
             "{} weights need a multiple of {bs} columns, got {cols}",
             for_type.name()
@@ -239,12 +239,17 @@ pub(crate) fn quantize_blocks(x: &[f32], qs: &mut [i8], ds: &mut [f32], level: S
     if level >= SimdLevel::Avx2 {
         for (i, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
             // SAFETY: AVX2 was detected (level never exceeds detection); both blocks hold 32.
-            (ds[2 * i], ds[2 * i + 1]) = unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+            (ds[2 * i], ds[2 * i + 1]) =
+                unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
         }
         return;
     }
     let _ = level;
-    for ((xb, qb), p) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(ds.chunks_exact_mut(2)) {
+    for ((xb, qb), p) in x
+        .chunks_exact(QK)
+        .zip(qs.chunks_exact_mut(QK))
+        .zip(ds.chunks_exact_mut(2))
+    {
         (p[0], p[1]) = quantize_block(xb, qb);
     }
 }
@@ -310,11 +315,12 @@ fn pack_q8(a: &mut QuantizedActs) {
         let lanes = (n - g * GROUP).min(GROUP);
         for b in 0..nb {
             let gb = g * nb + b;
-            for k in 0..8 {
-                let line = &mut a.packed[gb * 8 + k].0;
-                for lane in 0..lanes {
-                    let off = (g * GROUP + lane) * cols + b * QK + 4 * k;
-                    line[4 * lane..4 * lane + 4].copy_from_slice(&a.qs[off..off + 4]);
+            let lines = &mut a.packed[gb * 8..gb * 8 + 8];
+            for lane in 0..lanes {
+                let off = (g * GROUP + lane) * cols + b * QK;
+                let src: &[i8; 32] = a.qs[off..off + QK].try_into().expect("32-byte block");
+                for (k, line) in lines.iter_mut().enumerate() {
+                    line.0[4 * lane..4 * lane + 4].copy_from_slice(&src[4 * k..4 * k + 4]);
                 }
             }
             for lane in 0..lanes {
