@@ -59,20 +59,6 @@ def _threads(args: argparse.Namespace) -> int | None:
     return t if t is not None else _env_threads()
 
 
-def _physical_cores() -> int:
-    """Logical CPUs available to this process, halved when SMT siblings are active."""
-    try:
-        logical = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        logical = os.cpu_count() or 1
-    try:
-        with open("/sys/devices/system/cpu/smt/active", encoding="ascii") as f:
-            smt = f.read().strip() == "1"
-    except OSError:
-        smt = False
-    return max(1, logical // 2 if smt and logical > 1 else logical)
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -151,8 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import _core
 
     model = _load(args)
-    threads = _threads(args) or _physical_cores()
-    result = _core.bench(model.core, threads, args.n_prompt, args.n_gen)
+    result = _core.bench(model.core, args.n_prompt, args.n_gen, args.reps)
+    threads = model.core.threads
     if args.json:
         _print_json(result)
     else:
@@ -259,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="default: 512")
     p.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="default: 128")
+    p.add_argument("-r", "--reps", type=_positive_int, default=3, help="timed runs, averaged")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="print a summary of the model's metadata")
