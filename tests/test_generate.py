@@ -93,7 +93,7 @@ def test_stop_string_cuts_before_it(model: Model) -> None:
     full = model.generate(PROMPT, max_tokens=16)
     words = full.text.split()
     assert len(words) >= 2, full.text
-    stop = " " + words[1]
+    stop = words[1]
     cut = model.generate(PROMPT, max_tokens=16, stop=[stop])
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.finish_reason == "stop"
