@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .models import check_model_file
+from .models import DEFAULT_MODEL, REGISTRY, check_model_file
 
 if TYPE_CHECKING:
     from ._model import Model
@@ -95,7 +95,7 @@ def _read_text(text: str) -> str:
 def cmd_pull(args: argparse.Namespace) -> int:
     from .models import pull
 
-    path = pull(progress=False if args.quiet else None)
+    path = pull(args.name, quiet=args.quiet)
     _write(f"{path}\n")
     return 0
 
@@ -212,8 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
             )
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = sub.add_parser("pull", help="download and cache the default model; print its path")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p = sub.add_parser("pull", help="download and cache a registered model; print its path")
+    p.add_argument(
+        "name",
+        metavar="NAME",
+        nargs="?",
+        help=f"one of: {', '.join(REGISTRY)} (default: {DEFAULT_MODEL.name})",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the path")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("tokenize", help="print the token ids of TEXT ('-' reads stdin)")
