@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod model;
 pub mod ops;
 pub mod quant;
+pub mod shared;
 pub mod threads;
 pub mod tokenizer;
 

@@ -6,8 +6,18 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::PyErr;
 
-create_exception!(kvserve, ModelError, PyValueError, "A model file is malformed or unsupported.");
-create_exception!(kvserve, KvCacheFull, PyRuntimeError, "The KV cache has no room for a batch.");
+create_exception!(
+    kvserve,
+    ModelError,
+    PyValueError,
+    "A model file is malformed or unsupported."
+);
+create_exception!(
+    kvserve,
+    KvCacheFull,
+    PyRuntimeError,
+    "The KV cache has no room for a batch."
+);
 
 pub fn to_py(e: Error) -> PyErr {
     match e {

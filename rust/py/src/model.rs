@@ -57,7 +57,9 @@ impl Model {
     #[pyo3(signature = (path, threads=None))]
     fn new(py: Python<'_>, path: &str, threads: Option<usize>) -> PyResult<Model> {
         let path = path.to_string();
-        let m = py.detach(|| CoreModel::load(&path, threads)).map_err(to_py)?;
+        let m = py
+            .detach(|| CoreModel::load(&path, threads))
+            .map_err(to_py)?;
         Ok(Model { inner: Arc::new(m) })
     }
 
@@ -108,11 +110,23 @@ impl Model {
 
     #[getter]
     fn name(&self) -> PyResult<String> {
-        Ok(self.inner.gguf().get_str("general.name").map_err(to_py)?.unwrap_or("").to_string())
+        Ok(self
+            .inner
+            .gguf()
+            .get_str("general.name")
+            .map_err(to_py)?
+            .unwrap_or("")
+            .to_string())
     }
 
     #[pyo3(signature = (text, add_special=true, parse_special=false))]
-    fn tokenize(&self, py: Python<'_>, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+    fn tokenize(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Vec<u32> {
         let text = text.to_string();
         let m = Arc::clone(&self.inner);
         py.detach(move || m.tokenizer.encode(&text, add_special, parse_special))
@@ -127,13 +141,24 @@ impl Model {
     }
 
     #[pyo3(signature = (token, special=false))]
-    fn token_to_piece<'py>(&self, py: Python<'py>, token: i64, special: bool) -> PyResult<Bound<'py, PyBytes>> {
+    fn token_to_piece<'py>(
+        &self,
+        py: Python<'py>,
+        token: i64,
+        special: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let t = check_token(&self.inner, token)?;
-        Ok(PyBytes::new(py, &self.inner.tokenizer.token_to_piece(t, special)))
+        Ok(PyBytes::new(
+            py,
+            &self.inner.tokenizer.token_to_piece(t, special),
+        ))
     }
 
     fn is_eog(&self, token: i64) -> PyResult<bool> {
-        Ok(self.inner.tokenizer.is_eog(check_token(&self.inner, token)?))
+        Ok(self
+            .inner
+            .tokenizer
+            .is_eog(check_token(&self.inner, token)?))
     }
 
     #[pyo3(signature = (n_ctx=4096))]
@@ -193,7 +218,12 @@ impl Context {
             .into_iter()
             .map(|t| check_token(&model, t))
             .collect::<PyResult<Vec<u32>>>()?;
-        let batch = Batch { tokens, positions, seq_ids, logits };
+        let batch = Batch {
+            tokens,
+            positions,
+            seq_ids,
+            logits,
+        };
         let out = py.detach(|| self.inner.decode(&batch)).map_err(to_py)?;
         Ok(Logits::new(out.data, out.n_rows, out.n_vocab))
     }
@@ -214,7 +244,9 @@ pub fn bench<'py>(
     reps: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let m = Arc::clone(&model.inner);
-    let r = py.detach(move || core_model::bench(&m, n_prompt, n_gen, reps)).map_err(to_py)?;
+    let r = py
+        .detach(move || core_model::bench(&m, n_prompt, n_gen, reps))
+        .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("prefill_tok_s", r.prefill_tok_s)?;
     d.set_item("decode_tok_s", r.decode_tok_s)?;

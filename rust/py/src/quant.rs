@@ -15,7 +15,8 @@ pub fn dequantize(py: Python<'_>, type_name: &str, data: &[u8], n: usize) -> PyR
         .ok_or_else(|| PyValueError::new_err(format!("unknown ggml type '{type_name}'")))?;
     let mut out = vec![0.0f32; n];
     let src = data.to_vec();
-    py.detach(|| quant::dequantize(ty, &src, &mut out)).map_err(to_py)?;
+    py.detach(|| quant::dequantize(ty, &src, &mut out))
+        .map_err(to_py)?;
     Ok(Logits::new(out, 1, n))
 }
 

@@ -32,7 +32,13 @@ pub type CellRef = (i32, usize);
 
 impl SeqCache {
     pub fn new(n_layer: usize, kv_dim: usize, n_ctx: usize) -> SeqCache {
-        SeqCache { n_layer, kv_dim, n_ctx, seqs: BTreeMap::new(), empty: SeqKv::default() }
+        SeqCache {
+            n_layer,
+            kv_dim,
+            n_ctx,
+            seqs: BTreeMap::new(),
+            empty: SeqKv::default(),
+        }
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -50,7 +56,10 @@ impl SeqCache {
 
     /// Highest position stored for `seq`, or -1.
     pub fn pos_max(&self, seq: i32) -> i32 {
-        self.seqs.get(&seq).and_then(|s| s.positions.iter().max().copied()).unwrap_or(-1)
+        self.seqs
+            .get(&seq)
+            .and_then(|s| s.positions.iter().max().copied())
+            .unwrap_or(-1)
     }
 
     /// Takes one cell per batch token. Fails with `KvCacheFull`, changing nothing, when the
@@ -87,7 +96,10 @@ impl SeqCache {
     pub fn write(&mut self, layer: usize, cells: &[CellRef], k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
         for (t, &(seq, cell)) in cells.iter().enumerate() {
-            let s = self.seqs.get_mut(&seq).expect("cell was reserved for this sequence");
+            let s = self
+                .seqs
+                .get_mut(&seq)
+                .expect("cell was reserved for this sequence");
             let dst_k = &mut s.k[layer][cell * d..(cell + 1) * d];
             for (o, &x) in dst_k.iter_mut().zip(&k[t * d..(t + 1) * d]) {
                 *o = f16::from_f32(x).to_f32();

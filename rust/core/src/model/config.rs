@@ -73,9 +73,13 @@ impl Config {
         let a = arch_name.as_str();
         let req = |key: &str| -> Result<usize> {
             let full = format!("{a}.{key}");
-            let v = g.get_u64(&full)?.ok_or_else(|| model_err(format!("GGUF: missing key '{full}'")))?;
+            let v = g
+                .get_u64(&full)?
+                .ok_or_else(|| model_err(format!("GGUF: missing key '{full}'")))?;
             if v == 0 || v > (1 << 24) {
-                return Err(model_err(format!("GGUF: key '{full}' has implausible value {v}")));
+                return Err(model_err(format!(
+                    "GGUF: key '{full}' has implausible value {v}"
+                )));
             }
             Ok(v as usize)
         };
@@ -104,19 +108,31 @@ impl Config {
             }
         };
         if head_dim == 0 || head_dim > 1024 || head_dim % 2 != 0 {
-            return Err(model_err(format!("GGUF: implausible head dimension {head_dim}")));
+            return Err(model_err(format!(
+                "GGUF: implausible head dimension {head_dim}"
+            )));
         }
         let n_ctx_train = g.get_u64(&format!("{a}.context_length"))?.unwrap_or(4096) as usize;
-        let rms_eps = g.get_f32(&format!("{a}.attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5);
-        let freq_base = g.get_f32(&format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
-        let n_rot = g.get_u64(&format!("{a}.rope.dimension_count"))?.map_or(head_dim, |v| v as usize);
+        let rms_eps = g
+            .get_f32(&format!("{a}.attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5);
+        let freq_base = g
+            .get_f32(&format!("{a}.rope.freq_base"))?
+            .unwrap_or(10000.0);
+        let n_rot = g
+            .get_u64(&format!("{a}.rope.dimension_count"))?
+            .map_or(head_dim, |v| v as usize);
         if n_rot == 0 || n_rot > head_dim || n_rot % 2 != 0 {
             return Err(model_err(format!(
                 "GGUF: rope.dimension_count {n_rot} does not fit head dimension {head_dim}"
             )));
         }
-        let scaling_type = g.get_str(&format!("{a}.rope.scaling.type"))?.map(str::to_string);
-        let factor = g.get_f32(&format!("{a}.rope.scaling.factor"))?.filter(|f| *f > 0.0);
+        let scaling_type = g
+            .get_str(&format!("{a}.rope.scaling.type"))?
+            .map(str::to_string);
+        let factor = g
+            .get_f32(&format!("{a}.rope.scaling.factor"))?
+            .filter(|f| *f > 0.0);
         let scaling = match (scaling_type.as_deref(), factor) {
             (Some("linear"), Some(f)) if f != 1.0 => RopeScaling::Linear { factor: f },
             (Some("yarn"), Some(f)) => RopeScaling::Yarn {
@@ -125,7 +141,9 @@ impl Config {
                     .get_u64(&format!("{a}.rope.scaling.original_context_length"))?
                     .unwrap_or(n_ctx_train as u64) as u32,
                 ext_factor: 1.0,
-                attn_factor: g.get_f32(&format!("{a}.rope.scaling.attn_factor"))?.unwrap_or(1.0),
+                attn_factor: g
+                    .get_f32(&format!("{a}.rope.scaling.attn_factor"))?
+                    .unwrap_or(1.0),
                 beta_fast: 32.0,
                 beta_slow: 1.0,
             },
@@ -137,7 +155,9 @@ impl Config {
             }
         };
         if !freq_base.is_finite() || freq_base <= 1.0 {
-            return Err(model_err(format!("GGUF: implausible rope.freq_base {freq_base}")));
+            return Err(model_err(format!(
+                "GGUF: implausible rope.freq_base {freq_base}"
+            )));
         }
         let neox = !matches!(arch, Arch::Llama);
         let n_vocab = g
@@ -155,7 +175,13 @@ impl Config {
             n_vocab,
             n_ctx_train,
             rms_eps,
-            rope: Rope { n_rot, neox, freq_base, scaling, freq_factors: None },
+            rope: Rope {
+                n_rot,
+                neox,
+                freq_base,
+                scaling,
+                freq_factors: None,
+            },
         })
     }
 }

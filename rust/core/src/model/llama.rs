@@ -5,8 +5,6 @@
 //! tokens at once, attention runs per token over the cells of that token's own sequence whose
 //! position is not after the token's (the causal mask by position, as llama.cpp applies it).
 
-use rayon::prelude::*;
-
 use super::cache::SeqCache;
 use super::config::{Arch, Config};
 use super::{Logits, Model};
@@ -14,7 +12,9 @@ use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::ops::{self, vec as fvec};
-use crate::quant::{self, GgmlType, QMatrix};
+use crate::quant::{self, GgmlType, MatmulJob, QMatrix, QuantizedActs};
+use crate::shared::SharedSlice;
+use crate::threads::Worker;
 
 /// A weight matrix: where it lives in the mapping and its shape (rows = output features).
 #[derive(Debug, Clone)]
@@ -50,7 +50,8 @@ pub struct Weights {
 }
 
 fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo> {
-    g.tensor(name).ok_or_else(|| model_err(format!("GGUF: missing tensor '{name}'")))
+    g.tensor(name)
+        .ok_or_else(|| model_err(format!("GGUF: missing tensor '{name}'")))
 }
 
 /// A 2-D matrix with `cols` inputs and `rows` outputs (ggml dims `[cols, rows]`).
@@ -70,7 +71,12 @@ fn matrix(g: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<WeightRe
         )));
     }
     QMatrix::new(t.ty, rows, cols, g.tensor_data(t))?;
-    Ok(WeightRef { ty: t.ty, rows, cols, info: t.clone() })
+    Ok(WeightRef {
+        ty: t.ty,
+        rows,
+        cols,
+        info: t.clone(),
+    })
 }
 
 /// A 1-D vector of `n` values, dequantized to f32.
@@ -127,115 +133,258 @@ impl Weights {
                 wk: matrix(g, &p("attn_k.weight"), d, kv)?,
                 wv: matrix(g, &p("attn_v.weight"), d, kv)?,
                 wo: matrix(g, &p("attn_output.weight"), q, d)?,
-                bq: if bias { opt_vector(g, &p("attn_q.bias"), q)? } else { None },
-                bk: if bias { opt_vector(g, &p("attn_k.bias"), kv)? } else { None },
-                bv: if bias { opt_vector(g, &p("attn_v.bias"), kv)? } else { None },
-                q_norm: if qk_norm { Some(vector(g, &p("attn_q_norm.weight"), hd)?) } else { None },
-                k_norm: if qk_norm { Some(vector(g, &p("attn_k_norm.weight"), hd)?) } else { None },
+                bq: if bias {
+                    opt_vector(g, &p("attn_q.bias"), q)?
+                } else {
+                    None
+                },
+                bk: if bias {
+                    opt_vector(g, &p("attn_k.bias"), kv)?
+                } else {
+                    None
+                },
+                bv: if bias {
+                    opt_vector(g, &p("attn_v.bias"), kv)?
+                } else {
+                    None
+                },
+                q_norm: if qk_norm {
+                    Some(vector(g, &p("attn_q_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(vector(g, &p("attn_k_norm.weight"), hd)?)
+                } else {
+                    None
+                },
                 ffn_norm: vector(g, &p("ffn_norm.weight"), d)?,
                 w_gate: matrix(g, &p("ffn_gate.weight"), d, ff)?,
                 w_up: matrix(g, &p("ffn_up.weight"), d, ff)?,
                 w_down: matrix(g, &p("ffn_down.weight"), ff, d)?,
             });
         }
-        Ok(Weights { token_embd, output_norm: vector(g, "output_norm.weight", d)?, output, layers })
+        Ok(Weights {
+            token_embd,
+            output_norm: vector(g, "output_norm.weight", d)?,
+            output,
+            layers,
+        })
     }
 }
 
 impl Model {
-    fn mat(&self, w: &WeightRef) -> QMatrix<'_> {
-        QMatrix { ty: w.ty, rows: w.rows, cols: w.cols, data: self.gguf.tensor_data(&w.info) }
-    }
-
-    /// `out = x · W^T` for `n` token rows.
-    fn linear(&self, w: &WeightRef, x: &[f32], n: usize, out: &mut Vec<f32>) {
-        out.resize(n * w.rows, 0.0);
-        quant::matmul(&self.mat(w), x, n, out);
-    }
-
-    /// Several matrices over the same input, sharing one activation quantization when the
-    /// weight types agree.
-    fn linear_many(&self, ws: &[&WeightRef], x: &[f32], n: usize, outs: &mut [&mut Vec<f32>]) {
-        let mut acts: Option<(GgmlType, quant::QuantizedActs)> = None;
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            out.resize(n * w.rows, 0.0);
-            let reuse = matches!(&acts, Some((t, _)) if *t == w.ty);
-            if !reuse {
-                acts = Some((w.ty, quant::quantize_acts(x, n, w.cols, w.ty)));
-            }
-            let (_, a) = acts.as_ref().expect("activations were just quantized");
-            quant::matmul_q(&self.mat(w), a, out);
+    pub(crate) fn mat(&self, w: &WeightRef) -> QMatrix<'_> {
+        QMatrix {
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            data: self.gguf.tensor_data(&w.info),
         }
     }
 }
 
-/// Runs one batch through the model, storing its keys/values in `cache`. Call it inside the
-/// model's thread pool (`pool.install`): every parallel kernel runs on the current pool.
+/// Largest head dimension the attention kernel takes (checked at load).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Activations of one input, quantized once per format the consuming weights need.
+type Acts = [QuantizedActs; quant::N_ACT_FORMATS];
+
+/// Quantizes `x` (`n` rows of `cols`) for every weight in `ws` (once per format).
+fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: usize) {
+    let mut done = [false; quant::N_ACT_FORMATS];
+    for w in ws {
+        let f = quant::act_format_index(w.ty);
+        if !done[f] {
+            quant::quantize_acts_into(&mut acts[f], x, n, cols, w.ty)
+                .expect("weight shapes and types were validated at load");
+            done[f] = true;
+        }
+    }
+}
+
+/// Runs `out_i = W_i a` for several weights as one set of team tasks (one barrier at the end).
+fn matmuls(
+    model: &Model,
+    w: &Worker<'_>,
+    ws: &[&WeightRef],
+    acts: &Acts,
+    outs: &[&SharedSlice<f32>],
+) {
+    let jobs: Vec<MatmulJob<'_, '_>> = ws
+        .iter()
+        .zip(outs)
+        .map(|(wr, out)| {
+            let a = &acts[quant::act_format_index(wr.ty)];
+            MatmulJob::new(model.mat(wr), a, out, w.n)
+                .expect("weight shapes and types were validated at load")
+        })
+        .collect();
+    let total: usize = jobs.iter().map(|j| j.n_tasks()).sum();
+    w.for_tasks(total, |mut i| {
+        for j in &jobs {
+            if i < j.n_tasks() {
+                // SAFETY: `for_tasks` hands out each index once; the outputs are written only by
+                // these tasks until the barrier that ends `for_tasks`.
+                unsafe { j.run_task(i) };
+                return;
+            }
+            i -= j.n_tasks();
+        }
+    });
+}
+
+/// Runs one batch through the model, storing its keys and values in `cache`.
+///
+/// The pass is one SPMD region on the model's team: every member walks the layers; each step
+/// splits its work (tokens, output rows, (token, head) pairs) across the members and ends in a
+/// barrier. Activation quantization and cache writes are cheap and run on member 0.
 pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Result<Logits> {
     let c = &model.config;
-    let w = &model.weights;
+    let wts = &model.weights;
     let n = batch.len();
-    let (d, qd, kvd, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim);
+    let (d, qd, kvd, hd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim, c.n_ff);
     let cells = cache.reserve(batch)?;
 
-    // Token embeddings.
+    // Token embeddings and RoPE angles (cheap, serial).
     let mut x = vec![0.0f32; n * d];
-    let embd = model.mat(&w.token_embd);
+    let embd = model.mat(&wts.token_embd);
     for (t, row) in x.chunks_exact_mut(d).enumerate() {
         embd.dequantize_row(batch.tokens[t] as usize, row)?;
     }
-
-    // RoPE angles per token, shared by all layers.
     let half = c.rope.n_rot / 2;
     let mut cs = vec![(0.0f32, 0.0f32); n * half];
     for (t, chunk) in cs.chunks_exact_mut(half).enumerate() {
         c.rope.cos_sin(batch.positions[t] as f32, chunk);
     }
+    let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
+    let n_out = out_rows.len();
+
+    let (mut h, mut q, mut k, mut v) = (
+        vec![0.0f32; n * d],
+        vec![0.0f32; n * qd],
+        vec![0.0f32; n * kvd],
+        vec![0.0f32; n * kvd],
+    );
+    let (mut attn, mut o) = (vec![0.0f32; n * qd], vec![0.0f32; n * d]);
+    let (mut gate, mut up, mut down) = (
+        vec![0.0f32; n * ff],
+        vec![0.0f32; n * ff],
+        vec![0.0f32; n * d],
+    );
+    let mut hs = vec![0.0f32; n_out * d];
+    let mut logits = vec![0.0f32; n_out * c.n_vocab];
+    let mut acts: [Acts; 1] = [Default::default()];
+
+    let x = SharedSlice::new(&mut x);
+    let h = SharedSlice::new(&mut h);
+    let q = SharedSlice::new(&mut q);
+    let k = SharedSlice::new(&mut k);
+    let v = SharedSlice::new(&mut v);
+    let attn = SharedSlice::new(&mut attn);
+    let o = SharedSlice::new(&mut o);
+    let gate = SharedSlice::new(&mut gate);
+    let up = SharedSlice::new(&mut up);
+    let down = SharedSlice::new(&mut down);
+    let hs = SharedSlice::new(&mut hs);
+    let out = SharedSlice::new(&mut logits);
+    let acts = SharedSlice::new(&mut acts);
+    let cache = SharedSlice::new(std::slice::from_mut(cache));
 
     let scale = 1.0 / (hd as f32).sqrt();
     let group = c.n_head / c.n_head_kv;
-    let mut h = vec![0.0f32; n * d];
-    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-    let mut attn = vec![0.0f32; n * qd];
-    let (mut o, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
 
-    for (li, layer) in w.layers.iter().enumerate() {
-        h.copy_from_slice(&x);
-        ops::rms_norm_rows(&mut h, d, &layer.attn_norm, c.rms_eps);
-        model.linear_many(&[&layer.wq, &layer.wk, &layer.wv], &h, n, &mut [&mut q, &mut k, &mut v]);
-        for (b, buf, width) in [(&layer.bq, &mut q, qd), (&layer.bk, &mut k, kvd), (&layer.bv, &mut v, kvd)] {
-            if let Some(b) = b {
-                for row in buf.chunks_exact_mut(width) {
-                    ops::add_assign(row, b);
+    // Safety pattern for the whole region: each step writes only the parts the step assigns to
+    // this member (its token share, its tasks' rows, or everything on member 0 alone), and reads
+    // shared data only after the barrier that ends the step which wrote it.
+    model.team.run(|w| {
+        let mut scores: Vec<f32> = Vec::new();
+        let mut idx: Vec<usize> = Vec::new();
+        for (li, layer) in wts.layers.iter().enumerate() {
+            // 1. h = norm(x) over this member's tokens.
+            for t in w.share(n) {
+                // SAFETY: token rows t of x (read) and h (write) belong to this member now.
+                unsafe {
+                    ops::rms_norm(
+                        x.slice(t * d..(t + 1) * d),
+                        &layer.attn_norm,
+                        c.rms_eps,
+                        h.slice_mut(t * d..(t + 1) * d),
+                    );
                 }
             }
-        }
-        if let Some(qn) = &layer.q_norm {
-            ops::rms_norm_rows(&mut q, hd, qn, c.rms_eps);
-        }
-        if let Some(kn) = &layer.k_norm {
-            ops::rms_norm_rows(&mut k, hd, kn, c.rms_eps);
-        }
-        for t in 0..n {
-            let a = &cs[t * half..(t + 1) * half];
-            c.rope.apply(&mut q[t * qd..(t + 1) * qd], hd, a);
-            c.rope.apply(&mut k[t * kvd..(t + 1) * kvd], hd, a);
-        }
-        cache.write(li, &cells, &k, &v);
-
-        // Attention: one task per (token, head).
-        let cache_ref = &*cache;
-        let q_ref = &q;
-        {
-            attn.par_chunks_mut(hd).enumerate().for_each(|(job, out)| {
+            w.sync();
+            // 2. Quantize h (member 0).
+            if w.id == 0 {
+                // SAFETY: only member 0 touches `acts` in this step; h is read-only now.
+                unsafe {
+                    quantize_for(
+                        &mut acts.slice_mut(0..1)[0],
+                        &[&layer.wq, &layer.wk, &layer.wv],
+                        h.all(),
+                        n,
+                        d,
+                    )
+                };
+            }
+            w.sync();
+            // 3. Q, K, V projections.
+            // SAFETY: acts is read-only during this step.
+            let a = unsafe { &acts.slice(0..1)[0] };
+            matmuls(
+                model,
+                w,
+                &[&layer.wq, &layer.wk, &layer.wv],
+                a,
+                &[&q, &k, &v],
+            );
+            // 4. Biases, q/k norms, RoPE over this member's tokens.
+            for t in w.share(n) {
+                // SAFETY: token rows t of q and k belong to this member in this step.
+                let (qr, kr, vr) = unsafe {
+                    (
+                        q.slice_mut(t * qd..(t + 1) * qd),
+                        k.slice_mut(t * kvd..(t + 1) * kvd),
+                        v.slice_mut(t * kvd..(t + 1) * kvd),
+                    )
+                };
+                if let Some(b) = &layer.bq {
+                    ops::add_assign(qr, b);
+                }
+                if let Some(b) = &layer.bk {
+                    ops::add_assign(kr, b);
+                }
+                if let Some(b) = &layer.bv {
+                    ops::add_assign(vr, b);
+                }
+                if let Some(qn) = &layer.q_norm {
+                    ops::rms_norm_rows(qr, hd, qn, c.rms_eps);
+                }
+                if let Some(kn) = &layer.k_norm {
+                    ops::rms_norm_rows(kr, hd, kn, c.rms_eps);
+                }
+                let angles = &cs[t * half..(t + 1) * half];
+                c.rope.apply(qr, hd, angles);
+                c.rope.apply(kr, hd, angles);
+            }
+            w.sync();
+            // 5. Store K and V (member 0).
+            if w.id == 0 {
+                // SAFETY: only member 0 touches the cache in this step; k and v are read-only.
+                unsafe { cache.slice_mut(0..1)[0].write(li, &cells, k.all(), v.all()) };
+            }
+            w.sync();
+            // 6. Attention, one task per (token, head).
+            // SAFETY: the cache and q are read-only in this step.
+            let (cache_r, q_r) = unsafe { (&cache.slice(0..1)[0], q.all()) };
+            w.for_tasks(n * c.n_head, |job| {
                 let (t, head) = (job / c.n_head, job % c.n_head);
                 let kvh = head / group;
-                let qrow = &q_ref[t * qd + head * hd..t * qd + (head + 1) * hd];
-                let seq = batch.seq_ids[t];
+                let qrow = &q_r[t * qd + head * hd..t * qd + (head + 1) * hd];
                 let pos = batch.positions[t];
-                let (keys, vals, positions) = cache_ref.layer_view(li, seq);
-                let mut scores: Vec<f32> = Vec::with_capacity(positions.len());
-                let mut idx: Vec<usize> = Vec::with_capacity(positions.len());
+                let (keys, vals, positions) = cache_r.layer_view(li, batch.seq_ids[t]);
+                scores.clear();
+                idx.clear();
                 for (ci, &p) in positions.iter().enumerate() {
                     if p <= pos {
                         let kr = &keys[ci * kvd + kvh * hd..ci * kvd + (kvh + 1) * hd];
@@ -244,33 +393,141 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                     }
                 }
                 ops::softmax(&mut scores);
-                out.fill(0.0);
+                // SAFETY: this (token, head) slice of attn belongs to this task only.
+                let orow = unsafe { attn.slice_mut(t * qd + head * hd..t * qd + (head + 1) * hd) };
+                orow.fill(0.0);
                 for (&p, &ci) in scores.iter().zip(&idx) {
-                    fvec::axpy(p, &vals[ci * kvd + kvh * hd..ci * kvd + (kvh + 1) * hd], out);
+                    fvec::axpy(
+                        p,
+                        &vals[ci * kvd + kvh * hd..ci * kvd + (kvh + 1) * hd],
+                        orow,
+                    );
                 }
-            })
+            });
+            // 7. Output projection.
+            if w.id == 0 {
+                // SAFETY: member 0 alone writes acts; attn is read-only.
+                unsafe {
+                    quantize_for(
+                        &mut acts.slice_mut(0..1)[0],
+                        &[&layer.wo],
+                        attn.all(),
+                        n,
+                        qd,
+                    )
+                };
+            }
+            w.sync();
+            // SAFETY: acts is read-only during this step.
+            let a = unsafe { &acts.slice(0..1)[0] };
+            matmuls(model, w, &[&layer.wo], a, &[&o]);
+            // 8. Residual, then h = norm(x) for the FFN, over this member's tokens.
+            for t in w.share(n) {
+                // SAFETY: token rows t of x, o, h belong to this member in this step.
+                unsafe {
+                    let xr = x.slice_mut(t * d..(t + 1) * d);
+                    ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
+                    ops::rms_norm(
+                        xr,
+                        &layer.ffn_norm,
+                        c.rms_eps,
+                        h.slice_mut(t * d..(t + 1) * d),
+                    );
+                }
+            }
+            w.sync();
+            if w.id == 0 {
+                // SAFETY: member 0 alone writes acts; h is read-only.
+                unsafe {
+                    quantize_for(
+                        &mut acts.slice_mut(0..1)[0],
+                        &[&layer.w_gate, &layer.w_up],
+                        h.all(),
+                        n,
+                        d,
+                    )
+                };
+            }
+            w.sync();
+            // 9. Gate and up projections, SwiGLU.
+            // SAFETY: acts is read-only during this step.
+            let a = unsafe { &acts.slice(0..1)[0] };
+            matmuls(model, w, &[&layer.w_gate, &layer.w_up], a, &[&gate, &up]);
+            for t in w.share(n) {
+                // SAFETY: token rows t of gate (write) and up (read) belong to this member.
+                unsafe {
+                    ops::swiglu(
+                        gate.slice_mut(t * ff..(t + 1) * ff),
+                        up.slice(t * ff..(t + 1) * ff),
+                    )
+                };
+            }
+            w.sync();
+            if w.id == 0 {
+                // SAFETY: member 0 alone writes acts; gate is read-only.
+                unsafe {
+                    quantize_for(
+                        &mut acts.slice_mut(0..1)[0],
+                        &[&layer.w_down],
+                        gate.all(),
+                        n,
+                        ff,
+                    )
+                };
+            }
+            w.sync();
+            // 10. Down projection and residual.
+            // SAFETY: acts is read-only during this step.
+            let a = unsafe { &acts.slice(0..1)[0] };
+            matmuls(model, w, &[&layer.w_down], a, &[&down]);
+            for t in w.share(n) {
+                // SAFETY: token rows t of x (write) and down (read) belong to this member.
+                unsafe {
+                    ops::add_assign(
+                        x.slice_mut(t * d..(t + 1) * d),
+                        down.slice(t * d..(t + 1) * d),
+                    )
+                };
+            }
+            w.sync();
         }
-
-        model.linear(&layer.wo, &attn, n, &mut o);
-        ops::add_assign(&mut x, &o);
-
-        h.copy_from_slice(&x);
-        ops::rms_norm_rows(&mut h, d, &layer.ffn_norm, c.rms_eps);
-        model.linear_many(&[&layer.w_gate, &layer.w_up], &h, n, &mut [&mut gate, &mut up]);
-        ops::swiglu(&mut gate, &up);
-        model.linear(&layer.w_down, &gate, n, &mut down);
-        ops::add_assign(&mut x, &down);
-    }
-
-    // Output rows only for tokens that want logits.
-    let rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
-    let mut hs = vec![0.0f32; rows.len() * d];
-    for (r, &t) in rows.iter().enumerate() {
-        ops::rms_norm(&x[t * d..(t + 1) * d], &w.output_norm, c.rms_eps, &mut hs[r * d..(r + 1) * d]);
-    }
-    let mut data = Vec::new();
-    if !rows.is_empty() {
-        model.linear(&w.output, &hs, rows.len(), &mut data);
-    }
-    Ok(Logits { data, n_rows: rows.len(), n_vocab: c.n_vocab })
+        // Output head, only for rows that want logits.
+        if n_out == 0 {
+            return;
+        }
+        for r in w.share(n_out) {
+            let t = out_rows[r];
+            // SAFETY: output row r of hs belongs to this member; x is read-only now.
+            unsafe {
+                ops::rms_norm(
+                    x.slice(t * d..(t + 1) * d),
+                    &wts.output_norm,
+                    c.rms_eps,
+                    hs.slice_mut(r * d..(r + 1) * d),
+                )
+            };
+        }
+        w.sync();
+        if w.id == 0 {
+            // SAFETY: member 0 alone writes acts; hs is read-only.
+            unsafe {
+                quantize_for(
+                    &mut acts.slice_mut(0..1)[0],
+                    &[&wts.output],
+                    hs.all(),
+                    n_out,
+                    d,
+                )
+            };
+        }
+        w.sync();
+        // SAFETY: acts is read-only during this step.
+        let a = unsafe { &acts.slice(0..1)[0] };
+        matmuls(model, w, &[&wts.output], a, &[&out]);
+    });
+    Ok(Logits {
+        data: logits,
+        n_rows: n_out,
+        n_vocab: c.n_vocab,
+    })
 }

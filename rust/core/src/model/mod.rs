@@ -23,7 +23,7 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     weights: llama::Weights,
     gguf: GgufFile,
-    pool: rayon::ThreadPool,
+    team: crate::threads::Team,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -58,8 +58,14 @@ impl Model {
                 config.n_vocab
             )));
         }
-        let pool = crate::threads::build_pool(threads);
-        Ok(Model { config, tokenizer, weights, gguf, pool })
+        let team = crate::threads::Team::new(threads);
+        Ok(Model {
+            config,
+            tokenizer,
+            weights,
+            gguf,
+            team,
+        })
     }
 
     pub fn gguf(&self) -> &GgufFile {
@@ -71,7 +77,7 @@ impl Model {
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.team.threads()
     }
 }
 
@@ -142,9 +148,7 @@ impl Context {
     /// A batch that does not fit fails with `KvCacheFull` and leaves the cache unchanged.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
         batch.validate(self.model.n_vocab())?;
-        let model = Arc::clone(&self.model);
-        let cache = &mut self.cache;
-        model.pool.install(|| llama::forward(&model, cache, batch))
+        llama::forward(&self.model, &mut self.cache, batch)
     }
 
     pub fn clear(&mut self) {
@@ -161,7 +165,12 @@ pub struct BenchResult {
     pub decode_tok_s: f64,
 }
 
-pub fn bench(model: &Arc<Model>, n_prompt: usize, n_gen: usize, reps: usize) -> Result<BenchResult> {
+pub fn bench(
+    model: &Arc<Model>,
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+) -> Result<BenchResult> {
     let n_vocab = model.n_vocab() as u64;
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
     let mut tok = move || {
@@ -197,7 +206,11 @@ pub fn bench(model: &Arc<Model>, n_prompt: usize, n_gen: usize, reps: usize) -> 
         }
     }
     Ok(BenchResult {
-        prefill_tok_s: if n_prompt > 0 { n_prompt as f64 / pp } else { 0.0 },
+        prefill_tok_s: if n_prompt > 0 {
+            n_prompt as f64 / pp
+        } else {
+            0.0
+        },
         decode_tok_s: if n_gen > 0 { n_gen as f64 / tg } else { 0.0 },
     })
 }

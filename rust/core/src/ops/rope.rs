@@ -11,9 +11,18 @@
 pub enum RopeScaling {
     None,
     /// Positions are multiplied by `1/factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// YaRN: interpolate low frequencies, extrapolate high ones, with a ramp in between.
-    Yarn { factor: f32, orig_ctx: u32, ext_factor: f32, attn_factor: f32, beta_fast: f32, beta_slow: f32 },
+    Yarn {
+        factor: f32,
+        orig_ctx: u32,
+        ext_factor: f32,
+        attn_factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -54,9 +63,18 @@ impl Rope {
         let theta_scale = self.freq_base.powf(-2.0 / self.n_rot as f32);
         let freq_scale = self.freq_scale();
         let (ext_factor, mut mscale, corr) = match self.scaling {
-            RopeScaling::Yarn { orig_ctx, ext_factor, attn_factor, beta_fast, beta_slow, .. } => {
-                (ext_factor, attn_factor, self.yarn_corr_dims(orig_ctx, beta_fast, beta_slow))
-            }
+            RopeScaling::Yarn {
+                orig_ctx,
+                ext_factor,
+                attn_factor,
+                beta_fast,
+                beta_slow,
+                ..
+            } => (
+                ext_factor,
+                attn_factor,
+                self.yarn_corr_dims(orig_ctx, beta_fast, beta_slow),
+            ),
             _ => (0.0, 1.0, [0.0, 0.0]),
         };
         if ext_factor != 0.0 {
@@ -106,7 +124,13 @@ mod tests {
     use super::*;
 
     fn rope(neox: bool) -> Rope {
-        Rope { n_rot: 8, neox, freq_base: 10000.0, scaling: RopeScaling::None, freq_factors: None }
+        Rope {
+            n_rot: 8,
+            neox,
+            freq_base: 10000.0,
+            scaling: RopeScaling::None,
+            freq_factors: None,
+        }
     }
 
     #[test]
@@ -136,7 +160,11 @@ mod tests {
         // Rotating by p then by d equals rotating by p + d: the basis of the lazy K-shift.
         let r = rope(false);
         let x: Vec<f32> = (0..8).map(|i| i as f32 - 3.5).collect();
-        let (mut a, mut b, mut c) = (vec![(0.0, 0.0); 4], vec![(0.0, 0.0); 4], vec![(0.0, 0.0); 4]);
+        let (mut a, mut b, mut c) = (
+            vec![(0.0, 0.0); 4],
+            vec![(0.0, 0.0); 4],
+            vec![(0.0, 0.0); 4],
+        );
         r.cos_sin(5.0, &mut a);
         r.cos_sin(3.0, &mut b);
         r.cos_sin(8.0, &mut c);

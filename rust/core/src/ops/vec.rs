@@ -87,7 +87,10 @@ mod x86 {
         while i + 16 <= n {
             // SAFETY: i + 16 <= n <= len of both slices; unaligned loads are allowed.
             let (va, vb) = unsafe {
-                (_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i)))
+                (
+                    _mm512_loadu_ps(a.as_ptr().add(i)),
+                    _mm512_loadu_ps(b.as_ptr().add(i)),
+                )
             };
             acc = _mm512_fmadd_ps(va, vb, acc);
             i += 16;
@@ -149,7 +152,10 @@ mod x86 {
             // SAFETY: i + 16 <= n <= len of both slices.
             unsafe {
                 let p = y.as_mut_ptr().add(i);
-                _mm512_storeu_ps(p, _mm512_fmadd_ps(va, _mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(p)));
+                _mm512_storeu_ps(
+                    p,
+                    _mm512_fmadd_ps(va, _mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(p)),
+                );
             }
             i += 16;
         }
@@ -170,7 +176,10 @@ mod x86 {
             // SAFETY: i + 8 <= n <= len of both slices.
             unsafe {
                 let p = y.as_mut_ptr().add(i);
-                _mm256_storeu_ps(p, _mm256_fmadd_ps(va, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
+                _mm256_storeu_ps(
+                    p,
+                    _mm256_fmadd_ps(va, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)),
+                );
             }
             i += 8;
         }
@@ -207,7 +216,10 @@ mod tests {
             assert!((want as f64 - exact).abs() < 1e-4);
             for lvl in SimdLevel::available() {
                 let got = dot_at(lvl, &a, &b);
-                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{lvl:?} n={n}");
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{lvl:?} n={n}"
+                );
                 let mut y1 = b.clone();
                 let mut y2 = b.clone();
                 axpy_scalar(0.75, &a, &mut y1);

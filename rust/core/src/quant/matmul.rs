@@ -16,16 +16,8 @@ use super::q8::{self, QuantizedActs};
 use super::simd::{self, SimdLevel};
 use super::QMatrix;
 use crate::error::{invalid, Result};
+use crate::shared::SharedSlice;
 use rayon::prelude::*;
-
-/// Output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint (token, row) elements of a buffer that outlives the parallel
-// loop (it is borrowed mutably for the whole call), so sharing the pointer is sound.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
 
 /// `out[t * w.rows + r]` = dot of row `r` with token `t`, for all rows and tokens of `a`.
 ///
@@ -57,57 +49,172 @@ pub(crate) fn matmul_level(
     out: &mut [f32],
     level: SimdLevel,
 ) -> Result<()> {
-    if !a.serves(w.ty) {
-        return Err(invalid(format!(
-            "activations were not quantized for {} weights",
-            w.ty.name()
-        )));
-    }
-    if a.cols != w.cols {
-        return Err(invalid(format!(
-            "activations have {} columns, weights {}",
-            a.cols, w.cols
-        )));
-    }
-    let n = a.n_tokens;
-    if out.len() != n * w.rows {
-        return Err(invalid(format!(
-            "output holds {} values, expected {n} tokens x {} rows",
-            out.len(),
-            w.rows
-        )));
-    }
-    if n == 0 || w.rows == 0 {
-        return Ok(());
-    }
-    let level = level.min(simd::detect());
     let threads = rayon::current_num_threads().max(1);
-    #[cfg(target_arch = "x86_64")]
-    if level >= SimdLevel::Avx512Vnni && a.has_packed() && legacy::is_legacy(w.ty) {
-        tiled::run(w, a, out, threads);
-        return Ok(());
-    }
-    per_row(w, a, out, level, threads);
+    let out = SharedSlice::new(out);
+    let job = MatmulJob::with_level(*w, a, &out, threads, level)?;
+    (0..job.n_tasks()).into_par_iter().for_each(|i| {
+        // SAFETY: every task index runs once; tasks write disjoint elements of `out`, which
+        // nothing else touches during the loop (it is borrowed mutably by this function).
+        unsafe { job.run_task(i) }
+    });
     Ok(())
 }
 
-fn per_row(w: &QMatrix, a: &QuantizedActs, out: &mut [f32], level: SimdLevel, threads: usize) {
-    let rows = w.rows;
-    let n = a.n_tokens;
-    let chunk = rows.div_ceil(4 * threads).max(1);
-    let ptr = OutPtr(out.as_mut_ptr());
-    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let p = ptr;
-        for r in c * chunk..((c + 1) * chunk).min(rows) {
-            let row = w.row(r);
-            for t in 0..n {
-                let v = super::dot_row(w.ty, row, a, t, level);
-                // SAFETY: r < rows and t < n, so the index is inside `out` (length n * rows,
-                // checked by the caller); each (t, r) is written by exactly one task.
-                unsafe { *p.0.add(t * rows + r) = v };
+enum Plan {
+    /// Rows split into chunks of `chunk`; each row dotted with every token.
+    PerRow { chunk: usize },
+    /// Tiles of `row_chunk` rows x `group_chunk` 16-token groups (packed VNNI activations).
+    #[cfg(target_arch = "x86_64")]
+    Tiled {
+        row_chunk: usize,
+        group_chunk: usize,
+        tok_chunks: usize,
+    },
+}
+
+/// One matmul split into independent tasks that write disjoint parts of the output, for
+/// callers that schedule the tasks themselves (rayon above, the SPMD team of the forward pass).
+pub struct MatmulJob<'a, 'o> {
+    w: QMatrix<'a>,
+    a: &'a QuantizedActs,
+    out: &'a SharedSlice<'o, f32>,
+    level: SimdLevel,
+    plan: Plan,
+    n_tasks: usize,
+}
+
+impl<'a, 'o> MatmulJob<'a, 'o> {
+    /// Plans `out = W a` for about `4 * threads` tasks at the detected SIMD level.
+    pub fn new(
+        w: QMatrix<'a>,
+        a: &'a QuantizedActs,
+        out: &'a SharedSlice<'o, f32>,
+        threads: usize,
+    ) -> Result<Self> {
+        Self::with_level(w, a, out, threads, simd::level())
+    }
+
+    fn with_level(
+        w: QMatrix<'a>,
+        a: &'a QuantizedActs,
+        out: &'a SharedSlice<'o, f32>,
+        threads: usize,
+        level: SimdLevel,
+    ) -> Result<Self> {
+        if !a.serves(w.ty) {
+            return Err(invalid(format!(
+                "activations were not quantized for {} weights",
+                w.ty.name()
+            )));
+        }
+        if a.cols != w.cols {
+            return Err(invalid(format!(
+                "activations have {} columns, weights {}",
+                a.cols, w.cols
+            )));
+        }
+        let n = a.n_tokens;
+        if out.len() != n * w.rows {
+            return Err(invalid(format!(
+                "output holds {} values, expected {n} tokens x {} rows",
+                out.len(),
+                w.rows
+            )));
+        }
+        let level = level.min(simd::detect());
+        let threads = threads.max(1);
+        let rows = w.rows;
+        let target = 4 * threads;
+        if n == 0 || rows == 0 {
+            let plan = Plan::PerRow { chunk: 1 };
+            return Ok(MatmulJob {
+                w,
+                a,
+                out,
+                level,
+                plan,
+                n_tasks: 0,
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if level >= SimdLevel::Avx512Vnni && a.has_packed() && legacy::is_legacy(w.ty) {
+            let groups = n.div_ceil(q8::GROUP);
+            let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
+            let row_chunks = rows.div_ceil(row_chunk);
+            let tok_chunks = if row_chunks >= target {
+                1
+            } else {
+                target.div_ceil(row_chunks).min(groups)
+            };
+            let group_chunk = groups.div_ceil(tok_chunks);
+            let tok_chunks = groups.div_ceil(group_chunk);
+            let plan = Plan::Tiled {
+                row_chunk,
+                group_chunk,
+                tok_chunks,
+            };
+            return Ok(MatmulJob {
+                w,
+                a,
+                out,
+                level,
+                plan,
+                n_tasks: row_chunks * tok_chunks,
+            });
+        }
+        let chunk = rows.div_ceil(target).max(1);
+        let n_tasks = rows.div_ceil(chunk);
+        Ok(MatmulJob {
+            w,
+            a,
+            out,
+            level,
+            plan: Plan::PerRow { chunk },
+            n_tasks,
+        })
+    }
+
+    pub fn n_tasks(&self) -> usize {
+        self.n_tasks
+    }
+
+    /// Computes task `i` (`i < n_tasks()`).
+    ///
+    /// # Safety
+    /// Each task index runs at most once at a time, and no one else accesses the output while
+    /// tasks run: tasks write disjoint (token, row) elements.
+    pub unsafe fn run_task(&self, i: usize) {
+        let (w, a) = (&self.w, self.a);
+        match self.plan {
+            Plan::PerRow { chunk } => {
+                let (rows, n) = (w.rows, a.n_tokens);
+                for r in i * chunk..((i + 1) * chunk).min(rows) {
+                    let row = w.row(r);
+                    for t in 0..n {
+                        let v = super::dot_row(w.ty, row, a, t, self.level);
+                        // SAFETY: r < rows and t < n: inside `out` (length n * rows, checked
+                        // when planning); row r belongs to this task only.
+                        unsafe { self.out.write(t * rows + r, v) };
+                    }
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Plan::Tiled {
+                row_chunk,
+                group_chunk,
+                tok_chunks,
+            } => {
+                let groups = a.n_tokens.div_ceil(q8::GROUP);
+                let (rc, tc) = (i / tok_chunks, i % tok_chunks);
+                let r0 = rc * row_chunk;
+                let r1 = (r0 + row_chunk).min(w.rows);
+                let g0 = tc * group_chunk;
+                let g1 = (g0 + group_chunk).min(groups);
+                // SAFETY: forwarded contract; this task owns rows r0..r1 x groups g0..g1.
+                unsafe { tiled::range(w, a, self.out, r0, r1, g0, g1) };
             }
         }
-    });
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -118,47 +225,37 @@ mod tiled {
     use crate::quant::q8::GROUP;
     use crate::quant::GgmlType;
 
-    pub(super) fn run(w: &QMatrix, a: &QuantizedActs, out: &mut [f32], threads: usize) {
-        match w.ty {
-            GgmlType::Q4_0 => run_t::<T_Q4_0>(w, a, out, threads),
-            GgmlType::Q4_1 => run_t::<T_Q4_1>(w, a, out, threads),
-            GgmlType::Q5_0 => run_t::<T_Q5_0>(w, a, out, threads),
-            GgmlType::Q5_1 => run_t::<T_Q5_1>(w, a, out, threads),
-            _ => run_t::<T_Q8_0>(w, a, out, threads),
-        }
-    }
-
-    fn run_t<const T: u8>(w: &QMatrix, a: &QuantizedActs, out: &mut [f32], threads: usize) {
-        let rows = w.rows;
-        let groups = a.n_tokens.div_ceil(GROUP);
-        let target = 4 * threads;
-        let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
-        let row_chunks = rows.div_ceil(row_chunk);
-        let tok_chunks = if row_chunks >= target {
-            1
-        } else {
-            target.div_ceil(row_chunks).min(groups)
-        };
-        let group_chunk = groups.div_ceil(tok_chunks);
-        let tok_chunks = groups.div_ceil(group_chunk);
-        let ptr = OutPtr(out.as_mut_ptr());
-        (0..row_chunks * tok_chunks).into_par_iter().for_each(|i| {
-            let (rc, tc) = (i / tok_chunks, i % tok_chunks);
-            let r0 = rc * row_chunk;
-            let r1 = (r0 + row_chunk).min(rows);
-            let g0 = tc * group_chunk;
-            let g1 = (g0 + group_chunk).min(groups);
-            range::<T>(w, a, ptr, r0, r1, g0, g1);
-        });
-    }
-
     /// Rows per inner block: their weights stay in L1/L2 while all token groups pass over them.
     const ROW_BLOCK: usize = 64;
 
-    fn range<const T: u8>(
+    /// # Safety
+    /// Only at level Avx512Vnni with packed activations; the caller owns rows r0..r1 x groups
+    /// g0..g1 of `out` exclusively.
+    pub(super) unsafe fn range(
         w: &QMatrix,
         a: &QuantizedActs,
-        ptr: OutPtr,
+        out: &SharedSlice<f32>,
+        r0: usize,
+        r1: usize,
+        g0: usize,
+        g1: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match w.ty {
+                GgmlType::Q4_0 => range_t::<T_Q4_0>(w, a, out, r0, r1, g0, g1),
+                GgmlType::Q4_1 => range_t::<T_Q4_1>(w, a, out, r0, r1, g0, g1),
+                GgmlType::Q5_0 => range_t::<T_Q5_0>(w, a, out, r0, r1, g0, g1),
+                GgmlType::Q5_1 => range_t::<T_Q5_1>(w, a, out, r0, r1, g0, g1),
+                _ => range_t::<T_Q8_0>(w, a, out, r0, r1, g0, g1),
+            }
+        }
+    }
+
+    unsafe fn range_t<const T: u8>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
         r0: usize,
         r1: usize,
         g0: usize,
@@ -172,21 +269,29 @@ mod tiled {
                 let mut r = rb;
                 if g + 2 <= g1 {
                     while r + 4 <= rb1 {
-                        call::<T, 4, 2>(w, a, ptr, r, g);
+                        // SAFETY: forwarded contract; rows r..r+4 x groups g..g+2 lie in
+                        // the tile this caller owns.
+                        unsafe { call::<T, 4, 2>(w, a, out, r, g) };
                         r += 4;
                     }
                     while r < rb1 {
-                        call::<T, 1, 2>(w, a, ptr, r, g);
+                        // SAFETY: forwarded contract; rows r..r+1 x groups g..g+2 lie in
+                        // the tile this caller owns.
+                        unsafe { call::<T, 1, 2>(w, a, out, r, g) };
                         r += 1;
                     }
                     g += 2;
                 } else {
                     while r + 4 <= rb1 {
-                        call::<T, 4, 1>(w, a, ptr, r, g);
+                        // SAFETY: forwarded contract; rows r..r+4 x groups g..g+1 lie in
+                        // the tile this caller owns.
+                        unsafe { call::<T, 4, 1>(w, a, out, r, g) };
                         r += 4;
                     }
                     while r < rb1 {
-                        call::<T, 1, 1>(w, a, ptr, r, g);
+                        // SAFETY: forwarded contract; rows r..r+1 x groups g..g+1 lie in
+                        // the tile this caller owns.
+                        unsafe { call::<T, 1, 1>(w, a, out, r, g) };
                         r += 1;
                     }
                     g += 1;
@@ -197,10 +302,10 @@ mod tiled {
     }
 
     #[inline]
-    fn call<const T: u8, const R: usize, const G: usize>(
+    unsafe fn call<const T: u8, const R: usize, const G: usize>(
         w: &QMatrix,
         a: &QuantizedActs,
-        ptr: OutPtr,
+        out: &SharedSlice<f32>,
         r: usize,
         g: usize,
     ) {
@@ -231,9 +336,9 @@ mod tiled {
                 for (lane, &v) in lanes.iter().enumerate() {
                     let t = (g + gi) * GROUP + lane;
                     if t < n {
-                        // SAFETY: t < n and r + i < rows: inside `out`; this task owns rows
-                        // r0..r1 x groups g0..g1, disjoint from every other task.
-                        unsafe { *ptr.0.add(t * total_rows + r + i) = v };
+                        // SAFETY: t < n and r + i < rows: inside `out`; the caller owns this
+                        // tile exclusively.
+                        unsafe { out.write(t * total_rows + r + i, v) };
                     }
                 }
             }

@@ -16,8 +16,11 @@ pub mod q8;
 pub mod simd;
 pub mod types;
 
-pub use matmul::{matmul, matmul_q, try_matmul_q};
-pub use q8::{quantize_acts, quantize_acts_into, try_quantize_acts, QuantizedActs};
+pub use matmul::{matmul, matmul_q, try_matmul_q, MatmulJob};
+pub use q8::{
+    act_format_index, quantize_acts, quantize_acts_into, try_quantize_acts, QuantizedActs,
+    N_ACT_FORMATS,
+};
 pub use simd::SimdLevel;
 pub use types::GgmlType;
 

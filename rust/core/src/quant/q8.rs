@@ -106,6 +106,19 @@ pub(crate) fn act_kind(ty: GgmlType) -> Option<ActKind> {
     }
 }
 
+/// Number of distinct activation formats (8-bit blocks of 32, Q8_K, plain f32).
+pub const N_ACT_FORMATS: usize = 3;
+
+/// Index in `0..N_ACT_FORMATS` of the activation format that serves weights of `ty`, so that
+/// callers can keep one quantized copy of an input per format.
+pub fn act_format_index(ty: GgmlType) -> usize {
+    match act_kind(ty) {
+        Some(ActKind::Q8) => 0,
+        Some(ActKind::Q8K) => 1,
+        _ => 2,
+    }
+}
+
 /// Quantizes one block of 32 values (`d = amax / 127`, `q = round(x / d)`); returns
 /// `(da, sa)`.
 #[inline]
