@@ -36,8 +36,11 @@ class Spec:
     orig_ctx: int = 32
     rope_freqs: bool = False
     tied: bool = True
-    wtype: str = "F32"  # "F32" | "F16" | "Q8_0" for the matrices
+    wtype: str = "F32"  # "F32" | "F16" | "Q8_0" | "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1"
     seed: int = 0
+    # Multiplies attn_output and ffn_down: 0 makes every block a no-op, so the logits are one
+    # matmul, rms_norm(token_embd[t]) @ output^T, which isolates the matmul kernels.
+    branch_scale: float = 1.0
 
     @property
     def hd(self) -> int:
@@ -93,10 +96,11 @@ def _stored(arr: np.ndarray, wtype: str) -> tuple[np.ndarray, np.ndarray, GGMLQu
     if wtype == "F16":
         a16 = a32.astype(np.float16)
         return a16, a16.astype(np.float64), GGMLQuantizationType.F16
-    if wtype == "Q8_0":
-        q = quantize(a32, GGMLQuantizationType.Q8_0)
-        back = dequantize(q, GGMLQuantizationType.Q8_0).reshape(a32.shape)
-        return q, back.astype(np.float64), GGMLQuantizationType.Q8_0
+    if wtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        qt = GGMLQuantizationType[wtype]
+        q = quantize(a32, qt)
+        back = dequantize(q, qt).reshape(a32.shape)
+        return q, back.astype(np.float64), qt
     raise ValueError(f"unsupported weight type {wtype}")
 
 
@@ -118,10 +122,14 @@ def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
         mats[p + "attn_q.weight"] = rng.normal(0, 1.6 / math.sqrt(d), (qd, d))
         mats[p + "attn_k.weight"] = rng.normal(0, 1.6 / math.sqrt(d), (kvd, d))
         mats[p + "attn_v.weight"] = rng.normal(0, 1.0 / math.sqrt(d), (kvd, d))
-        mats[p + "attn_output.weight"] = rng.normal(0, 1.0 / math.sqrt(qd), (d, qd))
+        mats[p + "attn_output.weight"] = (
+            rng.normal(0, 1.0 / math.sqrt(qd), (d, qd)) * spec.branch_scale
+        )
         mats[p + "ffn_gate.weight"] = rng.normal(0, 1.0 / math.sqrt(d), (ff, d))
         mats[p + "ffn_up.weight"] = rng.normal(0, 1.0 / math.sqrt(d), (ff, d))
-        mats[p + "ffn_down.weight"] = rng.normal(0, 1.0 / math.sqrt(ff), (d, ff))
+        mats[p + "ffn_down.weight"] = (
+            rng.normal(0, 1.0 / math.sqrt(ff), (d, ff)) * spec.branch_scale
+        )
         vecs[p + "attn_norm.weight"] = rng.uniform(0.5, 1.5, d)
         vecs[p + "ffn_norm.weight"] = rng.uniform(0.5, 1.5, d)
         if spec.arch == "qwen2":
@@ -293,3 +301,22 @@ def forward(
     h = _rms_norm(x, w["output_norm.weight"], spec.eps)
     out = w.get("output.weight", w["token_embd.weight"])
     return h @ out.T
+
+
+def q8_activations(h: np.ndarray) -> np.ndarray:
+    """``h`` (n, k) as the engine feeds it to a quantized matmul: per block of 32, scale
+    ``d = max|x| / 127`` and ``round(x / d)`` in float32 (the rule of ggml's q8_0 / q8_1)."""
+    n, k = h.shape
+    hb = h.reshape(n, k // 32, 32).astype(np.float32)
+    d = (np.abs(hb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    return (np.round(hb * inv) * d).reshape(n, k).astype(np.float64)
+
+
+def matmul_only_logits(w: dict[str, np.ndarray], spec: Spec, tokens: list[int]) -> np.ndarray:
+    """Logits of a ``branch_scale=0`` model with quantized weights: one matmul of the 8-bit
+    quantized final-normed embeddings with the output matrix, in float64."""
+    assert spec.branch_scale == 0.0
+    h = _rms_norm(w["token_embd.weight"][np.asarray(tokens)], w["output_norm.weight"], spec.eps)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return q8_activations(h) @ out.T

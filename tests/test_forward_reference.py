@@ -205,3 +205,24 @@ def test_batch_mixing_a_new_sequence_with_a_running_one(tiny: Tiny):
     _check_close(got[1:], ref.forward(tiny.w, tiny.spec, b), tol, "seq 1 vs reference")
     assert ctx.n_cells == 16
     assert (ctx.pos_max(0), ctx.pos_max(1)) == (10, 4)
+
+
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_matmul_matches_8bit_activation_emulation(tmp_path, wtype: str):
+    """With every block a no-op the logits are a single quantized matmul; against a float64
+    emulation of it (dequantized weights times 8-bit quantized activations) only float32
+    summation order remains, for a batch and for single tokens."""
+    spec = ref.Spec(wtype=wtype, tied=False, branch_scale=0.0, seed=9)
+    w = ref.write_model(tmp_path / "m.gguf", spec)
+    t = Tiny(tmp_path / "m.gguf", spec, w)
+    toks = list(range(0, ref.N_VOCAB, 5))
+    want = ref.matmul_only_logits(w, spec, toks)
+    ctx = t.model.new_context(128)
+    batch = t.decode(ctx, toks, list(range(len(toks))), [0] * len(toks))
+    ctx.clear()
+    single = np.concatenate([t.decode(ctx, [tok], [i], [0]) for i, tok in enumerate(toks)])
+    _check_close(batch, want, 1e-5, f"{wtype} batch matmul vs emulation")
+    _check_close(single, want, 1e-5, f"{wtype} single-token matmul vs emulation")
+    # Without the activation quantization the difference is orders of magnitude larger.
+    exact = ref.forward(w, spec, toks)
+    assert _rel_diff(batch, exact) > 1e-3
