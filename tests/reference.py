@@ -1,0 +1,322 @@
+"""Tiny random GGUF models and an independent float64 numpy forward pass for them.
+
+``write_model(path, spec)`` writes a llama/qwen2/qwen3 model with random weights (plus a tiny
+gpt2-style byte-level vocabulary so the engine accepts it) and returns the weights it wrote, as
+float64 arrays of the values the file really holds (after F16 rounding or Q8_0 quantization).
+``forward(weights, spec, tokens, positions)`` is the reference: RMSNorm, RoPE as ggml computes it
+(normal or NeoX layout, linear / YaRN scaling, per-pair frequency factors), grouped-query causal
+attention, SwiGLU, tied or separate output. It is written from the model definitions, not from
+the engine's code; its only shared assumption is that positions, not batch order, define causality.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+
+@dataclass
+class Spec:
+    arch: str = "llama"
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_layer: int = 2
+    n_ff: int = 128
+    head_dim: int | None = None  # None: n_embd / n_head (no key_length key written)
+    eps: float = 1e-5
+    freq_base: float = 10000.0
+    scaling: str | None = None  # None | "linear" | "yarn"
+    factor: float = 1.0
+    orig_ctx: int = 32
+    rope_freqs: bool = False
+    tied: bool = True
+    wtype: str = "F32"  # "F32" | "F16" | "Q8_0" | "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1"
+    seed: int = 0
+    # Multiplies attn_output and ffn_down: 0 makes every block a no-op, so the logits are one
+    # matmul, rms_norm(token_embd[t]) @ output^T, which isolates the matmul kernels.
+    branch_scale: float = 1.0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    @property
+    def neox(self) -> bool:
+        return self.arch in ("qwen2", "qwen3")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table, indexed by byte value."""
+    keep = list(range(ord("!"), ord("~") + 1))
+    keep += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+MERGES = ["t h", "th e", "Ġ the", "i n", "a n", "e r", "o n", "Ġ a"]
+
+
+def tiny_vocab() -> tuple[list[str], list[str]]:
+    """(tokens, merges): the 256 byte characters in byte order, then one token per merge."""
+    tokens = _bytes_to_unicode()
+    for m in MERGES:
+        a, b = m.split(" ")
+        tokens.append(a + b)
+    assert len(set(tokens)) == len(tokens)
+    return tokens, list(MERGES)
+
+
+N_VOCAB = len(tiny_vocab()[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _stored(arr: np.ndarray, wtype: str) -> tuple[np.ndarray, np.ndarray, GGMLQuantizationType]:
+    """(array to hand GGUFWriter, float64 values the file holds, raw dtype)."""
+    a32 = np.ascontiguousarray(arr, dtype=np.float32)
+    if wtype == "F32":
+        return a32, a32.astype(np.float64), GGMLQuantizationType.F32
+    if wtype == "F16":
+        a16 = a32.astype(np.float16)
+        return a16, a16.astype(np.float64), GGMLQuantizationType.F16
+    if wtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        qt = GGMLQuantizationType[wtype]
+        q = quantize(a32, qt)
+        back = dequantize(q, qt).reshape(a32.shape)
+        return q, back.astype(np.float64), qt
+    raise ValueError(f"unsupported weight type {wtype}")
+
+
+def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
+    """Writes a random model to ``path``; returns name -> float64 weights as stored.
+
+    Matrices are numpy ``(out_features, in_features)`` (ggml dims ``[in, out]``).
+    """
+    rng = np.random.default_rng(spec.seed)
+    d, hd, ff, nv = spec.n_embd, spec.hd, spec.n_ff, N_VOCAB
+    qd, kvd = spec.n_head * hd, spec.n_head_kv * hd
+    # Scales chosen so attention is peaked (scores of a few units) and logits spread out.
+    mats: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, 1.0, (nv, d))}
+    if not spec.tied:
+        mats["output.weight"] = rng.normal(0, 0.6, (nv, d))
+    vecs: dict[str, np.ndarray] = {"output_norm.weight": rng.uniform(0.5, 1.5, d)}
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        mats[p + "attn_q.weight"] = rng.normal(0, 1.6 / math.sqrt(d), (qd, d))
+        mats[p + "attn_k.weight"] = rng.normal(0, 1.6 / math.sqrt(d), (kvd, d))
+        mats[p + "attn_v.weight"] = rng.normal(0, 1.0 / math.sqrt(d), (kvd, d))
+        mats[p + "attn_output.weight"] = (
+            rng.normal(0, 1.0 / math.sqrt(qd), (d, qd)) * spec.branch_scale
+        )
+        mats[p + "ffn_gate.weight"] = rng.normal(0, 1.0 / math.sqrt(d), (ff, d))
+        mats[p + "ffn_up.weight"] = rng.normal(0, 1.0 / math.sqrt(d), (ff, d))
+        mats[p + "ffn_down.weight"] = (
+            rng.normal(0, 1.0 / math.sqrt(ff), (d, ff)) * spec.branch_scale
+        )
+        vecs[p + "attn_norm.weight"] = rng.uniform(0.5, 1.5, d)
+        vecs[p + "ffn_norm.weight"] = rng.uniform(0.5, 1.5, d)
+        if spec.arch == "qwen2":
+            vecs[p + "attn_q.bias"] = rng.normal(0, 0.5, qd)
+            vecs[p + "attn_k.bias"] = rng.normal(0, 0.5, kvd)
+            vecs[p + "attn_v.bias"] = rng.normal(0, 0.5, kvd)
+        if spec.arch == "qwen3":
+            vecs[p + "attn_q_norm.weight"] = rng.uniform(0.5, 2.0, hd)
+            vecs[p + "attn_k_norm.weight"] = rng.uniform(0.5, 2.0, hd)
+    if spec.rope_freqs:
+        vecs["rope_freqs.weight"] = rng.uniform(1.0, 8.0, hd // 2)
+
+    a = spec.arch
+    w = GGUFWriter(str(path), a)
+    w.add_name(f"tiny-{a}")
+    w.add_uint32(f"{a}.block_count", spec.n_layer)
+    w.add_uint32(f"{a}.context_length", 256)
+    w.add_uint32(f"{a}.embedding_length", d)
+    w.add_uint32(f"{a}.feed_forward_length", ff)
+    w.add_uint32(f"{a}.attention.head_count", spec.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", spec.n_head_kv)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", spec.eps)
+    w.add_float32(f"{a}.rope.freq_base", spec.freq_base)
+    w.add_uint32(f"{a}.rope.dimension_count", hd)
+    if spec.head_dim is not None:
+        w.add_uint32(f"{a}.attention.key_length", hd)
+        w.add_uint32(f"{a}.attention.value_length", hd)
+    if spec.scaling is not None:
+        w.add_string(f"{a}.rope.scaling.type", spec.scaling)
+        w.add_float32(f"{a}.rope.scaling.factor", spec.factor)
+        if spec.scaling == "yarn":
+            w.add_uint32(f"{a}.rope.scaling.original_context_length", spec.orig_ctx)
+    tokens, merges = tiny_vocab()
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", [1] * len(tokens))
+    w.add_array("tokenizer.ggml.merges", merges)
+
+    stored: dict[str, np.ndarray] = {}
+    for name, arr in mats.items():
+        data, back, raw = _stored(arr, spec.wtype)
+        stored[name] = back
+        w.add_tensor(name, data, raw_dtype=raw if raw != GGMLQuantizationType.F32 else None)
+    for name, arr in vecs.items():
+        a32 = np.ascontiguousarray(arr, dtype=np.float32)
+        stored[name] = a32.astype(np.float64)
+        w.add_tensor(name, a32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference forward pass
+
+
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_cos_sin(spec: Spec, pos: float, freq_factors: np.ndarray | None) -> np.ndarray:
+    """(n_rot/2, 2) array of (cos, sin) for each rotated pair at ``pos``, as ggml defines them.
+
+    Pair i has base angle ``pos * base^(-2i/n_rot) / ff_i``. Linear scaling divides it by the
+    factor. YaRN mixes the divided ("interpolated") and undivided ("extrapolated") angle with a
+    ramp over pair indices between the correction dims for beta_fast=32 / beta_slow=1, and
+    scales cos and sin by ``1 + 0.1 ln(factor)``.
+    """
+    n_rot = spec.hd
+    half = n_rot // 2
+    i = np.arange(half, dtype=np.float64)
+    theta_extrap = pos * spec.freq_base ** (-2.0 * i / n_rot)
+    if freq_factors is not None:
+        theta_extrap = theta_extrap / freq_factors
+    mscale = 1.0
+    if spec.scaling == "linear":
+        theta = theta_extrap / spec.factor
+    elif spec.scaling == "yarn":
+
+        def corr_dim(beta: float) -> float:
+            return (
+                n_rot
+                * math.log(spec.orig_ctx / (beta * 2 * math.pi))
+                / (2 * math.log(spec.freq_base))
+            )
+
+        low = max(0.0, math.floor(corr_dim(32.0)))
+        high = min(n_rot - 1.0, math.ceil(corr_dim(1.0)))
+        y = (i - low) / max(0.001, high - low)
+        mix = 1.0 - np.clip(y, 0.0, 1.0)  # 1: keep the original angle, 0: interpolate
+        theta_interp = theta_extrap / spec.factor
+        theta = theta_interp * (1.0 - mix) + theta_extrap * mix
+        mscale = 1.0 + 0.1 * math.log(spec.factor)
+    else:
+        theta = theta_extrap
+    return np.stack([np.cos(theta) * mscale, np.sin(theta) * mscale], axis=1)
+
+
+def _rope(x: np.ndarray, cs: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotates every head of ``x`` (..., head_dim) by the (half, 2) angles ``cs``."""
+    half = cs.shape[0]
+    c, s = cs[:, 0], cs[:, 1]
+    y = x.copy()
+    if neox:
+        a, b = x[..., :half], x[..., half : 2 * half]
+        y[..., :half] = a * c - b * s
+        y[..., half : 2 * half] = a * s + b * c
+    else:
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        y[..., 0 : 2 * half : 2] = a * c - b * s
+        y[..., 1 : 2 * half : 2] = a * s + b * c
+    return y
+
+
+def forward(
+    w: dict[str, np.ndarray],
+    spec: Spec,
+    tokens: list[int],
+    positions: list[int] | None = None,
+    kv_f16: bool = False,
+) -> np.ndarray:
+    """Logits (len(tokens), n_vocab) of one sequence, every token attending to the tokens whose
+    position is <= its own. ``kv_f16`` rounds keys and values to f16 as a KV cache would."""
+    n = len(tokens)
+    pos = list(range(n)) if positions is None else list(positions)
+    hd, nh, nkv = spec.hd, spec.n_head, spec.n_head_kv
+    group = nh // nkv
+    ff = w.get("rope_freqs.weight")
+    cs = [rope_cos_sin(spec, float(p), ff) for p in pos]
+    x = w["token_embd.weight"][np.asarray(tokens)].copy()
+    for li in range(spec.n_layer):
+        p = f"blk.{li}."
+        h = _rms_norm(x, w[p + "attn_norm.weight"], spec.eps)
+        q = h @ w[p + "attn_q.weight"].T
+        k = h @ w[p + "attn_k.weight"].T
+        v = h @ w[p + "attn_v.weight"].T
+        if p + "attn_q.bias" in w:
+            q = q + w[p + "attn_q.bias"]
+            k = k + w[p + "attn_k.bias"]
+            v = v + w[p + "attn_v.bias"]
+        q = q.reshape(n, nh, hd)
+        k = k.reshape(n, nkv, hd)
+        v = v.reshape(n, nkv, hd)
+        if p + "attn_q_norm.weight" in w:
+            q = _rms_norm(q, w[p + "attn_q_norm.weight"], spec.eps)
+            k = _rms_norm(k, w[p + "attn_k_norm.weight"], spec.eps)
+        q = np.stack([_rope(q[t], cs[t], spec.neox) for t in range(n)])
+        k = np.stack([_rope(k[t], cs[t], spec.neox) for t in range(n)])
+        if kv_f16:
+            k = k.astype(np.float16).astype(np.float64)
+            v = v.astype(np.float16).astype(np.float64)
+        att = np.zeros((n, nh, hd))
+        for t in range(n):
+            visible = [j for j in range(n) if pos[j] <= pos[t]]
+            for head in range(nh):
+                kh = head // group
+                s = np.array([q[t, head] @ k[j, kh] for j in visible]) / math.sqrt(hd)
+                s = np.exp(s - s.max())
+                s /= s.sum()
+                att[t, head] = s @ v[visible, kh]
+        x = x + att.reshape(n, nh * hd) @ w[p + "attn_output.weight"].T
+        h = _rms_norm(x, w[p + "ffn_norm.weight"], spec.eps)
+        g = h @ w[p + "ffn_gate.weight"].T
+        u = h @ w[p + "ffn_up.weight"].T
+        x = x + (g / (1.0 + np.exp(-g)) * u) @ w[p + "ffn_down.weight"].T
+    h = _rms_norm(x, w["output_norm.weight"], spec.eps)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return h @ out.T
+
+
+def q8_activations(h: np.ndarray) -> np.ndarray:
+    """``h`` (n, k) as the engine feeds it to a quantized matmul: per block of 32, scale
+    ``d = max|x| / 127`` and ``round(x / d)`` in float32 (the rule of ggml's q8_0 / q8_1)."""
+    n, k = h.shape
+    hb = h.reshape(n, k // 32, 32).astype(np.float32)
+    d = (np.abs(hb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    return (np.round(hb * inv) * d).reshape(n, k).astype(np.float64)
+
+
+def matmul_only_logits(w: dict[str, np.ndarray], spec: Spec, tokens: list[int]) -> np.ndarray:
+    """Logits of a ``branch_scale=0`` model with quantized weights: one matmul of the 8-bit
+    quantized final-normed embeddings with the output matrix, in float64."""
+    assert spec.branch_scale == 0.0
+    h = _rms_norm(w["token_embd.weight"][np.asarray(tokens)], w["output_norm.weight"], spec.eps)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return q8_activations(h) @ out.T
