@@ -74,10 +74,11 @@ impl<'a, T> SharedSlice<'a, T> {
     }
 
     /// # Safety
-    /// No other thread accesses element `i` concurrently. Panics if out of bounds.
+    /// `i < len()` (checked only in debug builds: this is the hot path of matmul output
+    /// scatter), and no other thread accesses element `i` concurrently.
     pub unsafe fn write(&self, i: usize, v: T) {
-        assert!(i < self.len, "SharedSlice index {i} of {}", self.len);
-        // SAFETY: in bounds (checked); exclusivity is the caller's contract.
+        debug_assert!(i < self.len, "SharedSlice index {i} of {}", self.len);
+        // SAFETY: in bounds and exclusive by the caller's contract.
         unsafe { *self.ptr.add(i) = v };
     }
 }

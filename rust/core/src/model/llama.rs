@@ -395,14 +395,7 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 ops::softmax(&mut scores);
                 // SAFETY: this (token, head) slice of attn belongs to this task only.
                 let orow = unsafe { attn.slice_mut(t * qd + head * hd..t * qd + (head + 1) * hd) };
-                orow.fill(0.0);
-                for (&p, &ci) in scores.iter().zip(&idx) {
-                    fvec::axpy(
-                        p,
-                        &vals[ci * kvd + kvh * hd..ci * kvd + (kvh + 1) * hd],
-                        orow,
-                    );
-                }
+                fvec::weighted_sum(&scores, vals, kvd, kvh * hd, &idx, orow);
             });
             // 7. Output projection.
             if w.id == 0 {

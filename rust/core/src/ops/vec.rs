@@ -73,6 +73,69 @@ pub fn axpy_at(lvl: SimdLevel, alpha: f32, x: &[f32], y: &mut [f32]) {
     axpy_scalar(alpha, x, y)
 }
 
+/// `out = sum_i w[i] * rows[idx[i] * stride + off ..][..out.len()]`: the value-weighted sum of
+/// attention. Accumulates in registers (one pass over the rows per 64 outputs) instead of a
+/// read-modify-write of `out` per row.
+pub fn weighted_sum(
+    w: &[f32],
+    rows: &[f32],
+    stride: usize,
+    off: usize,
+    idx: &[usize],
+    out: &mut [f32],
+) {
+    weighted_sum_at(level(), w, rows, stride, off, idx, out)
+}
+
+/// [`weighted_sum`] with an explicit kernel level.
+pub fn weighted_sum_at(
+    lvl: SimdLevel,
+    w: &[f32],
+    rows: &[f32],
+    stride: usize,
+    off: usize,
+    idx: &[usize],
+    out: &mut [f32],
+) {
+    let hd = out.len();
+    assert_eq!(w.len(), idx.len());
+    for &i in idx {
+        assert!(
+            i * stride + off + hd <= rows.len(),
+            "weighted_sum row {i} out of bounds"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if lvl >= SimdLevel::Avx512 && crate::quant::simd::detect() >= SimdLevel::Avx512 && hd % 16 == 0
+    {
+        // SAFETY: AVX-512F is available (checked); every row slice read is in bounds (asserted
+        // above) and `out` holds hd values.
+        unsafe { x86::weighted_sum_avx512(w, rows.as_ptr(), stride, off, idx, out) };
+        return;
+    }
+    let _ = lvl;
+    weighted_sum_scalar(w, rows, stride, off, idx, out);
+}
+
+/// Scalar reference of [`weighted_sum`].
+pub fn weighted_sum_scalar(
+    w: &[f32],
+    rows: &[f32],
+    stride: usize,
+    off: usize,
+    idx: &[usize],
+    out: &mut [f32],
+) {
+    out.fill(0.0);
+    let hd = out.len();
+    for (&p, &i) in w.iter().zip(idx) {
+        let r = &rows[i * stride + off..i * stride + off + hd];
+        for (o, &v) in out.iter_mut().zip(r) {
+            *o += p * v;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -166,6 +229,41 @@ mod x86 {
     }
 
     /// # Safety
+    /// The CPU must support AVX-512F; `out.len()` is a multiple of 16; every row
+    /// `rows[idx[i] * stride + off ..][..out.len()]` is in bounds.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_sum_avx512(
+        w: &[f32],
+        rows: *const f32,
+        stride: usize,
+        off: usize,
+        idx: &[usize],
+        out: &mut [f32],
+    ) {
+        let hd = out.len();
+        let mut c0 = 0;
+        while c0 < hd {
+            let width = (hd - c0).min(64);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let nv = width / 16;
+            for (&p, &i) in w.iter().zip(idx) {
+                let vp = _mm512_set1_ps(p);
+                // SAFETY: the row slice is in bounds (caller); c0 + 16 * j + 16 <= hd.
+                let base = unsafe { rows.add(i * stride + off + c0) };
+                for (j, a) in acc.iter_mut().enumerate().take(nv) {
+                    // SAFETY: see above.
+                    *a = _mm512_fmadd_ps(vp, unsafe { _mm512_loadu_ps(base.add(16 * j)) }, *a);
+                }
+            }
+            for (j, a) in acc.iter().enumerate().take(nv) {
+                // SAFETY: c0 + 16 * j + 16 <= hd = out.len().
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(c0 + 16 * j), *a) };
+            }
+            c0 += width;
+        }
+    }
+
+    /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
@@ -204,6 +302,37 @@ mod tests {
                 (s as f32 / u32::MAX as f32) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn simd_weighted_sum_matches_scalar() {
+        let stride = 200;
+        let rows = data(stride * 9, 3);
+        let idx = [0usize, 3, 4, 8];
+        let w = data(4, 4);
+        for (hd, off) in [(16usize, 0usize), (64, 64), (80, 100), (128, 8), (24, 5)] {
+            let mut want = vec![0.0; hd];
+            weighted_sum_scalar(&w, &rows, stride, off, &idx, &mut want);
+            let mut exact = vec![0.0f64; hd];
+            for (&p, &i) in w.iter().zip(&idx) {
+                for j in 0..hd {
+                    exact[j] += p as f64 * rows[i * stride + off + j] as f64;
+                }
+            }
+            for j in 0..hd {
+                assert!((want[j] as f64 - exact[j]).abs() < 1e-5);
+            }
+            for lvl in SimdLevel::available() {
+                let mut got = vec![9.0; hd];
+                weighted_sum_at(lvl, &w, &rows, stride, off, &idx, &mut got);
+                for j in 0..hd {
+                    assert!(
+                        (got[j] - want[j]).abs() <= 1e-5 * (1.0 + want[j].abs()),
+                        "{lvl:?} hd={hd}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -50,8 +50,13 @@ impl SimdLevel {
     }
 }
 
-/// The best level this CPU supports.
+/// The best level this CPU supports (detected once, then cached).
 pub fn detect() -> SimdLevel {
+    static BEST: OnceLock<SimdLevel> = OnceLock::new();
+    *BEST.get_or_init(detect_uncached)
+}
+
+fn detect_uncached() -> SimdLevel {
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 = is_x86_feature_detected!("avx2")
