@@ -106,7 +106,9 @@ pub fn weighted_sum_at(
         );
     }
     #[cfg(target_arch = "x86_64")]
-    if lvl >= SimdLevel::Avx512 && crate::quant::simd::detect() >= SimdLevel::Avx512 && hd % 16 == 0
+    if lvl >= SimdLevel::Avx512
+        && crate::quant::simd::detect() >= SimdLevel::Avx512
+        && hd.is_multiple_of(16)
     {
         // SAFETY: AVX-512F is available (checked); every row slice read is in bounds (asserted
         // above) and `out` holds hd values.
