@@ -78,6 +78,10 @@ fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// How many rows ahead the per-row path prefetches (measured on SmolLM2 decode, 2 threads:
+/// 2 rows ahead gave 175 tok/s, 4 and 8 rows ahead ~200 tok/s).
+const PREFETCH_ROWS: usize = 8;
+
 enum Plan {
     /// Rows split into chunks of `chunk`; each row dotted with every token.
     PerRow { chunk: usize },
@@ -207,10 +211,13 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             Plan::PerRow { chunk } => {
                 let (rows, n) = (w.rows, a.n_tokens);
                 let end = ((i + 1) * chunk).min(rows);
+                for r in i * chunk..(i * chunk + PREFETCH_ROWS).min(end) {
+                    prefetch(w.row(r));
+                }
                 for r in i * chunk..end {
                     let row = w.row(r);
-                    if r + 2 < end {
-                        prefetch(w.row(r + 2));
+                    if r + PREFETCH_ROWS < end {
+                        prefetch(w.row(r + PREFETCH_ROWS));
                     }
                     for t in 0..n {
                         let v = super::dot_row(w.ty, row, a, t, self.level);
