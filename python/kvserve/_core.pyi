@@ -3,6 +3,8 @@
 Use the public API in :mod:`kvserve` instead; this module may change without notice.
 """
 
+import os
+
 from typing_extensions import Buffer
 
 class ModelError(ValueError):
@@ -14,7 +16,7 @@ class KvCacheFull(RuntimeError):
 class Model:
     """A GGUF model, memory-mapped read-only; weights are shared by all its contexts."""
 
-    def __init__(self, path: str, threads: int | None = None) -> None: ...
+    def __init__(self, path: str | os.PathLike[str], threads: int | None = None) -> None: ...
     @property
     def n_vocab(self) -> int: ...
     @property

@@ -116,12 +116,6 @@ impl Team {
             f(&w);
         });
     }
-
-    /// Runs plain rayon work on the team's threads (for code that is not SPMD).
-    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.pool.install(f)
-    }
 }
 
 impl Worker<'_> {

@@ -55,8 +55,7 @@ fn value_to_py<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
 impl Model {
     #[new]
     #[pyo3(signature = (path, threads=None))]
-    fn new(py: Python<'_>, path: &str, threads: Option<usize>) -> PyResult<Model> {
-        let path = path.to_string();
+    fn new(py: Python<'_>, path: std::path::PathBuf, threads: Option<usize>) -> PyResult<Model> {
         let m = py
             .detach(|| CoreModel::load(&path, threads))
             .map_err(to_py)?;
