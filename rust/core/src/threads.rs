@@ -104,8 +104,11 @@ impl Team {
     where
         F: Fn(&Worker<'_>) + Sync,
     {
+        use std::sync::atomic::Ordering;
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let start = self.counter.load(std::sync::atomic::Ordering::Relaxed);
+        // A previous run that panicked may have left the barrier half-filled.
+        self.barrier.reset();
+        let start = self.counter.load(Ordering::Relaxed);
         self.pool.broadcast(|ctx| {
             let w = Worker {
                 id: ctx.index(),
@@ -113,7 +116,12 @@ impl Team {
                 team: self,
                 base: std::cell::Cell::new(start),
             };
-            f(&w);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
+            if let Err(payload) = r {
+                // Release members waiting at a barrier: they see the flag and unwind too.
+                self.barrier.poisoned.store(true, Ordering::Release);
+                std::panic::resume_unwind(payload);
+            }
         });
     }
 }
@@ -162,6 +170,8 @@ struct SpinBarrier {
     n: usize,
     arrived: std::sync::atomic::AtomicUsize,
     generation: std::sync::atomic::AtomicUsize,
+    /// Set when a member panicked: waiters give up instead of spinning forever.
+    poisoned: std::sync::atomic::AtomicBool,
 }
 
 impl SpinBarrier {
@@ -170,7 +180,15 @@ impl SpinBarrier {
             n,
             arrived: std::sync::atomic::AtomicUsize::new(0),
             generation: std::sync::atomic::AtomicUsize::new(0),
+            poisoned: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Forgets a run that ended in a panic (called with no member running).
+    fn reset(&self) {
+        use std::sync::atomic::Ordering;
+        self.arrived.store(0, Ordering::Relaxed);
+        self.poisoned.store(false, Ordering::Relaxed);
     }
 
     fn wait(&self) {
@@ -187,6 +205,9 @@ impl SpinBarrier {
         }
         let mut spins = 0u32;
         while self.generation.load(Ordering::Acquire) == gen {
+            if self.poisoned.load(Ordering::Acquire) {
+                panic!("another member of the thread team panicked");
+            }
             if spins < 20_000 {
                 std::hint::spin_loop();
                 spins += 1;
@@ -250,6 +271,29 @@ mod tests {
             }
         });
         assert_eq!(bad.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_panicking_member_releases_the_team_and_the_team_recovers() {
+        let team = Team::new(Some(2));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            team.run(|w| {
+                if w.id == 1 {
+                    panic!("boom");
+                }
+                w.sync(); // would spin forever without poisoning
+            })
+        }));
+        assert!(r.is_err());
+        // The team still works afterwards.
+        let hits = AtomicUsize::new(0);
+        team.run(|w| {
+            w.for_tasks(10, |_| {
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+            w.sync();
+        });
+        assert_eq!(hits.load(Ordering::Relaxed), 10);
     }
 
     #[test]
