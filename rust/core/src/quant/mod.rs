@@ -114,11 +114,13 @@ impl<'a> QMatrix<'a> {
     }
 
     /// Bytes per row.
+    #[inline]
     pub fn row_bytes(&self) -> usize {
         self.cols / self.ty.block_size() * self.ty.type_size()
     }
 
     /// The bytes of row `r`. Panics if `r >= rows` (an indexing bug in the caller).
+    #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
         assert!(
             r < self.rows,
