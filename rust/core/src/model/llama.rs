@@ -203,6 +203,32 @@ fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: u
     }
 }
 
+/// `outs[i] = x W_i^T` for every weight in `ws` (same input width): member 0 quantizes `x` (`n`
+/// rows) once per activation format, then the team runs all the products as one set of tasks.
+///
+/// # Safety
+/// Every member calls this at the same step; nobody writes `x` during the call and `acts` is
+/// used by nothing else.
+unsafe fn project(
+    model: &Model,
+    w: &Worker<'_>,
+    acts: &SharedSlice<Acts>,
+    x: &SharedSlice<f32>,
+    n: usize,
+    ws: &[&WeightRef],
+    outs: &[&SharedSlice<f32>],
+) {
+    if w.id == 0 {
+        // SAFETY: member 0 alone writes `acts`, before the barrier; `x` is read-only (contract).
+        unsafe { quantize_for(&mut acts.slice_mut(0..1)[0], ws, x.all(), n, ws[0].cols) };
+    }
+    w.sync();
+    // SAFETY: after the barrier `acts` is only read, until every member has passed the barrier
+    // that ends `matmuls`.
+    let a = unsafe { &acts.slice(0..1)[0] };
+    matmuls(model, w, ws, a, outs);
+}
+
 /// Runs `out_i = W_i a` for several weights as one set of team tasks (one barrier at the end).
 fn matmuls(
     model: &Model,
@@ -314,31 +340,20 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 }
             }
             w.sync();
-            // 2. Quantize h (member 0).
-            if w.id == 0 {
-                // SAFETY: only member 0 touches `acts` in this step; h is read-only now.
-                unsafe {
-                    quantize_for(
-                        &mut acts.slice_mut(0..1)[0],
-                        &[&layer.wq, &layer.wk, &layer.wv],
-                        h.all(),
-                        n,
-                        d,
-                    )
-                };
-            }
-            w.sync();
-            // 3. Q, K, V projections.
-            // SAFETY: acts is read-only during this step.
-            let a = unsafe { &acts.slice(0..1)[0] };
-            matmuls(
-                model,
-                w,
-                &[&layer.wq, &layer.wk, &layer.wv],
-                a,
-                &[&q, &k, &v],
-            );
-            // 4. Biases, q/k norms, RoPE over this member's tokens.
+            // 2. Q, K, V projections.
+            // SAFETY: every member calls this in step; h is not written during it.
+            unsafe {
+                project(
+                    model,
+                    w,
+                    &acts,
+                    &h,
+                    n,
+                    &[&layer.wq, &layer.wk, &layer.wv],
+                    &[&q, &k, &v],
+                )
+            };
+            // 3. Biases, q/k norms, RoPE over this member's tokens.
             for t in w.share(n) {
                 // SAFETY: token rows t of q and k belong to this member in this step.
                 let (qr, kr, vr) = unsafe {
@@ -368,13 +383,13 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 c.rope.apply(kr, hd, angles);
             }
             w.sync();
-            // 5. Store K and V (member 0).
+            // 4. Store K and V (member 0).
             if w.id == 0 {
                 // SAFETY: only member 0 touches the cache in this step; k and v are read-only.
                 unsafe { cache.slice_mut(0..1)[0].write(li, &cells, k.all(), v.all()) };
             }
             w.sync();
-            // 6. Attention, one task per (token, head).
+            // 5. Attention, one task per (token, head).
             // SAFETY: the cache and q are read-only in this step.
             let (cache_r, q_r) = unsafe { (&cache.slice(0..1)[0], q.all()) };
             w.for_tasks(n * c.n_head, |job| {
@@ -397,24 +412,10 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 let orow = unsafe { attn.slice_mut(t * qd + head * hd..t * qd + (head + 1) * hd) };
                 fvec::weighted_sum(&scores, vals, kvd, kvh * hd, &idx, orow);
             });
-            // 7. Output projection.
-            if w.id == 0 {
-                // SAFETY: member 0 alone writes acts; attn is read-only.
-                unsafe {
-                    quantize_for(
-                        &mut acts.slice_mut(0..1)[0],
-                        &[&layer.wo],
-                        attn.all(),
-                        n,
-                        qd,
-                    )
-                };
-            }
-            w.sync();
-            // SAFETY: acts is read-only during this step.
-            let a = unsafe { &acts.slice(0..1)[0] };
-            matmuls(model, w, &[&layer.wo], a, &[&o]);
-            // 8. Residual, then h = norm(x) for the FFN, over this member's tokens.
+            // 6. Output projection.
+            // SAFETY: every member calls this in step; attn is not written during it.
+            unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };
+            // 7. Residual, then h = norm(x) for the FFN, over this member's tokens.
             for t in w.share(n) {
                 // SAFETY: token rows t of x, o, h belong to this member in this step.
                 unsafe {
@@ -429,23 +430,19 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 }
             }
             w.sync();
-            if w.id == 0 {
-                // SAFETY: member 0 alone writes acts; h is read-only.
-                unsafe {
-                    quantize_for(
-                        &mut acts.slice_mut(0..1)[0],
-                        &[&layer.w_gate, &layer.w_up],
-                        h.all(),
-                        n,
-                        d,
-                    )
-                };
-            }
-            w.sync();
-            // 9. Gate and up projections, SwiGLU.
-            // SAFETY: acts is read-only during this step.
-            let a = unsafe { &acts.slice(0..1)[0] };
-            matmuls(model, w, &[&layer.w_gate, &layer.w_up], a, &[&gate, &up]);
+            // 8. Gate and up projections, SwiGLU.
+            // SAFETY: every member calls this in step; h is not written during it.
+            unsafe {
+                project(
+                    model,
+                    w,
+                    &acts,
+                    &h,
+                    n,
+                    &[&layer.w_gate, &layer.w_up],
+                    &[&gate, &up],
+                )
+            };
             for t in w.share(n) {
                 // SAFETY: token rows t of gate (write) and up (read) belong to this member.
                 unsafe {
@@ -456,23 +453,9 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 };
             }
             w.sync();
-            if w.id == 0 {
-                // SAFETY: member 0 alone writes acts; gate is read-only.
-                unsafe {
-                    quantize_for(
-                        &mut acts.slice_mut(0..1)[0],
-                        &[&layer.w_down],
-                        gate.all(),
-                        n,
-                        ff,
-                    )
-                };
-            }
-            w.sync();
-            // 10. Down projection and residual.
-            // SAFETY: acts is read-only during this step.
-            let a = unsafe { &acts.slice(0..1)[0] };
-            matmuls(model, w, &[&layer.w_down], a, &[&down]);
+            // 9. Down projection and residual.
+            // SAFETY: every member calls this in step; gate is not written during it.
+            unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
             for t in w.share(n) {
                 // SAFETY: token rows t of x (write) and down (read) belong to this member.
                 unsafe {
@@ -501,22 +484,8 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
             };
         }
         w.sync();
-        if w.id == 0 {
-            // SAFETY: member 0 alone writes acts; hs is read-only.
-            unsafe {
-                quantize_for(
-                    &mut acts.slice_mut(0..1)[0],
-                    &[&wts.output],
-                    hs.all(),
-                    n_out,
-                    d,
-                )
-            };
-        }
-        w.sync();
-        // SAFETY: acts is read-only during this step.
-        let a = unsafe { &acts.slice(0..1)[0] };
-        matmuls(model, w, &[&wts.output], a, &[&out]);
+        // SAFETY: every member calls this in step; hs is not written during it.
+        unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
     });
     Ok(Logits {
         data: logits,
