@@ -135,9 +135,10 @@ def test_concurrent_generation_matches_sequential(model: Model) -> None:
 
 
 def test_load_errors_are_typed(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    # As the issue asks: a missing path and a directory are model errors too (ValueError).
+    with pytest.raises(ModelError, match="missing.gguf"):
         Model.load(tmp_path / "missing.gguf")
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(ModelError, match="is a directory"):
         Model.load(tmp_path)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 60)

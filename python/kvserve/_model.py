@@ -76,7 +76,6 @@ class Model:
 
     def __init__(self, path: StrPath, threads: int | None = None) -> None:
         spath = os.fspath(path)
-        models.check_model_file(spath)
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.path = Path(spath)

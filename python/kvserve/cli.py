@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .models import DEFAULT_MODEL, REGISTRY, check_model_file
+from .models import DEFAULT_MODEL, REGISTRY
 
 if TYPE_CHECKING:
     from ._model import Model
@@ -79,8 +79,6 @@ _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
 def _load(args: argparse.Namespace) -> Model:
-    if args.model is not None:
-        check_model_file(args.model)  # a clear error even before the engine is imported
     from ._model import Model
 
     return Model.load(args.model, threads=_threads(args))

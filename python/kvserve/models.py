@@ -40,7 +40,6 @@ __all__ = [
     "WheelPart",
     "cache_dir",
     "cached_path",
-    "check_model_file",
     "lookup",
     "pull",
 ]
@@ -119,14 +118,6 @@ def _resolve(spec: ModelSpec | str | None) -> ModelSpec:
     if spec is None:
         return DEFAULT_MODEL
     return lookup(spec) if isinstance(spec, str) else spec
-
-
-def check_model_file(path: str | os.PathLike[str]) -> None:
-    """Raise a one-line ``FileNotFoundError``/``IsADirectoryError`` unless ``path`` is a file."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model file not found: {os.fspath(path)}")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"model path is a directory, not a GGUF file: {os.fspath(path)}")
 
 
 def cache_dir() -> Path:

@@ -56,9 +56,14 @@ impl Model {
     #[new]
     #[pyo3(signature = (path, threads=None))]
     fn new(py: Python<'_>, path: std::path::PathBuf, threads: Option<usize>) -> PyResult<Model> {
+        // Every way a model path can be unusable (missing, a directory, malformed) is a
+        // `ModelError`, so `except ValueError` covers loading.
         let m = py
             .detach(|| CoreModel::load(&path, threads))
-            .map_err(to_py)?;
+            .map_err(|e| match e {
+                kvserve_core::Error::Io(m) => crate::errors::ModelError::new_err(m),
+                e => to_py(e),
+            })?;
         Ok(Model { inner: Arc::new(m) })
     }
 
