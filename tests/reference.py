@@ -12,11 +12,11 @@ the engine's code; its only shared assumption is that positions, not batch order
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 
@@ -41,6 +41,8 @@ class Spec:
     # Multiplies attn_output and ffn_down: 0 makes every block a no-op, so the logits are one
     # matmul, rms_norm(token_embd[t]) @ output^T, which isolates the matmul kernels.
     branch_scale: float = 1.0
+    # Tensors to store as zero blocks of another ggml type (to exercise unsupported types).
+    raw_types: dict[str, str] = field(default_factory=dict)
 
     @property
     def hd(self) -> int:
@@ -171,6 +173,12 @@ def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
 
     stored: dict[str, np.ndarray] = {}
     for name, arr in mats.items():
+        if name in spec.raw_types:
+            qt = GGMLQuantizationType[spec.raw_types[name]]
+            block, size = GGML_QUANT_SIZES[qt]
+            zeros = np.zeros((arr.shape[0], arr.shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, zeros, raw_dtype=qt)
+            continue
         data, back, raw = _stored(arr, spec.wtype)
         stored[name] = back
         w.add_tensor(name, data, raw_dtype=raw if raw != GGMLQuantizationType.F32 else None)
