@@ -198,6 +198,18 @@ def test_bench_json(model_path: Path) -> None:
         assert isinstance(value, float) and value > 0
 
 
+def test_bench_batched_json(model_path: Path) -> None:
+    obj = ok_json(
+        "bench", "--model", str(model_path), "--batch", "1,3", "-p", "8", "-n", "2", "--json"
+    )
+    rows = obj["batches"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    bad = run_cli("bench", "--model", str(model_path), "--batch", "1,0", "--json")
+    assert bad.returncode != 0 and "positive integer" in bad.stderr
+
+
 def test_info(model_path: Path) -> None:
     proc = run_cli("info", "--model", str(model_path))
     assert proc.returncode == 0, proc.stderr

@@ -75,6 +75,13 @@ def _int_at_least(lowest: int, what: str) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1, "a positive integer")
+
+
+def _int_list(text: str) -> list[int]:
+    """A comma-separated list of positive integers (``1,4,16``)."""
+    return [_positive_int(part) for part in text.split(",")]
+
+
 _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
@@ -134,8 +141,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import _core
 
     model = _load(args)
-    result = _core.bench(model.core, args.n_prompt, args.n_gen, args.reps)
     threads = model.core.threads
+    if args.batch:
+        rows = _core.bench_batched(model.core, args.batch, args.n_prompt, args.n_gen)
+        if args.json:
+            _print_json({"batches": rows})
+        else:
+            _write(f"model: {model.path.name}  threads: {threads}  simd: {_core.simd_level()}\n")
+            for r in rows:
+                _write(
+                    f"batch {r['batch']:>3}: prefill {r['prefill_tok_s']:8.1f} tok/s  "
+                    f"decode {r['decode_tok_s']:8.1f} tok/s\n"
+                )
+        return 0
+    result = _core.bench(model.core, args.n_prompt, args.n_gen, args.reps)
     if args.json:
         _print_json(result)
     else:
@@ -249,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="default: 512")
     p.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="default: 128")
     p.add_argument("-r", "--reps", type=_positive_int, default=3, help="timed runs, averaged")
+    p.add_argument(
+        "--batch",
+        type=_int_list,
+        metavar="B1,B2,...",
+        help="serve B sequences together (each a -p prompt, then -n tokens), like "
+        "llama-batched-bench; prints {'batches': [...]}",
+    )
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="print a summary of the model's metadata")

@@ -257,3 +257,29 @@ pub fn bench<'py>(
     d.set_item("threads", model.inner.threads())?;
     Ok(d)
 }
+
+/// llama-batched-bench-style throughput for each batch size: a list of
+/// {"batch": B, "prefill_tok_s": pp, "decode_tok_s": tg}.
+#[pyfunction]
+#[pyo3(signature = (model, batches, n_prompt=128, n_gen=64))]
+pub fn bench_batched<'py>(
+    py: Python<'py>,
+    model: &Model,
+    batches: Vec<usize>,
+    n_prompt: usize,
+    n_gen: usize,
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for b in batches {
+        let m = Arc::clone(&model.inner);
+        let r = py
+            .detach(move || core_model::bench_batched(&m, b, n_prompt, n_gen))
+            .map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("batch", r.batch)?;
+        d.set_item("prefill_tok_s", r.prefill_tok_s)?;
+        d.set_item("decode_tok_s", r.decode_tok_s)?;
+        out.append(d)?;
+    }
+    Ok(out)
+}

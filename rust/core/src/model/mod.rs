@@ -214,3 +214,70 @@ pub fn bench(
         decode_tok_s: if n_gen > 0 { n_gen as f64 / tg } else { 0.0 },
     })
 }
+
+/// Throughput of `batch` sequences served together, measured like llama-batched-bench:
+/// `prefill_tok_s` = all sequences' prompt tokens (one batch holding every prompt) per second,
+/// `decode_tok_s` = all sequences' generated tokens per second, one token per sequence per step.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchedBenchResult {
+    pub batch: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+pub fn bench_batched(
+    model: &Arc<Model>,
+    batch: usize,
+    n_prompt: usize,
+    n_gen: usize,
+) -> Result<BatchedBenchResult> {
+    if batch == 0 || n_prompt == 0 {
+        return Err(invalid(
+            "batched bench needs at least one sequence and one prompt token",
+        ));
+    }
+    let n_vocab = model.n_vocab() as u64;
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut tok = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n_vocab) as u32
+    };
+    let mut ctx = Context::new(Arc::clone(model), batch * (n_prompt + n_gen) + 8)?;
+    let mut prompt = Batch::default();
+    for s in 0..batch {
+        for p in 0..n_prompt {
+            prompt.tokens.push(tok());
+            prompt.positions.push(p as i32);
+            prompt.seq_ids.push(s as i32);
+            prompt.logits.push(p + 1 == n_prompt);
+        }
+    }
+    // Warm-up (page in the weights), then the measured run.
+    ctx.decode(&Batch::prompt(&[tok()], 0, 0))?;
+    ctx.clear();
+    let t0 = Instant::now();
+    ctx.decode(&prompt)?;
+    let pp = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for i in 0..n_gen {
+        let step = Batch {
+            tokens: (0..batch).map(|_| tok()).collect(),
+            positions: vec![(n_prompt + i) as i32; batch],
+            seq_ids: (0..batch as i32).collect(),
+            logits: vec![true; batch],
+        };
+        ctx.decode(&step)?;
+    }
+    let tg = t0.elapsed().as_secs_f64();
+    Ok(BatchedBenchResult {
+        batch,
+        prefill_tok_s: (batch * n_prompt) as f64 / pp,
+        decode_tok_s: if n_gen > 0 {
+            (batch * n_gen) as f64 / tg
+        } else {
+            0.0
+        },
+    })
+}
