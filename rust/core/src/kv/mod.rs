@@ -4,5 +4,10 @@
 //! K-shifts that these modules plan. Semantics are written down in docs/KV_SEMANTICS.md.
 
 pub mod pool;
+pub mod table;
+
+#[cfg(test)]
+mod tests;
 
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
+pub use table::{CellShift, CowCopy, KvTable, Pos, SeqId, TableStats, Updates, WritePlan};
