@@ -148,7 +148,9 @@ fn table(n_blocks: u32, bs: usize) -> KvTable {
 }
 
 /// Everything observable about a table and its pool, to check "nothing changed".
-fn snapshot(t: &KvTable) -> (Vec<Vec<(Pos, BlockId, u16)>>, Vec<(u32, u64)>, PoolStats) {
+type Snapshot = (Vec<Vec<(Pos, BlockId, u16)>>, Vec<(u32, u64)>, PoolStats);
+
+fn snapshot(t: &KvTable) -> Snapshot {
     let seqs = t.seq_ids().into_iter().map(|s| t.cells(s)).collect();
     let p = t.pool();
     let blocks = (0..p.total() as u32)
@@ -339,4 +341,231 @@ fn random_operations_match_the_model() {
         "KvCacheFull path exercised only {full_hits} times"
     );
     assert!(ops_done >= 90_000);
+}
+
+fn positions(t: &KvTable, s: SeqId) -> Vec<Pos> {
+    t.cells(s).into_iter().map(|c| c.0).collect()
+}
+
+#[test]
+fn appends_fill_blocks_in_order() {
+    let mut t = table(8, 4);
+    let plan = t.prepare_write(0, &(0..10).collect::<Vec<_>>()).unwrap();
+    let want: Vec<(BlockId, u16)> = (0..10).map(|i| (i as u32 / 4, (i % 4) as u16)).collect();
+    assert_eq!(plan.slots, want);
+    assert!(plan.updates.is_empty());
+    assert_eq!(t.stats().held_blocks, 3);
+    assert_eq!(t.stats().unused_slots, 2);
+    // The next token continues in the partly filled tail.
+    assert_eq!(t.prepare_write(0, &[10]).unwrap().slots, vec![(2, 2)]);
+    t.check().unwrap();
+}
+
+#[test]
+fn seq_cp_shares_and_write_copies_partial_tail_only() {
+    let mut t = table(8, 4);
+    t.prepare_write(0, &(0..6).collect::<Vec<_>>()).unwrap();
+    t.seq_cp(0, 1, -1, -1).unwrap();
+    assert_eq!(t.pool().stats().shared, 2);
+    assert_eq!(t.stats().held_blocks, 2, "seq_cp allocates nothing");
+    let plan = t.prepare_write(1, &[6]).unwrap();
+    // Block 1 (slots 0..2 used) is shared and partly filled: copied; block 0 stays shared.
+    assert_eq!(
+        plan.updates.copies,
+        vec![CowCopy {
+            src: 1,
+            dst: 2,
+            n_slots: 2
+        }]
+    );
+    assert_eq!(plan.slots, vec![(2, 2)]);
+    assert_eq!(
+        t.cells(1).iter().map(|c| c.1).collect::<Vec<_>>(),
+        vec![0, 0, 0, 0, 2, 2, 2]
+    );
+    // The source is now exclusive again and appends in place.
+    let plan = t.prepare_write(0, &[6]).unwrap();
+    assert!(plan.updates.copies.is_empty());
+    assert_eq!(plan.slots, vec![(1, 2)]);
+    t.check().unwrap();
+}
+
+#[test]
+fn shared_prefix_memory_bound() {
+    // The bound: N sequences sharing a P-token prefix with U unique tokens each use at
+    // most ceil(P/b) + N*(ceil(U/b) + 1) blocks.
+    let (b, p, n, u) = (16usize, 200usize, 8usize, 40usize);
+    let mut t = table(200, b);
+    t.prepare_write(0, &(0..p as i32).collect::<Vec<_>>())
+        .unwrap();
+    for s in 1..n as i32 {
+        t.seq_cp(0, s, -1, -1).unwrap();
+    }
+    for step in 0..u as i32 {
+        let seqs: Vec<SeqId> = (0..n as i32).collect();
+        t.prepare_batch(&seqs, &vec![p as i32 + step; n]).unwrap();
+    }
+    let used = t.pool().stats().referenced;
+    let bound = p.div_ceil(b) + n * (u.div_ceil(b) + 1);
+    assert!(used <= bound, "{used} blocks > bound {bound}");
+    assert_eq!(used, p / b + n * (((p % b) + u).div_ceil(b)));
+    t.check().unwrap();
+}
+
+#[test]
+fn full_cache_fails_without_changes() {
+    let mut t = table(3, 4);
+    t.prepare_write(0, &(0..9).collect::<Vec<_>>()).unwrap();
+    let before = snapshot(&t);
+    // 3 more tokens fit in block 2, the 4th needs a block that does not exist.
+    let err = t.prepare_batch(&[0, 0, 1, 0], &[9, 10, 0, 11]).unwrap_err();
+    assert!(matches!(err, Error::KvCacheFull(_)), "{err:?}");
+    assert_eq!(snapshot(&t), before);
+    t.prepare_batch(&[0, 0, 0], &[9, 10, 11]).unwrap();
+    t.check().unwrap();
+    // Bad input is InvalidInput, not a panic.
+    assert!(matches!(
+        t.prepare_write(-1, &[0]),
+        Err(Error::InvalidInput(_))
+    ));
+    assert!(matches!(
+        t.prepare_write(0, &[-3]),
+        Err(Error::InvalidInput(_))
+    ));
+    assert!(matches!(
+        t.prepare_batch(&[0], &[]),
+        Err(Error::InvalidInput(_))
+    ));
+}
+
+#[test]
+fn rm_tail_then_rewrite_reuses_slots() {
+    let mut t = table(4, 4);
+    t.prepare_write(0, &(0..7).collect::<Vec<_>>()).unwrap();
+    t.seq_rm(0, 5, -1);
+    assert_eq!(t.seq_pos_max(0), 4);
+    let plan = t.prepare_write(0, &[5, 6, 7]).unwrap();
+    assert_eq!(plan.slots, vec![(1, 1), (1, 2), (1, 3)]);
+    assert_eq!(t.stats().held_blocks, 2);
+}
+
+#[test]
+fn seq_add_records_pending_shifts_and_removes_negative() {
+    let mut t = table(4, 4);
+    t.prepare_write(0, &(0..6).collect::<Vec<_>>()).unwrap();
+    t.seq_add(0, 4, -1, 10).unwrap();
+    assert_eq!(positions(&t, 0), vec![0, 1, 2, 3, 14, 15]);
+    let u = t.take_updates();
+    assert_eq!(
+        u.shifts,
+        vec![
+            CellShift {
+                block: 1,
+                slot: 0,
+                delta: 10
+            },
+            CellShift {
+                block: 1,
+                slot: 1,
+                delta: 10
+            }
+        ]
+    );
+    assert!(!t.has_updates());
+    // Shifting below zero drops the cells (llama.cpp semantics).
+    t.seq_add(0, -1, 2, -1).unwrap();
+    assert_eq!(positions(&t, 0), vec![0, 2, 3, 14, 15]);
+    assert_eq!(t.seq_pos_min(0), 0);
+    t.seq_div(0, 10, -1, 2).unwrap();
+    assert_eq!(positions(&t, 0), vec![0, 2, 3, 7, 7]);
+    let u = t.take_updates();
+    assert_eq!(
+        u.shifts.iter().map(|s| s.delta).collect::<Vec<_>>(),
+        vec![-1, -7, -8]
+    );
+    assert!(matches!(
+        t.seq_div(0, 0, -1, 0),
+        Err(Error::InvalidInput(_))
+    ));
+    t.check().unwrap();
+}
+
+#[test]
+fn shifting_a_shared_cell_copies_it_first() {
+    let mut t = table(4, 4);
+    t.prepare_write(0, &[0, 1, 2]).unwrap();
+    t.seq_cp(0, 1, -1, -1).unwrap();
+    t.seq_add(1, 1, -1, 5).unwrap();
+    // Seq 0 keeps its positions; seq 1 got a private copy of the block.
+    assert_eq!(positions(&t, 0), vec![0, 1, 2]);
+    assert_eq!(positions(&t, 1), vec![0, 6, 7]);
+    let u = t.take_updates();
+    assert_eq!(
+        u.copies,
+        vec![CowCopy {
+            src: 0,
+            dst: 1,
+            n_slots: 3
+        }]
+    );
+    assert_eq!(u.shifts.len(), 2);
+    assert!(u.shifts.iter().all(|s| s.block == 1 && s.delta == 5));
+    // Shifting all sequences moves the shared cells once, in place.
+    t.seq_cp(0, 2, -1, -1).unwrap();
+    t.seq_add(-1, 0, 1, 3).unwrap();
+    let u = t.take_updates();
+    assert!(u.copies.is_empty());
+    assert_eq!(
+        u.shifts.len(),
+        2,
+        "cell (0,0) shared by seqs 0 and 2 moves once: {u:?}"
+    );
+    assert_eq!(positions(&t, 0)[0], 3);
+    assert_eq!(positions(&t, 2)[0], 3);
+    // A shift that needs a copy fails cleanly when the pool is full.
+    t.prepare_write(3, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+    let before = snapshot(&t);
+    assert!(matches!(
+        t.seq_add(2, -1, -1, 1),
+        Err(Error::KvCacheFull(_))
+    ));
+    assert_eq!(snapshot(&t), before);
+    t.check().unwrap();
+}
+
+#[test]
+fn rm_all_keep_clear_and_open_ranges() {
+    let mut t = table(8, 2);
+    t.prepare_batch(&[0, 1, 2, 0, 1, 2], &[0, 0, 0, 1, 1, 1])
+        .unwrap();
+    t.seq_cp(0, 3, 1, 2).unwrap();
+    t.seq_rm(-1, 1, -1);
+    for s in 0..3 {
+        assert_eq!(positions(&t, s), vec![0]);
+    }
+    assert_eq!(t.seq_pos_max(3), -1, "seq 3 lost its only cell");
+    t.seq_keep(1).unwrap();
+    assert_eq!(t.seq_ids(), vec![1]);
+    assert!(matches!(t.seq_keep(-1), Err(Error::InvalidInput(_))));
+    assert!(matches!(t.seq_cp(-1, 0, 0, 1), Err(Error::InvalidInput(_))));
+    t.check().unwrap();
+    t.clear();
+    assert_eq!(t.pool().stats().free, 8);
+    assert_eq!(t.seq_pos_max(-1), -1);
+    t.check().unwrap();
+}
+
+#[test]
+fn released_sequences_evict_tails_first() {
+    let mut t = table(4, 2);
+    t.prepare_write(0, &[0, 1, 2, 3, 4, 5]).unwrap();
+    for (k, (_, b, _)) in t.cells(0).into_iter().enumerate() {
+        t.pool().set_key(b, 1000 + k as u64 / 2).unwrap();
+    }
+    t.seq_rm(0, -1, -1);
+    assert_eq!(t.pool().stats().cached, 3);
+    // Seq 1 needs two blocks: one free block, then the cached tail (block 2) goes first.
+    t.prepare_write(1, &[0, 1, 2, 3]).unwrap();
+    assert!(t.pool().is_cached(0) && !t.pool().is_cached(2));
+    t.check().unwrap();
 }
