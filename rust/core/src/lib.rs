@@ -9,6 +9,7 @@
 pub mod batch;
 pub mod error;
 pub mod gguf;
+pub mod kv;
 pub mod model;
 pub mod ops;
 pub mod quant;
