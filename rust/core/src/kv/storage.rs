@@ -377,7 +377,10 @@ impl KvStorage {
             || kv_dim % head_dim != 0
             || rope.n_rot > head_dim
             || rope.n_rot % 2 != 0
-            || rope.freq_factors.as_ref().is_some_and(|f| f.len() < rope.n_rot / 2)
+            || rope
+                .freq_factors
+                .as_ref()
+                .is_some_and(|f| f.len() < rope.n_rot / 2)
         {
             return Err(invalid(format!(
                 "rotate_k: head_dim {head_dim} / n_rot {} do not fit kv_dim {kv_dim}",
@@ -513,7 +516,10 @@ mod tests {
         let l = layout(KvType::F16);
         assert_eq!(l.bytes_per_block(), 3 * 2 * 4 * 64 * 2);
         assert_eq!(layout(KvType::Q8_0).bytes_per_block(), 3 * 2 * 4 * 2 * 34);
-        assert_eq!(layout(KvType::F32).bytes_per_block(), 2 * l.bytes_per_block());
+        assert_eq!(
+            layout(KvType::F32).bytes_per_block(),
+            2 * l.bytes_per_block()
+        );
         assert_eq!(l.n_blocks_for_bytes(10 * l.bytes_per_block() + 5), 10);
         let s = KvStorage::with_bytes(l, 10 * l.bytes_per_block() + 5).unwrap();
         assert_eq!(s.n_blocks(), 10);
