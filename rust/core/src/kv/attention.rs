@@ -100,7 +100,7 @@ pub fn attend_at(
     let hd = query.head_dim;
     ty.check_dim(hd, "head_dim")?;
     let kv_dim = store.kv_dim();
-    if kv_dim % hd != 0 || query.kv_head >= kv_dim / hd {
+    if !kv_dim.is_multiple_of(hd) || query.kv_head >= kv_dim / hd {
         return Err(invalid(format!(
             "attention: kv_head {} with head_dim {hd} outside kv_dim {kv_dim}",
             query.kv_head
@@ -114,7 +114,7 @@ pub fn attend_at(
         )));
     }
     let q = query.q;
-    if q.is_empty() || q.len() % hd != 0 || out.len() != q.len() {
+    if q.is_empty() || !q.len().is_multiple_of(hd) || out.len() != q.len() {
         return Err(invalid(format!(
             "attention: q has {} values and out {}, expected the same multiple of head_dim {hd}",
             q.len(),
@@ -539,6 +539,49 @@ mod x86 {
         n: usize,
         acc: *mut f32,
     ) {
+        if hd.is_multiple_of(64) {
+            // Register path: 64 output columns stay in 4 registers across the block's rows.
+            for h in 0..g {
+                for c in (0..hd).step_by(64) {
+                    // SAFETY: columns c..c+64 of head h are inside acc; row segments and
+                    // weights are within the bounds the caller guarantees.
+                    unsafe {
+                        let a = acc.add(h * hd + c);
+                        let mut r = [
+                            _mm512_loadu_ps(a),
+                            _mm512_loadu_ps(a.add(16)),
+                            _mm512_loadu_ps(a.add(32)),
+                            _mm512_loadu_ps(a.add(48)),
+                        ];
+                        for j in 0..n {
+                            let w = *p.add(h * n + j);
+                            if w == 0.0 {
+                                continue;
+                            }
+                            let seg = rows.add(j * stride);
+                            if T == 2 {
+                                for b in 0..2 {
+                                    let blk = seg.add(34 * (c / 32 + b));
+                                    let wd = _mm512_set1_ps(w * f16_scale(blk));
+                                    r[2 * b] = _mm512_fmadd_ps(wd, q8x16(blk.add(2)), r[2 * b]);
+                                    r[2 * b + 1] =
+                                        _mm512_fmadd_ps(wd, q8x16(blk.add(18)), r[2 * b + 1]);
+                                }
+                            } else {
+                                let wv = _mm512_set1_ps(w);
+                                for (k, rk) in r.iter_mut().enumerate() {
+                                    *rk = _mm512_fmadd_ps(wv, load16::<T>(seg, c + 16 * k), *rk);
+                                }
+                            }
+                        }
+                        for (k, rk) in r.iter().enumerate() {
+                            _mm512_storeu_ps(a.add(16 * k), *rk);
+                        }
+                    }
+                }
+            }
+            return;
+        }
         for j in 0..n {
             // SAFETY: within the bounds the caller guarantees.
             unsafe {
@@ -697,6 +740,47 @@ mod x86 {
         n: usize,
         acc: *mut f32,
     ) {
+        if hd.is_multiple_of(32) {
+            // Register path: 32 output columns stay in 4 registers across the block's rows.
+            for h in 0..g {
+                for c in (0..hd).step_by(32) {
+                    // SAFETY: columns c..c+32 of head h are inside acc; row segments and
+                    // weights are within the bounds the caller guarantees.
+                    unsafe {
+                        let a = acc.add(h * hd + c);
+                        let mut r = [
+                            _mm256_loadu_ps(a),
+                            _mm256_loadu_ps(a.add(8)),
+                            _mm256_loadu_ps(a.add(16)),
+                            _mm256_loadu_ps(a.add(24)),
+                        ];
+                        for j in 0..n {
+                            let w = *p.add(h * n + j);
+                            if w == 0.0 {
+                                continue;
+                            }
+                            let seg = rows.add(j * stride);
+                            if T == 2 {
+                                let blk = seg.add(34 * (c / 32));
+                                let wd = _mm256_set1_ps(w * f16_scale(blk));
+                                for (k, rk) in r.iter_mut().enumerate() {
+                                    *rk = _mm256_fmadd_ps(wd, q8x8(blk.add(2 + 8 * k)), *rk);
+                                }
+                            } else {
+                                let wv = _mm256_set1_ps(w);
+                                for (k, rk) in r.iter_mut().enumerate() {
+                                    *rk = _mm256_fmadd_ps(wv, load8::<T>(seg, c + 8 * k), *rk);
+                                }
+                            }
+                        }
+                        for (k, rk) in r.iter().enumerate() {
+                            _mm256_storeu_ps(a.add(8 * k), *rk);
+                        }
+                    }
+                }
+            }
+            return;
+        }
         for j in 0..n {
             // SAFETY: within the bounds the caller guarantees.
             unsafe {
@@ -830,7 +914,7 @@ mod tests {
                 .map(|i| if i % 11 == 5 { -1 } else { i })
                 .collect();
             let qpos = n_kv as i32 - 2 * bs as i32;
-            let every_third = |i: usize| i % 3 == 0;
+            let every_third = |i: usize| i.is_multiple_of(3);
             let masks = [
                 Mask::All,
                 Mask::Causal {

@@ -91,7 +91,7 @@ impl KvType {
         if dim == 0 {
             return Err(invalid(format!("KV {what} must be positive")));
         }
-        if self == KvType::Q8_0 && dim % Q8_0_BLOCK != 0 {
+        if self == KvType::Q8_0 && !dim.is_multiple_of(Q8_0_BLOCK) {
             return Err(Error::Unsupported(format!(
                 "KV cache type q8_0 needs {what} to be a multiple of 32, got {dim}; use f16"
             )));
@@ -374,9 +374,9 @@ impl KvStorage {
         self.check_slots(&slots)?;
         let kv_dim = self.layout.kv_dim;
         if head_dim == 0
-            || kv_dim % head_dim != 0
+            || !kv_dim.is_multiple_of(head_dim)
             || rope.n_rot > head_dim
-            || rope.n_rot % 2 != 0
+            || !rope.n_rot.is_multiple_of(2)
             || rope
                 .freq_factors
                 .as_ref()
