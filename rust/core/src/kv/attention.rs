@@ -6,7 +6,15 @@
 //! group's scores (one pass over the block's key segments, each read once for all heads), folds
 //! them into a running max and sum per head (rescaling the accumulated output when the max
 //! grows), and adds the value segments weighted by `exp(score - max)`. Masked cells get weight
-//! exactly 0 and are skipped in the value pass.
+//! exactly 0 and are skipped in the value pass. In the SIMD value pass, when `head_dim` is a
+//! multiple of 64 (AVX-512) or 32 (AVX2), each head's output columns stay in registers across
+//! the block's rows, so the accumulator is loaded and stored once per block, not once per cell.
+//!
+//! Measured (release, one AVX-512 core shared with other jobs, so upper bounds): head_dim 64, a
+//! GQA group of 3 heads, block size 16: about 40-55 ns per cell for F16 and Q8_0 alike (e.g.
+//! ~5 us at n_kv 128, ~40 us at 1024, ~180-200 us at 4096); versus exact f32 keys/values the
+//! output error is ~2e-4 mean / 3e-3 max for F16 and ~5e-3 mean / 8e-2 max for Q8_0 (unit-scale
+//! values). `kv_measure` (an ignored test) reprints these.
 //!
 //! # Guarantees
 //!
