@@ -6,10 +6,12 @@
 //! - [`storage`]: the K/V data of every block (f16, q8_0 or f32), never moved.
 //! - [`attention`]: attention of a query head group over a sequence's own blocks.
 //!
-//! Semantics are written down in docs/KV_SEMANTICS.md. Not yet wired into the forward pass
-//! (model/cache.rs still serves it); that is the next step of issue #3.
+//! - [`cache`]: `PagedCache`, the four above glued together for a decoding context.
+//!
+//! Semantics are written down in docs/KV_SEMANTICS.md.
 
 pub mod attention;
+pub mod cache;
 pub mod pool;
 pub mod storage;
 pub mod table;
@@ -17,5 +19,6 @@ pub mod table;
 #[cfg(test)]
 mod tests;
 
+pub use cache::{PagedCache, SeqView, DEFAULT_BLOCK_SIZE};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use table::{CellShift, CowCopy, KvTable, Pos, SeqId, TableStats, Updates, WritePlan};

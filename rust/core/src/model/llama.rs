@@ -5,13 +5,14 @@
 //! tokens at once, attention runs per token over the cells of that token's own sequence whose
 //! position is not after the token's (the causal mask by position, as llama.cpp applies it).
 
-use super::cache::SeqCache;
 use super::config::{Arch, Config};
 use super::{Logits, Model};
 use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
-use crate::ops::{self, vec as fvec};
+use crate::kv::attention::{self, Mask, Query};
+use crate::kv::{PagedCache, SeqView};
+use crate::ops;
 use crate::quant::{self, GgmlType, MatmulJob, QMatrix, QuantizedActs};
 use crate::shared::SharedSlice;
 use crate::threads::Worker;
@@ -265,12 +266,17 @@ fn matmuls(
 /// The pass is one SPMD region on the model's team: every member walks the layers; each step
 /// splits its work (tokens, output rows, (token, head) pairs) across the members and ends in a
 /// barrier. Activation quantization and cache writes are cheap and run on member 0.
-pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Result<Logits> {
+pub(crate) fn forward(model: &Model, cache: &mut PagedCache, batch: &Batch) -> Result<Logits> {
     let c = &model.config;
     let wts = &model.weights;
     let n = batch.len();
     let (d, qd, kvd, hd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim, c.n_ff);
     let cells = cache.reserve(batch)?;
+    // Each sequence's blocks and slot positions, including this batch's new cells.
+    let mut views: std::collections::HashMap<i32, SeqView> = std::collections::HashMap::new();
+    for &sq in &batch.seq_ids {
+        views.entry(sq).or_insert_with(|| cache.view(sq));
+    }
 
     // Token embeddings and RoPE angles (cheap, serial).
     let mut x = vec![0.0f32; n * d];
@@ -324,8 +330,7 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
     // this member (its token share, its tasks' rows, or everything on member 0 alone), and reads
     // shared data only after the barrier that ends the step which wrote it.
     model.team.run(|w| {
-        let mut scores: Vec<f32> = Vec::new();
-        let mut idx: Vec<usize> = Vec::new();
+        let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
             // 1. h = norm(x) over this member's tokens.
             for t in w.share(n) {
@@ -389,28 +394,37 @@ pub(crate) fn forward(model: &Model, cache: &mut SeqCache, batch: &Batch) -> Res
                 unsafe { cache.slice_mut(0..1)[0].write(li, &cells, k.all(), v.all()) };
             }
             w.sync();
-            // 5. Attention, one task per (token, head).
+            // 5. Attention, one task per (token, KV head): the query heads of a GQA group
+            // read each cached key and value once, over the token's own sequence only.
             // SAFETY: the cache and q are read-only in this step.
             let (cache_r, q_r) = unsafe { (&cache.slice(0..1)[0], q.all()) };
-            w.for_tasks(n * c.n_head, |job| {
-                let (t, head) = (job / c.n_head, job % c.n_head);
-                let kvh = head / group;
-                let qrow = &q_r[t * qd + head * hd..t * qd + (head + 1) * hd];
-                let pos = batch.positions[t];
-                let (keys, vals, positions) = cache_r.layer_view(li, batch.seq_ids[t]);
-                scores.clear();
-                idx.clear();
-                for (ci, &p) in positions.iter().enumerate() {
-                    if p <= pos {
-                        let kr = &keys[ci * kvd + kvh * hd..ci * kvd + (kvh + 1) * hd];
-                        scores.push(fvec::dot(qrow, kr) * scale);
-                        idx.push(ci);
-                    }
-                }
-                ops::softmax(&mut scores);
-                // SAFETY: this (token, head) slice of attn belongs to this task only.
-                let orow = unsafe { attn.slice_mut(t * qd + head * hd..t * qd + (head + 1) * hd) };
-                fvec::weighted_sum(&scores, vals, kvd, kvh * hd, &idx, orow);
+            let store = cache_r.storage();
+            w.for_tasks(n * c.n_head_kv, |job| {
+                let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+                let view = &views[&batch.seq_ids[t]];
+                let cols = t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
+                let query = Query {
+                    layer: li,
+                    kv_head: kvh,
+                    head_dim: hd,
+                    q: &q_r[cols.clone()],
+                    scale,
+                    mask: Mask::Causal {
+                        positions: &view.positions,
+                        qpos: batch.positions[t],
+                    },
+                };
+                // SAFETY: this (token, head group) slice of attn belongs to this task only.
+                let out = unsafe { attn.slice_mut(cols) };
+                attention::attend(
+                    store,
+                    &view.blocks,
+                    view.positions.len(),
+                    &query,
+                    out,
+                    &mut scratch,
+                )
+                .expect("query shapes were validated at load");
             });
             // 6. Output projection.
             // SAFETY: every member calls this in step; attn is not written during it.

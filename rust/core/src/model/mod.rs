@@ -1,7 +1,6 @@
 //! Models: loading a GGUF file into a runnable [`Model`] (weights stay in the mapping), and a
 //! [`Context`] that runs batches through it and keeps their keys and values.
 
-pub mod cache;
 pub mod config;
 pub mod llama;
 
@@ -12,9 +11,10 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Result};
 use crate::gguf::GgufFile;
+use crate::kv::storage::KvType;
+use crate::kv::{PagedCache, DEFAULT_BLOCK_SIZE};
 use crate::tokenizer::{Tokenizer, VocabData};
 
-pub use cache::SeqCache;
 pub use config::{Arch, Config};
 
 /// A loaded model: configuration, weight locations in the mmapped file, tokenizer, thread pool.
@@ -118,7 +118,7 @@ pub fn vocab_from_gguf(g: &GgufFile) -> Result<VocabData> {
 /// A running context: the model plus the keys and values of its sequences.
 pub struct Context {
     model: Arc<Model>,
-    cache: SeqCache,
+    cache: PagedCache,
 }
 
 impl Context {
@@ -128,7 +128,15 @@ impl Context {
             return Err(invalid("n_ctx must be positive"));
         }
         let c = &model.config;
-        let cache = SeqCache::new(c.n_layer, c.kv_dim(), n_ctx);
+        let cache = PagedCache::new(
+            c.n_layer,
+            c.kv_dim(),
+            c.head_dim,
+            c.rope.clone(),
+            n_ctx,
+            KvType::F16,
+            DEFAULT_BLOCK_SIZE,
+        )?;
         Ok(Context { model, cache })
     }
 
@@ -140,8 +148,12 @@ impl Context {
         self.cache.n_ctx()
     }
 
-    pub fn cache(&self) -> &SeqCache {
+    pub fn cache(&self) -> &PagedCache {
         &self.cache
+    }
+
+    pub fn cache_mut(&mut self) -> &mut PagedCache {
+        &mut self.cache
     }
 
     /// Runs one batch; returns logits for the tokens that asked for them, in batch order.

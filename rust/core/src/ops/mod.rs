@@ -1,12 +1,10 @@
 //! Tensor operations on f32 activations: RMSNorm, RoPE (normal/NeoX, linear and YaRN scaling),
-//! softmax, SiLU, and the small dense kernels attention needs (dot, axpy) with runtime-dispatched
-//! SIMD twins of scalar references.
+//! SiLU/SwiGLU, residual adds. (Attention lives with the KV cache, in `kv::attention`.)
 //!
 //! Activations are row-major `[n_tokens][dim]` slices. None of these functions allocate per
 //! element; all are deterministic for a given SIMD level.
 
 pub mod rope;
-pub mod vec;
 
 pub use rope::{Rope, RopeScaling};
 
@@ -31,20 +29,6 @@ pub fn rms_norm_rows(x: &mut [f32], dim: usize, w: &[f32], eps: f32) {
         for (v, &g) in row.iter_mut().zip(w) {
             *v = *v * scale * g;
         }
-    }
-}
-
-/// Numerically stable softmax in place.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
     }
 }
 
@@ -85,17 +69,6 @@ mod tests {
         let mut rows = x.to_vec();
         rms_norm_rows(&mut rows, 4, &w, 1e-5);
         assert_eq!(rows, out.to_vec());
-    }
-
-    #[test]
-    fn softmax_sums_to_one_and_orders() {
-        let mut x = vec![1.0f32, 2.0, 3.0, -1000.0];
-        softmax(&mut x);
-        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        assert!(x[2] > x[1] && x[1] > x[0] && x[3] == 0.0);
-        let e = [1f64.exp(), 2f64.exp(), 3f64.exp()];
-        let z: f64 = e.iter().sum();
-        assert!((x[0] as f64 - e[0] / z).abs() < 1e-6);
     }
 
     #[test]
