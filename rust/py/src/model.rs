@@ -235,6 +235,82 @@ impl Context {
     fn clear(&mut self) {
         self.inner.clear()
     }
+
+    /// Lowest position stored for `seq`, or -1.
+    fn seq_pos_min(&self, seq: i32) -> i32 {
+        self.inner.cache().table().seq_pos_min(seq)
+    }
+
+    /// Highest position stored for `seq`, or -1.
+    fn seq_pos_max(&self, seq: i32) -> i32 {
+        self.inner.cache().table().seq_pos_max(seq)
+    }
+
+    /// Drops positions [p0, p1) of `seq` (negative bounds: open ends; seq < 0: all).
+    #[pyo3(signature = (seq, p0=-1, p1=-1))]
+    fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) {
+        self.inner.cache_mut().table_mut().seq_rm(seq, p0, p1)
+    }
+
+    /// `dst` also holds `src`'s positions in [p0, p1): blocks are shared, not copied.
+    #[pyo3(signature = (src, dst, p0=-1, p1=-1))]
+    fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
+        self.inner
+            .cache_mut()
+            .table_mut()
+            .seq_cp(src, dst, p0, p1)
+            .map_err(to_py)
+    }
+
+    /// Drops every sequence but `seq`.
+    fn seq_keep(&mut self, seq: i32) -> PyResult<()> {
+        self.inner
+            .cache_mut()
+            .table_mut()
+            .seq_keep(seq)
+            .map_err(to_py)
+    }
+
+    /// Adds `delta` to positions in [p0, p1) of `seq`; keys are re-rotated before the next
+    /// attention.
+    fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> PyResult<()> {
+        self.inner
+            .cache_mut()
+            .table_mut()
+            .seq_add(seq, p0, p1, delta)
+            .map_err(to_py)
+    }
+
+    /// Divides positions in [p0, p1) of `seq` by `d` (integer division).
+    fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> PyResult<()> {
+        self.inner
+            .cache_mut()
+            .table_mut()
+            .seq_div(seq, p0, p1, d)
+            .map_err(to_py)
+    }
+
+    /// Cache statistics: blocks by state, tokens stored, unused slots in held blocks.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let cache = self.inner.cache();
+        let p = cache.table().pool().stats();
+        let t = cache.stats();
+        let d = PyDict::new(py);
+        d.set_item("blocks_total", p.total)?;
+        d.set_item("blocks_free", p.free)?;
+        d.set_item("blocks_cached", p.cached)?;
+        d.set_item("blocks_referenced", p.referenced)?;
+        d.set_item("blocks_shared", p.shared)?;
+        d.set_item("block_size", cache.table().block_size())?;
+        d.set_item(
+            "bytes_per_block",
+            cache.storage().layout().bytes_per_block(),
+        )?;
+        d.set_item("sequences", t.sequences)?;
+        d.set_item("tokens_stored", t.live_cells)?;
+        d.set_item("unused_slots", t.unused_slots)?;
+        Ok(d)
+    }
 }
 
 /// llama-bench-style throughput: {"prefill_tok_s": pp, "decode_tok_s": tg}.

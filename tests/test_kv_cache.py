@@ -1,0 +1,133 @@
+"""The paged KV cache through the binding: llama.cpp's sequence operations, block sharing,
+copy-on-write and the lazy K-shift, each checked against a fresh computation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvserve import _core
+
+PROMPT = "The lighthouse keeper climbed the stairs every evening to light the lamp, and"
+
+
+@pytest.fixture(scope="module")
+def core(model_path: Path) -> _core.Model:
+    return _core.Model(model_path, threads=2)
+
+
+def _run(
+    ctx: _core.Context, tokens: list[int], pos0: int, seq: int = 0, all_logits: bool = False
+) -> np.ndarray:
+    n = len(tokens)
+    want = [True] * n if all_logits else [False] * (n - 1) + [True]
+    out = ctx.decode(tokens, list(range(pos0, pos0 + n)), [seq] * n, want)
+    return np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab).copy()
+
+
+def _close(a: np.ndarray, b: np.ndarray, rel: float) -> None:
+    scale = float(np.abs(b).max())
+    diff = float(np.abs(a - b).max())
+    assert diff <= rel * scale, f"max |diff| {diff:.4g} > {rel} x {scale:.4g}"
+
+
+def test_seq_add_shift_decodes_as_if_computed_at_new_positions(core: _core.Model) -> None:
+    toks = core.tokenize(PROMPT, add_special=True)
+    nxt = core.tokenize(" the", add_special=False)
+    n, d = len(toks), 37
+    shifted = core.new_context(256)
+    _run(shifted, toks, 0)
+    shifted.seq_add(0, 0, -1, d)  # every key is re-rotated lazily, before the next attention
+    assert (shifted.seq_pos_min(0), shifted.seq_pos_max(0)) == (d, n - 1 + d)
+    got = _run(shifted, nxt, n + d)
+
+    fresh = core.new_context(256)
+    _run(fresh, toks, d)
+    want = _run(fresh, nxt, n + d)
+    # Rotating a stored f16 key adds one more f16 rounding; everything else is the same.
+    _close(got, want, 0.02)
+    assert int(got.argmax()) == int(want.argmax())
+
+    # Without the K-shift the keys would sit at the old positions: visibly different.
+    stale = core.new_context(256)
+    _run(stale, toks, 0)
+    other = _run(stale, nxt, n + d)
+    assert float(np.abs(other - want).max()) > 5 * float(np.abs(got - want).max())
+
+
+def test_seq_cp_shares_blocks_and_copy_on_write_keeps_sequences_apart(core: _core.Model) -> None:
+    toks = core.tokenize(PROMPT, add_special=True)
+    a, b = core.tokenize(" the", add_special=False), core.tokenize(" a", add_special=False)
+    n = len(toks)
+    ctx = core.new_context(256)
+    _run(ctx, toks, 0)
+    before = ctx.stats()
+    ctx.seq_cp(0, 1)
+    st = ctx.stats()
+    assert st["tokens_stored"] == n  # shared, not copied
+    assert st["blocks_referenced"] == before["blocks_referenced"]
+    assert st["blocks_shared"] == st["blocks_referenced"]
+    # One batch, two sequences, each continuing the shared prefix differently.
+    out = ctx.decode([a[0], b[0]], [n, n], [0, 1], [True, True])
+    got = np.frombuffer(out, dtype=np.float32).reshape(2, out.n_vocab)
+    for row, tok in ((0, a), (1, b)):
+        alone = core.new_context(256)
+        _run(alone, toks, 0)
+        _close(got[row], _run(alone, tok, n)[0], 1e-3)
+    # Writing into the shared, partly filled tail block copied its cells first (copy-on-write).
+    b_size = st["block_size"]
+    assert ctx.stats()["tokens_stored"] == n + 2 + n % b_size
+
+
+def test_seq_rm_tail_then_redecode_gives_the_same_logits(core: _core.Model) -> None:
+    toks = core.tokenize(PROMPT, add_special=True)
+    n = len(toks)
+    ctx = core.new_context(256)
+    # Same batch shapes both times: kernels are chosen by batch size, and rounding differences
+    # between them are amplified through the layers of this small model.
+    _run(ctx, toks[: n - 3], 0)
+    first = _run(ctx, toks[n - 3 :], n - 3)
+    ctx.seq_rm(0, n - 3, -1)
+    assert ctx.seq_pos_max(0) == n - 4
+    again = _run(ctx, toks[n - 3 :], n - 3)
+    _close(again, first, 1e-5)
+    assert int(again.argmax()) == int(first.argmax())
+
+
+def test_seq_keep_and_div_and_clear(core: _core.Model) -> None:
+    toks = core.tokenize(PROMPT, add_special=True)
+    n = len(toks)
+    ctx = core.new_context(256)
+    _run(ctx, toks, 0, seq=0)
+    _run(ctx, toks[:5], 0, seq=1)
+    ctx.seq_keep(1)
+    assert ctx.seq_pos_max(0) == -1 and ctx.seq_pos_max(1) == 4
+    ctx.seq_div(1, 0, -1, 2)
+    assert (ctx.seq_pos_min(1), ctx.seq_pos_max(1)) == (0, 2)
+    ctx.clear()
+    assert ctx.stats()["tokens_stored"] == 0 and ctx.seq_pos_max(1) == -1
+    _run(ctx, toks, 0)  # still usable
+    assert ctx.seq_pos_max(0) == n - 1
+
+
+def test_shared_prefix_memory_bound(core: _core.Model) -> None:
+    """N sequences sharing a P-token prefix with U unique tokens each use at most
+    ceil(P/b) + N * (ceil(U/b) + 1) blocks (the issue's bound)."""
+    toks = core.tokenize(PROMPT * 12, add_special=True)
+    p_len, n_seq, u_len = 96, 4, 20
+    prefix = toks[:p_len]
+    ctx = core.new_context(p_len + n_seq * u_len + 64)
+    _run(ctx, prefix, 0)
+    for s in range(1, n_seq):
+        ctx.seq_cp(0, s)
+    for i in range(u_len):
+        tokens = [toks[p_len + i]] * n_seq
+        ctx.decode(tokens, [p_len + i] * n_seq, list(range(n_seq)), [False] * n_seq)
+    st = ctx.stats()
+    b = st["block_size"]
+    bound = math.ceil(p_len / b) + n_seq * (math.ceil(u_len / b) + 1)
+    assert st["blocks_referenced"] <= bound, (st, bound)
+    assert st["tokens_stored"] == p_len + n_seq * u_len
