@@ -521,6 +521,32 @@ mod tests {
     }
 
     #[test]
+    fn attach_rejects_bad_requests_without_changes() {
+        let mut c = cache(64);
+        let p = prompt(9, 11);
+        decode(&mut c, 0, &p, 0);
+        let pool = Arc::clone(c.table().pool());
+        let cells = c.table().cells(0);
+        let (b0, b1) = (cells[0].1, cells[4].1);
+        // The caller's references: one per block.
+        pool.retain(b0).unwrap();
+        pool.retain(b1).unwrap();
+        let t = c.table_mut();
+        assert!(t.attach_blocks(0, &[b0]).is_err(), "sequence not empty");
+        assert!(t.attach_blocks(-1, &[b0]).is_err(), "negative id");
+        assert!(t.attach_blocks(1, &[b0, b0]).is_err(), "repeated block");
+        assert!(
+            t.attach_blocks(1, &[b1]).is_err(),
+            "block 1 holds positions 4..8"
+        );
+        assert!(t.attach_blocks(1, &[b0, 999]).is_err(), "out of range");
+        assert!(t.cells(1).is_empty());
+        t.attach_blocks(1, &[b0, b1]).unwrap();
+        t.check().unwrap();
+        assert_eq!(content(&c, 1), expect(&p[..8]));
+    }
+
+    #[test]
     fn only_clean_prefix_blocks_get_keys() {
         let mut c = cache(128);
         let pool = Arc::clone(c.table().pool());
