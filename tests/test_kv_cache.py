@@ -131,3 +131,40 @@ def test_shared_prefix_memory_bound(core: _core.Model) -> None:
     bound = math.ceil(p_len / b) + n_seq * (math.ceil(u_len / b) + 1)
     assert st["blocks_referenced"] <= bound, (st, bound)
     assert st["tokens_stored"] == p_len + n_seq * u_len
+
+
+def test_prefix_reuse_gives_the_same_logits_and_generation(core: _core.Model) -> None:
+    toks = core.tokenize(PROMPT * 8, add_special=True)[:100]
+    assert len(toks) == 100
+    ctx = core.new_context(512)
+    b = ctx.stats()["block_size"]
+    _run(ctx, toks, 0, seq=0)
+    ctx.seq_rm(0)
+    assert ctx.stats()["blocks_cached"] >= 100 // b  # full blocks stay cached, unreferenced
+    n = ctx.match_prefix(1, toks)
+    assert n > 0 and n % b == 0 and n <= 99
+    st = ctx.stats()
+    assert (st["prefix_lookups"], st["prefix_hit_tokens"]) == (1, n)
+    assert st["tokens_stored"] == n and ctx.seq_pos_max(1) == n - 1
+    got = _run(ctx, toks[n:], n, seq=1)
+
+    # Fresh context, same batch shapes (kernels depend on the batch size): split at n.
+    fresh = core.new_context(512)
+    _run(fresh, toks[:n], 0)
+    want = _run(fresh, toks[n:], n)
+    _close(got, want, 1e-5)
+
+    def generate(c: _core.Context, seq: int, first: np.ndarray) -> list[int]:
+        out = [int(first.argmax())]
+        for i in range(15):
+            out.append(int(_run(c, [out[-1]], 100 + i, seq=seq).argmax()))
+        return out
+
+    reused = generate(ctx, 1, got)
+    plain = core.new_context(512)
+    whole = _run(plain, toks, 0)
+    assert generate(plain, 0, whole) == reused
+
+    # Not for a sequence that already has cells.
+    with pytest.raises(ValueError):
+        ctx.match_prefix(1, toks)

@@ -290,7 +290,23 @@ impl Context {
             .map_err(to_py)
     }
 
-    /// Cache statistics: blocks by state, tokens stored, unused slots in held blocks.
+    /// For a new (empty) sequence `seq`: maps the longest cached prefix of `tokens` (whole
+    /// blocks, at most `len(tokens) - 1` tokens) onto cached blocks and returns its length `n`;
+    /// decode `tokens[n:]` at positions `n..` next.
+    fn match_prefix(&mut self, seq: i32, tokens: Vec<i64>) -> PyResult<usize> {
+        let model = Arc::clone(self.inner.model());
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_token(&model, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        self.inner
+            .cache_mut()
+            .match_prefix(seq, &tokens)
+            .map_err(to_py)
+    }
+
+    /// Cache statistics: blocks by state, tokens stored, unused slots in held blocks, prefix
+    /// lookups and the tokens they mapped.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let cache = self.inner.cache();
         let p = cache.table().pool().stats();
@@ -309,6 +325,9 @@ impl Context {
         d.set_item("sequences", t.sequences)?;
         d.set_item("tokens_stored", t.live_cells)?;
         d.set_item("unused_slots", t.unused_slots)?;
+        let ps = cache.prefix_stats();
+        d.set_item("prefix_lookups", ps.lookups)?;
+        d.set_item("prefix_hit_tokens", ps.hit_tokens)?;
         Ok(d)
     }
 }

@@ -6,19 +6,23 @@
 //! - [`storage`]: the K/V data of every block (f16, q8_0 or f32), never moved.
 //! - [`attention`]: attention of a query head group over a sequence's own blocks.
 //!
-//! - [`cache`]: `PagedCache`, the four above glued together for a decoding context.
+//! - [`prefix`]: content keys of full blocks and the key -> block index for prefix reuse.
+//!
+//! - [`cache`]: `PagedCache`, the five above glued together for a decoding context.
 //!
 //! Semantics are written down in docs/KV_SEMANTICS.md.
 
 pub mod attention;
 pub mod cache;
 pub mod pool;
+pub mod prefix;
 pub mod storage;
 pub mod table;
 
 #[cfg(test)]
 mod tests;
 
-pub use cache::{PagedCache, SeqView, DEFAULT_BLOCK_SIZE};
+pub use cache::{PagedCache, PrefixStats, SeqView, DEFAULT_BLOCK_SIZE};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
+pub use prefix::{block_key, PrefixIndex, ROOT_KEY};
 pub use table::{CellShift, CowCopy, KvTable, Pos, SeqId, TableStats, Updates, WritePlan};

@@ -85,6 +85,10 @@ struct Seq {
     cells: Vec<(BlockId, u16)>,
     /// Block -> number of this sequence's cells in it (each entry = one pool reference).
     holds: HashMap<BlockId, u32>,
+    /// Some cell of the sequence was moved (`seq_add`/`seq_div`) or it received cells of another
+    /// sequence (`seq_cp` into a non-empty or from a tainted sequence): its blocks get no
+    /// content keys. Reset when the sequence becomes empty.
+    tainted: bool,
 }
 
 /// Table-level counts.
@@ -277,8 +281,16 @@ impl KvTable {
                 })
                 .collect()
         });
+        if add.is_empty() {
+            return Ok(());
+        }
+        let clean =
+            !self.seqs.contains_key(&dst) && self.seqs.get(&src).is_some_and(|q| !q.tainted);
         for (b, sl) in add {
             self.add_cell(dst, b, sl, false)?;
+        }
+        if let Some(q) = self.seqs.get_mut(&dst) {
+            q.tainted |= !clean;
         }
         Ok(())
     }
@@ -364,8 +376,13 @@ impl KvTable {
             self.copy_block(t, b, nb, top)?;
         }
         // Removals first, decided on the old positions.
+        let mut removed_any = false;
         for &t in &targets {
-            self.drop_cells(t, |p| in_range(p) && f(p) < 0);
+            self.drop_cells(t, |p| {
+                let r = in_range(p) && f(p) < 0;
+                removed_any |= r;
+                r
+            });
         }
         // Each distinct cell moves once, even if several sequences reference it.
         let mut moved = HashSet::new();
@@ -382,6 +399,13 @@ impl KvTable {
                     if np != p {
                         touched.push((b, sl, np));
                     }
+                }
+            }
+        }
+        if !touched.is_empty() || removed_any {
+            for t in self.targets(s) {
+                if let Some(q) = self.seqs.get_mut(&t) {
+                    q.tainted = true;
                 }
             }
         }
@@ -569,6 +593,79 @@ impl KvTable {
             updates: self.take_updates(),
             slots,
         })
+    }
+
+    /// If `s` is untainted and block `b` holds exactly its cells number `i*bs .. (i+1)*bs` in
+    /// slot order with positions `i*bs + slot` (no pending shift), and so do all blocks before
+    /// it: `Some((i, parent))` where `parent` is the block of cells `(i-1)*bs..` (`None` for
+    /// `i == 0`). Such a block may get a content key (docs/KV_SEMANTICS.md, "Prefix index").
+    pub fn full_prefix_block(&self, s: SeqId, b: BlockId) -> Option<(usize, Option<BlockId>)> {
+        let q = self.seqs.get(&s)?;
+        if q.tainted {
+            return None;
+        }
+        let bs = self.bs;
+        let k = q.cells.iter().position(|c| *c == (b, 0))?;
+        if k % bs != 0 || k + bs > q.cells.len() {
+            return None;
+        }
+        for (j, &(cb, sl)) in q.cells[..k + bs].iter().enumerate() {
+            let i = self.idx(cb, sl);
+            if sl as usize != j % bs
+                || cb != q.cells[j - j % bs].0
+                || self.pos[i] != j as Pos
+                || self.rope[i] != j as Pos
+            {
+                return None;
+            }
+        }
+        Some((k / bs, (k > 0).then(|| q.cells[k - bs].0)))
+    }
+
+    /// Attaches whole blocks to the empty sequence `s`: block `blocks[i]` provides positions
+    /// `[i*bs, (i+1)*bs)` in slot order. The caller must already hold one pool reference per
+    /// block (e.g. from `BlockPool::revive`), which passes to the sequence. Fails with
+    /// `InvalidInput` (nothing changed, references still the caller's) if `s < 0`, `s` has cells
+    /// or a block repeats.
+    pub fn attach_blocks(&mut self, s: SeqId, blocks: &[BlockId]) -> Result<()> {
+        if s < 0 {
+            return Err(Error::InvalidInput(format!(
+                "attach needs a sequence id >= 0, got {s}"
+            )));
+        }
+        if self.seqs.contains_key(&s) {
+            return Err(Error::InvalidInput(format!(
+                "sequence {s} is not empty; prefix blocks attach only to a new sequence"
+            )));
+        }
+        let distinct: HashSet<BlockId> = blocks.iter().copied().collect();
+        if distinct.len() != blocks.len() || blocks.iter().any(|&b| b as usize >= self.pool.total())
+        {
+            return Err(Error::InvalidInput(
+                "attach: blocks must be distinct pool blocks".into(),
+            ));
+        }
+        // The cells keep their position and rotation from when they were written; they must be
+        // exactly the positions the block provides here.
+        for (i, &b) in blocks.iter().enumerate() {
+            for sl in 0..self.bs {
+                let c = self.idx(b, sl as u16);
+                let p = (i * self.bs + sl) as Pos;
+                if self.pos[c] != p || self.rope[c] != p {
+                    return Err(Error::InvalidInput(format!(
+                        "attach: block {b} slot {sl} holds position {} (rotated for {}), not {p}",
+                        self.pos[c], self.rope[c]
+                    )));
+                }
+            }
+        }
+        for &b in blocks {
+            for sl in 0..self.bs {
+                // The first cell takes over the caller's reference (`fresh`).
+                self.add_cell(s, b, sl as u16, true)?;
+            }
+        }
+        Ok(())
     }
 
     /// Plans the writes of `positions.len()` tokens of sequence `s`.
