@@ -24,6 +24,8 @@ pub struct Model {
     weights: llama::Weights,
     gguf: GgufFile,
     team: crate::threads::Team,
+    /// Stable identity of the weights, part of every prefix-cache block key.
+    id: u64,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -59,12 +61,14 @@ impl Model {
             )));
         }
         let team = crate::threads::Team::new(threads);
+        let id = model_identity(&gguf);
         Ok(Model {
             config,
             tokenizer,
             weights,
             gguf,
             team,
+            id,
         })
     }
 
@@ -79,6 +83,43 @@ impl Model {
     pub fn threads(&self) -> usize {
         self.team.threads()
     }
+
+    /// Stable identity of the weights (see [`model_identity`]).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+/// A stable 64-bit identity of a model file's weights for prefix-cache keys: the tensor table
+/// (names, types, shapes, offsets), the file size, and the first and last 4 KiB of every
+/// tensor's data. Cheap (no full read of the weights) and the same on every run and platform.
+pub fn model_identity(g: &GgufFile) -> u64 {
+    fn words(bytes: &[u8]) -> Vec<u32> {
+        bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(w)
+            })
+            .collect()
+    }
+    let mut h = crate::kv::block_key(0x6b76_7365_7276_6549, g.file_size(), &[]);
+    for t in g.tensors() {
+        let mut w = words(t.name.as_bytes());
+        w.push(t.ty.id());
+        for &d in &t.dims {
+            w.extend([d as u32, (d >> 32) as u32]);
+        }
+        w.extend([t.offset as u32, (t.offset >> 32) as u32]);
+        let data = g.tensor_data(t);
+        let head = &data[..data.len().min(4096)];
+        let tail = &data[data.len().saturating_sub(4096)..];
+        w.extend(words(head));
+        w.extend(words(tail));
+        h = crate::kv::block_key(h, h, &w);
+    }
+    h
 }
 
 /// Reads the tokenizer description from GGUF metadata.
@@ -128,7 +169,7 @@ impl Context {
             return Err(invalid("n_ctx must be positive"));
         }
         let c = &model.config;
-        let cache = PagedCache::new(
+        let mut cache = PagedCache::new(
             c.n_layer,
             c.kv_dim(),
             c.head_dim,
@@ -137,6 +178,7 @@ impl Context {
             KvType::F16,
             DEFAULT_BLOCK_SIZE,
         )?;
+        cache.set_model_id(model.id());
         Ok(Context { model, cache })
     }
 
