@@ -1,10 +1,10 @@
 //! AVX-512 VNNI kernels for the legacy block types against Q8 activations:
-//! - `dot_row2`: one row times one token, two blocks per 512-bit `vpdpbusd`, 16 blocks reduced
-//!   to exact per-block sums in the 16 lanes (decode path);
+//! - `dot_row2`: one row times one token, two blocks per 512-bit `vpdpbusd`, 8 blocks reduced
+//!   to exact per-block sums in 8 lanes (decode path);
 //! - `tile`: `R` rows times `G * 16` tokens over the packed activation layout (prefill path).
 //!
-//! Both follow the canonical f32 order of `legacy::vec_dot_scalar` (16 slot accumulators,
-//! block `b` into slot `b % 16`, fixed final tree), so for every (row, token) they return the
+//! Both follow the canonical f32 order of `legacy::vec_dot_scalar` (8 slot accumulators,
+//! block `b` into slot `b % 8`, fixed final tree), so for every (row, token) they return the
 //! same bits as each other and as the scalar reference: a token's result does not depend on
 //! the batch it is in.
 //!
@@ -84,33 +84,36 @@ unsafe fn weights_pair<const T: u8, const TWO: bool>(b0: *const u8) -> __m512i {
     }
 }
 
-/// Block held by lane `k` of [`reduce8`]'s result (pairs `(2p, 2p + 1)` in input `p`).
-const PERM: [i32; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
-/// Inverse of [`PERM`]: lane of block `j`.
-const INV: [i32; 16] = [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15];
+/// Block (and slot) held by lane `k` of [`reduce4`]'s result: pairs `(2p, 2p + 1)` come in
+/// as vector `p`.
+const PERM8: [i32; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+/// Inverse of [`PERM8`]: lane of slot `j`.
+const INV8: [i32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+/// `ds` index of `da` for lane `k` (`2 * PERM8[k]`; the upper 8 entries are unused).
+const IDA: [i32; 16] = [0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0];
 
-/// Reduces 8 vectors of `vpdpbusd` partials (vector `p` holds blocks `2p` and `2p + 1`, 8 lanes
-/// each) to the 16 exact block sums, block `PERM[k]` in lane `k`.
+/// Reduces 4 vectors of `vpdpbusd` partials (vector `p` holds blocks `2p` and `2p + 1`, 8 lanes
+/// each) to the 8 exact block sums, block `PERM8[k]` in lane `k`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-fn reduce8(v: &[__m512i; 8]) -> __m512i {
+fn reduce4(v: &[__m512i; 4]) -> __m256i {
     let h = |a: __m512i, b: __m512i| {
         _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
     };
-    let q = |a: __m512i, b: __m512i| {
-        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-    };
-    let s0 = q(h(v[0], v[1]), h(v[2], v[3]));
-    let s1 = q(h(v[4], v[5]), h(v[6], v[7]));
-    _mm512_add_epi32(
-        _mm512_shuffle_i32x4::<0x88>(s0, s1),
-        _mm512_shuffle_i32x4::<0xDD>(s0, s1),
-    )
+    let a = h(v[0], v[1]);
+    let b = h(v[2], v[3]);
+    // 128-bit lane L now holds [v0, v1, v2, v3] partial sums of quarter L.
+    let s = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    let r = _mm512_add_epi32(
+        _mm512_shuffle_i32x4::<0x08>(s, s),
+        _mm512_shuffle_i32x4::<0x0D>(s, s),
+    );
+    _mm512_castsi512_si256(r)
 }
 
 /// Dot product of one legacy row (`nb` blocks at `row`) with one token's Q8 activations
-/// (`qa`: `32 * nb` quants, `ds`: `nb` interleaved `(da, sa)`), 16 blocks per step with the
-/// lanes of the accumulator as the 16 slots of the canonical order (`legacy::vec_dot_scalar`).
+/// (`qa`: `32 * nb` quants, `ds`: `nb` interleaved `(da, sa)`), 8 blocks per step with the
+/// 8 lanes of the accumulator as the slots of the canonical order (`legacy::vec_dot_scalar`).
 ///
 /// # Safety
 /// The features in the attribute are available and all pointers cover `nb` blocks.
@@ -122,30 +125,30 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
     nb: usize,
 ) -> f32 {
     let ts = block_bytes(T);
-    // SAFETY: PERM/INV are 16 i32 each.
-    let (perm, inv) = unsafe {
+    // SAFETY: the tables hold 8, 8 and 16 i32.
+    let (perm, inv, ida) = unsafe {
         (
-            _mm512_loadu_si512(PERM.as_ptr().cast()),
-            _mm512_loadu_si512(INV.as_ptr().cast()),
+            _mm256_loadu_si256(PERM8.as_ptr().cast()),
+            _mm256_loadu_si256(INV8.as_ptr().cast()),
+            _mm512_loadu_si512(IDA.as_ptr().cast()),
         )
     };
-    let goff = _mm512_mullo_epi32(perm, _mm512_set1_epi32(ts as i32));
-    let ida = _mm512_add_epi32(perm, perm);
+    let goff = _mm256_mullo_epi32(perm, _mm256_set1_epi32(ts as i32));
     let isa = _mm512_add_epi32(ida, _mm512_set1_epi32(1));
     let c = match T {
         T_Q4_0 => -8.0,
         T_Q5_0 => -16.0,
         _ => -128.0,
     };
-    let mut acc = _mm512_setzero_ps();
+    let mut acc = _mm256_setzero_ps();
     let mut g0 = 0;
-    // SAFETY: full steps read blocks g0..g0+16 <= nb; the tail step reads only blocks < nb
+    // SAFETY: full steps read blocks g0..g0+8 <= nb; the tail step reads only blocks < nb
     // (masked loads and gathers, zero vectors for missing pairs).
     unsafe {
         while g0 < nb {
             let rem = nb - g0;
             let blk = row.add(g0 * ts);
-            let mut v = [_mm512_setzero_si512(); 8];
+            let mut v = [_mm512_setzero_si512(); 4];
             for (p, vp) in v.iter_mut().enumerate() {
                 let b = g0 + 2 * p;
                 if b + 1 < nb {
@@ -158,53 +161,45 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
                     *vp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
                 }
             }
-            let isum = reduce8(&v);
-            let (k, raw, lo, hi) = if rem >= 16 {
+            let isum = reduce4(&v);
+            let (k, raw, dsv) = if rem >= 8 {
                 (
-                    0xFFFFu16,
-                    _mm512_i32gather_epi32::<1>(goff, blk.cast()),
+                    0xFFu8,
+                    _mm256_i32gather_epi32::<1>(blk.cast(), goff),
                     _mm512_loadu_ps(ds.add(2 * g0)),
-                    _mm512_loadu_ps(ds.add(2 * g0 + 16)),
                 )
             } else {
-                let k = _mm512_cmplt_epi32_mask(perm, _mm512_set1_epi32(rem as i32));
-                let n2 = 2 * rem;
-                let mlo = if n2 >= 16 { 0xFFFF } else { (1u16 << n2) - 1 };
-                let mhi = if n2 > 16 { (1u16 << (n2 - 16)) - 1 } else { 0 };
+                let k = _mm256_cmplt_epi32_mask(perm, _mm256_set1_epi32(rem as i32));
+                let m2 = (1u16 << (2 * rem)) - 1;
                 (
                     k,
-                    _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, goff, blk.cast()),
-                    _mm512_maskz_loadu_ps(mlo, ds.add(2 * g0)),
-                    _mm512_maskz_loadu_ps(mhi, ds.add(2 * g0 + 16)),
+                    _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), k, goff, blk.cast()),
+                    _mm512_maskz_loadu_ps(m2, ds.add(2 * g0)),
                 )
             };
-            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+            let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw));
             let m = if T == T_Q4_1 || T == T_Q5_1 {
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(raw)))
+                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(raw)))
             } else {
-                _mm512_mul_ps(d, _mm512_set1_ps(c))
+                _mm256_mul_ps(d, _mm256_set1_ps(c))
             };
-            let da = _mm512_permutex2var_ps(lo, ida, hi);
-            let sa = _mm512_permutex2var_ps(lo, isa, hi);
-            let sc = _mm512_mul_ps(d, da);
-            acc = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc, k);
-            acc = _mm512_mask3_fmadd_ps(m, sa, acc, k);
-            g0 += 16;
+            let da = _mm512_castps512_ps256(_mm512_permutexvar_ps(ida, dsv));
+            let sa = _mm512_castps512_ps256(_mm512_permutexvar_ps(isa, dsv));
+            let sc = _mm256_mul_ps(d, da);
+            acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc, k);
+            acc = _mm256_mask3_fmadd_ps(m, sa, acc, k);
+            g0 += 8;
         }
     }
-    tree16(_mm512_permutexvar_ps(inv, acc))
+    tree8(_mm256_permutevar8x32_ps(acc, inv))
 }
 
-/// The canonical final reduction of 16 slot accumulators (slot `j` in lane `j`): lanes
-/// `j + j+8`, then `j + j+4`, `j + j+2`, `0 + 1`.
+/// The canonical final reduction of 8 slot accumulators (slot `j` in lane `j`): lanes
+/// `j + j+4`, then `j + j+2`, then `0 + 1`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-fn tree16(v: __m512) -> f32 {
-    let h8 = _mm256_add_ps(
-        _mm512_castps512_ps256(v),
-        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-    );
-    let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps::<1>(h8));
+fn tree8(v: __m256) -> f32 {
+    let h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
     _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)))
 }
@@ -281,12 +276,12 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
 ) {
     let ts = block_bytes(T);
     // Slot results of the canonical order (`legacy::vec_dot_scalar`), lanes = tokens. Blocks
-    // are visited slot-major (s, s + 16, ...), so one register accumulator per (row, group)
+    // are visited slot-major (s, s + 8, ...), so one register accumulator per (row, group)
     // suffices; the order of the f32 operations per slot is the canonical one.
-    let mut slots = [[[_mm512_setzero_ps(); 16]; G]; R];
+    let mut slots = [[[_mm512_setzero_ps(); 8]; G]; R];
     // SAFETY: b < nb, g < G, k < 8 and r < R keep every access inside the ranges above.
     unsafe {
-        for s in 0..nb.min(16) {
+        for s in 0..nb.min(8) {
             let mut facc = [[_mm512_setzero_ps(); G]; R];
             let mut b = s;
             while b < nb {
@@ -326,7 +321,7 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
                         facc[r][g] = _mm512_fmadd_ps(vm, sa[g], f);
                     }
                 }
-                b += 16;
+                b += 8;
             }
             for r in 0..R {
                 for g in 0..G {
@@ -337,7 +332,7 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
         for r in 0..R {
             for g in 0..G {
                 let a = &mut slots[r][g];
-                for h in [8, 4, 2, 1] {
+                for h in [4, 2, 1] {
                     for j in 0..h {
                         a[j] = _mm512_add_ps(a[j], a[j + h]);
                     }

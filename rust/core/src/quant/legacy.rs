@@ -136,7 +136,7 @@ pub(crate) fn unpack_block(ty: GgmlType, blk: &[u8], q: &mut [i32; QK]) -> (f32,
 }
 
 /// Slots of the canonical accumulation order (see [`vec_dot_scalar`]).
-pub(crate) const SLOTS: usize = 16;
+pub(crate) const SLOTS: usize = 8;
 
 /// Scalar reference dot product of one weight row with one token's Q8 activations
 /// (`qa`: quants, `ds`: per block the scale `da` and `sa = da * sum(qa)`).
@@ -144,9 +144,9 @@ pub(crate) const SLOTS: usize = 16;
 /// Canonical f32 order, followed bit for bit by every AVX-512 VNNI kernel (per-row and tile),
 /// so a token's result never depends on the kernel or on the other tokens of the batch:
 /// - per block `b`: exact integer `isum = sum(q * qa)` (Q8_0 uses `q + 128` with
-///   `m_eff = -128 d`, the form the VNNI kernels need), then in slot `s = b % 16`:
+///   `m_eff = -128 d`, the form the VNNI kernels need), then in slot `s = b % 8`:
 ///   `acc[s] = fma(m_eff, sa, fma(isum as f32, d * da, acc[s]))`;
-/// - final: fixed pairwise tree `acc[j] += acc[j + h]` for `h = 8, 4, 2, 1`, result `acc[0]`.
+/// - final: fixed pairwise tree `acc[j] += acc[j + h]` for `h = 4, 2, 1`, result `acc[0]`.
 pub(crate) fn vec_dot_scalar(ty: GgmlType, row: &[u8], qa: &[i8], ds: &[f32]) -> f32 {
     let ts = ty.type_size();
     let mut q = [0i32; QK];
