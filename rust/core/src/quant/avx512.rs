@@ -133,7 +133,8 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
             _mm512_loadu_si512(IDA.as_ptr().cast()),
         )
     };
-    let goff = _mm256_mullo_epi32(perm, _mm256_set1_epi32(ts as i32));
+    let t = ts as i32;
+    let goff = _mm256_setr_epi32(0, 2 * t, 4 * t, 6 * t, t, 3 * t, 5 * t, 7 * t);
     let isa = _mm512_add_epi32(ida, _mm512_set1_epi32(1));
     let c = match T {
         T_Q4_0 => -8.0,

@@ -623,17 +623,38 @@ mod tests {
         ] {
             let data = random_weights(ty, rows, cols, &mut rng);
             let w = QMatrix::new(ty, rows, cols, &data).unwrap();
-            for n in [1usize, 512] {
+            // (n, force packing): small batches also with the tile path forced, to tune
+            // PACK_MIN_TOKENS (both paths give identical bits).
+            for (n, force) in [
+                (1usize, false),
+                (4, false),
+                (4, true),
+                (16, false),
+                (16, true),
+                (32, false),
+                (512, false),
+            ] {
+                if rows > 10000 && n > 1 && n < 512 {
+                    continue;
+                }
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
                 let mut out = vec![0f32; n * rows];
                 let mut a = QuantizedActs::new();
-                q8::quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                let quant = |a: &mut QuantizedActs| {
+                    if force {
+                        quantize_acts_impl(a, &x, n, cols, ty, true).unwrap();
+                    } else {
+                        q8::quantize_acts_into(a, &x, n, cols, ty).unwrap();
+                    }
+                };
+                quant(&mut a);
                 let tq = std::time::Instant::now();
-                q8::quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                quant(&mut a);
                 let dq = tq.elapsed().as_secs_f64();
                 let iters = match (n, rows > 10000) {
                     (1, false) => 2000,
                     (1, true) => 40,
+                    (2..=32, _) => 200,
                     (_, false) => 20,
                     _ => 2,
                 };
@@ -661,9 +682,10 @@ mod tests {
                         best = best.min(t0.elapsed().as_secs_f64());
                     }
                     println!(
-                        "{} {rows}x{cols} n={n} threads={threads}: best {:.3} ms, {:.1} GFLOP/s \
+                        "{} {rows}x{cols} n={n}{} threads={threads}: best {:.3} ms, {:.1} GFLOP/s \
                          (quantize acts {:.3} ms) level={}",
                         ty.name(),
+                        if a.has_packed() { " tile" } else { " per-row" },
                         best * 1e3,
                         2.0 * (rows * cols * n) as f64 / best / 1e9,
                         dq * 1e3,
