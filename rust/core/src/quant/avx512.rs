@@ -136,11 +136,6 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
     let t = ts as i32;
     let goff = _mm256_setr_epi32(0, 2 * t, 4 * t, 6 * t, t, 3 * t, 5 * t, 7 * t);
     let isa = _mm512_add_epi32(ida, _mm512_set1_epi32(1));
-    let c = match T {
-        T_Q4_0 => -8.0,
-        T_Q5_0 => -16.0,
-        _ => -128.0,
-    };
     let mut acc = _mm256_setzero_ps();
     let mut g0 = 0;
     // SAFETY: full steps read blocks g0..g0+8 <= nb; the tail step reads only blocks < nb
@@ -149,6 +144,35 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
         while g0 < nb {
             let rem = nb - g0;
             let blk = row.add(g0 * ts);
+            if rem <= 2 {
+                // Cheaper tail for one pair (the common 18-block rows): blocks g0 and g0 + 1
+                // go to slots 0 and 1, i.e. lanes 0 and 4 of the accumulator.
+                let two = rem == 2;
+                let v = if two {
+                    let w = weights_pair::<T, true>(blk);
+                    let a = _mm512_loadu_si512(qa.add(g0 * 32).cast());
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+                } else {
+                    let w = weights_pair::<T, false>(blk);
+                    let a = _mm512_maskz_loadu_epi8(0xFFFF_FFFF, qa.add(g0 * 32));
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+                };
+                let t =
+                    _mm256_hadd_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+                let t = _mm256_hadd_epi32(t, t);
+                let u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+                let isum = _mm256_permutevar8x32_epi32(
+                    _mm256_castsi128_si256(u),
+                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                );
+                let r1 = if two { u32_load(blk.add(ts)) as i32 } else { 0 };
+                let raw = _mm256_setr_epi32(u32_load(blk) as i32, 0, 0, 0, r1, 0, 0, 0);
+                let k: u8 = if two { 0x11 } else { 0x01 };
+                let m2 = (1u16 << (2 * rem)) - 1;
+                let dsv = _mm512_maskz_loadu_ps(m2, ds.add(2 * g0));
+                acc = scale_acc::<T>(isum, raw, dsv, ida, isa, k, acc);
+                break;
+            }
             let mut v = [_mm512_setzero_si512(); 4];
             for (p, vp) in v.iter_mut().enumerate() {
                 let b = g0 + 2 * p;
@@ -178,21 +202,42 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
                     _mm512_maskz_loadu_ps(m2, ds.add(2 * g0)),
                 )
             };
-            let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw));
-            let m = if T == T_Q4_1 || T == T_Q5_1 {
-                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(raw)))
-            } else {
-                _mm256_mul_ps(d, _mm256_set1_ps(c))
-            };
-            let da = _mm512_castps512_ps256(_mm512_permutexvar_ps(ida, dsv));
-            let sa = _mm512_castps512_ps256(_mm512_permutexvar_ps(isa, dsv));
-            let sc = _mm256_mul_ps(d, da);
-            acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc, k);
-            acc = _mm256_mask3_fmadd_ps(m, sa, acc, k);
+            acc = scale_acc::<T>(isum, raw, dsv, ida, isa, k, acc);
             g0 += 8;
         }
     }
     tree8(_mm256_permutevar8x32_ps(acc, inv))
+}
+
+/// One step of the canonical order on the slot lanes `k`: `raw` holds the first u32 of each
+/// lane's block (`d`, and `m` for Q4_1/Q5_1), `dsv` the token's `(da, sa)` pairs of the step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn scale_acc<const T: u8>(
+    isum: __m256i,
+    raw: __m256i,
+    dsv: __m512,
+    ida: __m512i,
+    isa: __m512i,
+    k: u8,
+    acc: __m256,
+) -> __m256 {
+    let c = match T {
+        T_Q4_0 => -8.0,
+        T_Q5_0 => -16.0,
+        _ => -128.0,
+    };
+    let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw));
+    let m = if T == T_Q4_1 || T == T_Q5_1 {
+        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(raw)))
+    } else {
+        _mm256_mul_ps(d, _mm256_set1_ps(c))
+    };
+    let da = _mm512_castps512_ps256(_mm512_permutexvar_ps(ida, dsv));
+    let sa = _mm512_castps512_ps256(_mm512_permutexvar_ps(isa, dsv));
+    let sc = _mm256_mul_ps(d, da);
+    let acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc, k);
+    _mm256_mask3_fmadd_ps(m, sa, acc, k)
 }
 
 /// The canonical final reduction of 8 slot accumulators (slot `j` in lane `j`): lanes
