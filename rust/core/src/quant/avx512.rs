@@ -1,8 +1,12 @@
 //! AVX-512 VNNI kernels for the legacy block types against Q8 activations:
-//! - `dot_row2`: one row times one token, two blocks per 512-bit `vpdpbusd` (decode path);
-//!   per pair of blocks the weight scales `[d0, m0, d1, m1]` are converted in one instruction
-//!   and multiplied with the interleaved activation `[da0, sa0, da1, sa1]`;
+//! - `dot_row2`: one row times one token, two blocks per 512-bit `vpdpbusd`, 8 blocks reduced
+//!   to exact per-block sums in 8 lanes (decode path);
 //! - `tile`: `R` rows times `G * 16` tokens over the packed activation layout (prefill path).
+//!
+//! Both follow the canonical f32 order of `legacy::vec_dot_scalar` (8 slot accumulators,
+//! block `b` into slot `b % 8`, fixed final tree), so for every (row, token) they return the
+//! same bits as each other and as the scalar reference: a token's result does not depend on
+//! the batch it is in.
 //!
 //! Tile kernel idea: a 64-byte activation line holds 4 consecutive quants of one block for 16
 //! tokens; broadcasting 4 unpacked weight bytes of one row to all lanes lets one `vpdpbusd`
@@ -15,43 +19,6 @@
 use super::avx2::{block_bytes, f16_load, u32_load, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1};
 use super::q8::Line;
 use std::arch::x86_64::*;
-
-/// `[d0, m_eff0, d1, m_eff1]` for the blocks at `b0` and (if `TWO`) `b0 + ts`; zeros for a
-/// missing second block.
-///
-/// # Safety
-/// The features in the attribute are available; the blocks are readable.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn dm_pair<const T: u8, const TWO: bool>(b0: *const u8) -> __m128 {
-    let ts = block_bytes(T);
-    // SAFETY: reads stay inside the one or two blocks (caller).
-    unsafe {
-        if T == T_Q4_1 || T == T_Q5_1 {
-            let x = _mm_cvtsi32_si128(u32_load(b0) as i32);
-            let x = if TWO {
-                _mm_insert_epi32::<1>(x, u32_load(b0.add(ts)) as i32)
-            } else {
-                x
-            };
-            _mm_cvtph_ps(x)
-        } else {
-            let h0 = b0.cast::<u16>().read_unaligned() as u32 * 0x1_0001;
-            let h1 = if TWO {
-                b0.add(ts).cast::<u16>().read_unaligned() as u32 * 0x1_0001
-            } else {
-                0
-            };
-            let dd = _mm_cvtph_ps(_mm_set_epi32(0, 0, h1 as i32, h0 as i32));
-            let c = match T {
-                T_Q4_0 => -8.0,
-                T_Q5_0 => -16.0,
-                _ => -128.0,
-            };
-            _mm_mul_ps(dd, _mm_setr_ps(1.0, c, 1.0, c))
-        }
-    }
-}
 
 /// Unsigned weight bytes of one or two blocks in element order (`[b0 | b1]`, zeros for a
 /// missing `b1`). Q8_0 is offset by 128 (see the module docs).
@@ -117,45 +84,36 @@ unsafe fn weights_pair<const T: u8, const TWO: bool>(b0: *const u8) -> __m512i {
     }
 }
 
-/// One or two blocks starting at block `b`: returns the scaled partial dot (16 lanes) and the
-/// `[d*da, m*sa, ...]` products whose odd lanes are the min terms.
-///
-/// # Safety
-/// As for [`dot_row2`], with blocks `b` (and `b + 1` if `TWO`) in range.
+/// Block (and slot) held by lane `k` of [`reduce4`]'s result: pairs `(2p, 2p + 1)` come in
+/// as vector `p`.
+const PERM8: [i32; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+/// Inverse of [`PERM8`]: lane of slot `j`.
+const INV8: [i32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+/// `ds` index of `da` for lane `k` (`2 * PERM8[k]`; the upper 8 entries are unused).
+const IDA: [i32; 16] = [0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0];
+
+/// Reduces 4 vectors of `vpdpbusd` partials (vector `p` holds blocks `2p` and `2p + 1`, 8 lanes
+/// each) to the 8 exact block sums, block `PERM8[k]` in lane `k`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn pair_step<const T: u8, const TWO: bool>(
-    row: *const u8,
-    qa: *const i8,
-    ds: *const f32,
-    b: usize,
-    acc: __m512,
-) -> (__m512, __m128) {
-    // SAFETY: block b (and b + 1 when TWO) is inside row, qa and ds (caller).
-    unsafe {
-        let blk = row.add(b * block_bytes(T));
-        let w = weights_pair::<T, TWO>(blk);
-        let (a, dsv) = if TWO {
-            (
-                _mm512_loadu_si512(qa.add(b * 32).cast()),
-                _mm_loadu_ps(ds.add(2 * b)),
-            )
-        } else {
-            (
-                _mm512_maskz_loadu_epi8(0xFFFF_FFFF, qa.add(b * 32)),
-                _mm_castpd_ps(_mm_load_sd(ds.add(2 * b).cast())),
-            )
-        };
-        let prod = _mm_mul_ps(dm_pair::<T, TWO>(blk), dsv);
-        let idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        let scale = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(prod));
-        let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
-        (_mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc), prod)
-    }
+fn reduce4(v: &[__m512i; 4]) -> __m256i {
+    let h = |a: __m512i, b: __m512i| {
+        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+    };
+    let a = h(v[0], v[1]);
+    let b = h(v[2], v[3]);
+    // 128-bit lane L now holds [v0, v1, v2, v3] partial sums of quarter L.
+    let s = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    let r = _mm512_add_epi32(
+        _mm512_shuffle_i32x4::<0x08>(s, s),
+        _mm512_shuffle_i32x4::<0x0D>(s, s),
+    );
+    _mm512_castsi512_si256(r)
 }
 
 /// Dot product of one legacy row (`nb` blocks at `row`) with one token's Q8 activations
-/// (`qa`: `32 * nb` quants, `ds`: `nb` interleaved `(da, sa)`), two blocks per step.
+/// (`qa`: `32 * nb` quants, `ds`: `nb` interleaved `(da, sa)`), 8 blocks per step with the
+/// 8 lanes of the accumulator as the slots of the canonical order (`legacy::vec_dot_scalar`).
 ///
 /// # Safety
 /// The features in the attribute are available and all pointers cover `nb` blocks.
@@ -166,37 +124,130 @@ pub(crate) unsafe fn dot_row2<const T: u8>(
     ds: *const f32,
     nb: usize,
 ) -> f32 {
-    let mut acc0 = _mm512_setzero_ps();
-    let mut acc1 = _mm512_setzero_ps();
-    let mut mins0 = _mm_setzero_ps();
-    let mut mins1 = _mm_setzero_ps();
-    let mut b = 0;
-    // SAFETY: every step reads blocks below nb (caller guarantees nb blocks everywhere).
+    let ts = block_bytes(T);
+    // SAFETY: the tables hold 8, 8 and 16 i32.
+    let (perm, inv, ida) = unsafe {
+        (
+            _mm256_loadu_si256(PERM8.as_ptr().cast()),
+            _mm256_loadu_si256(INV8.as_ptr().cast()),
+            _mm512_loadu_si512(IDA.as_ptr().cast()),
+        )
+    };
+    let t = ts as i32;
+    let goff = _mm256_setr_epi32(0, 2 * t, 4 * t, 6 * t, t, 3 * t, 5 * t, 7 * t);
+    let isa = _mm512_add_epi32(ida, _mm512_set1_epi32(1));
+    let mut acc = _mm256_setzero_ps();
+    let mut g0 = 0;
+    // SAFETY: full steps read blocks g0..g0+8 <= nb; the tail step reads only blocks < nb
+    // (masked loads and gathers, zero vectors for missing pairs).
     unsafe {
-        while b + 4 <= nb {
-            let (a0, p0) = pair_step::<T, true>(row, qa, ds, b, acc0);
-            let (a1, p1) = pair_step::<T, true>(row, qa, ds, b + 2, acc1);
-            (acc0, acc1) = (a0, a1);
-            mins0 = _mm_add_ps(mins0, p0);
-            mins1 = _mm_add_ps(mins1, p1);
-            b += 4;
-        }
-        if b + 2 <= nb {
-            let (a0, p0) = pair_step::<T, true>(row, qa, ds, b, acc0);
-            acc0 = a0;
-            mins0 = _mm_add_ps(mins0, p0);
-            b += 2;
-        }
-        if b < nb {
-            let (a1, p1) = pair_step::<T, false>(row, qa, ds, b, acc1);
-            acc1 = a1;
-            mins1 = _mm_add_ps(mins1, p1);
+        while g0 < nb {
+            let rem = nb - g0;
+            let blk = row.add(g0 * ts);
+            if rem <= 2 {
+                // Cheaper tail for one pair (the common 18-block rows): blocks g0 and g0 + 1
+                // go to slots 0 and 1, i.e. lanes 0 and 4 of the accumulator.
+                let two = rem == 2;
+                let v = if two {
+                    let w = weights_pair::<T, true>(blk);
+                    let a = _mm512_loadu_si512(qa.add(g0 * 32).cast());
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+                } else {
+                    let w = weights_pair::<T, false>(blk);
+                    let a = _mm512_maskz_loadu_epi8(0xFFFF_FFFF, qa.add(g0 * 32));
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+                };
+                let t =
+                    _mm256_hadd_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+                let t = _mm256_hadd_epi32(t, t);
+                let u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+                let isum = _mm256_permutevar8x32_epi32(
+                    _mm256_castsi128_si256(u),
+                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                );
+                let r1 = if two { u32_load(blk.add(ts)) as i32 } else { 0 };
+                let raw = _mm256_setr_epi32(u32_load(blk) as i32, 0, 0, 0, r1, 0, 0, 0);
+                let k: u8 = if two { 0x11 } else { 0x01 };
+                let m2 = (1u16 << (2 * rem)) - 1;
+                let dsv = _mm512_maskz_loadu_ps(m2, ds.add(2 * g0));
+                acc = scale_acc::<T>(isum, raw, dsv, ida, isa, k, acc);
+                break;
+            }
+            let mut v = [_mm512_setzero_si512(); 4];
+            for (p, vp) in v.iter_mut().enumerate() {
+                let b = g0 + 2 * p;
+                if b + 1 < nb {
+                    let w = weights_pair::<T, true>(row.add(b * ts));
+                    let a = _mm512_loadu_si512(qa.add(b * 32).cast());
+                    *vp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                } else if b < nb {
+                    let w = weights_pair::<T, false>(row.add(b * ts));
+                    let a = _mm512_maskz_loadu_epi8(0xFFFF_FFFF, qa.add(b * 32));
+                    *vp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                }
+            }
+            let isum = reduce4(&v);
+            let (k, raw, dsv) = if rem >= 8 {
+                (
+                    0xFFu8,
+                    _mm256_i32gather_epi32::<1>(blk.cast(), goff),
+                    _mm512_loadu_ps(ds.add(2 * g0)),
+                )
+            } else {
+                let k = _mm256_cmplt_epi32_mask(perm, _mm256_set1_epi32(rem as i32));
+                let m2 = (1u16 << (2 * rem)) - 1;
+                (
+                    k,
+                    _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), k, goff, blk.cast()),
+                    _mm512_maskz_loadu_ps(m2, ds.add(2 * g0)),
+                )
+            };
+            acc = scale_acc::<T>(isum, raw, dsv, ida, isa, k, acc);
+            g0 += 8;
         }
     }
-    let m = _mm_add_ps(mins0, mins1);
-    // lanes 1 and 3 hold the min terms
-    let m = _mm_add_ss(_mm_movehdup_ps(m), _mm_movehl_ps(m, _mm_movehdup_ps(m)));
-    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(m)
+    tree8(_mm256_permutevar8x32_ps(acc, inv))
+}
+
+/// One step of the canonical order on the slot lanes `k`: `raw` holds the first u32 of each
+/// lane's block (`d`, and `m` for Q4_1/Q5_1), `dsv` the token's `(da, sa)` pairs of the step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn scale_acc<const T: u8>(
+    isum: __m256i,
+    raw: __m256i,
+    dsv: __m512,
+    ida: __m512i,
+    isa: __m512i,
+    k: u8,
+    acc: __m256,
+) -> __m256 {
+    let c = match T {
+        T_Q4_0 => -8.0,
+        T_Q5_0 => -16.0,
+        _ => -128.0,
+    };
+    let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw));
+    let m = if T == T_Q4_1 || T == T_Q5_1 {
+        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(raw)))
+    } else {
+        _mm256_mul_ps(d, _mm256_set1_ps(c))
+    };
+    let da = _mm512_castps512_ps256(_mm512_permutexvar_ps(ida, dsv));
+    let sa = _mm512_castps512_ps256(_mm512_permutexvar_ps(isa, dsv));
+    let sc = _mm256_mul_ps(d, da);
+    let acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc, k);
+    _mm256_mask3_fmadd_ps(m, sa, acc, k)
+}
+
+/// The canonical final reduction of 8 slot accumulators (slot `j` in lane `j`): lanes
+/// `j + j+4`, then `j + j+2`, then `0 + 1`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn tree8(v: __m256) -> f32 {
+    let h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)))
 }
 
 /// Unpacks one block into two vectors of 16 unsigned weight bytes each broadcast to all four
@@ -270,50 +321,69 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
     out: &mut [[[f32; 16]; G]; R],
 ) {
     let ts = block_bytes(T);
-    let mut facc = [[_mm512_setzero_ps(); G]; R];
+    // Slot results of the canonical order (`legacy::vec_dot_scalar`), lanes = tokens. Blocks
+    // are visited slot-major (s, s + 8, ...), so one register accumulator per (row, group)
+    // suffices; the order of the f32 operations per slot is the canonical one.
+    let mut slots = [[[_mm512_setzero_ps(); 8]; G]; R];
     // SAFETY: b < nb, g < G, k < 8 and r < R keep every access inside the ranges above.
     unsafe {
-        for b in 0..nb {
-            let mut da = [_mm512_setzero_ps(); G];
-            let mut sa = [_mm512_setzero_ps(); G];
-            for g in 0..G {
-                da[g] = _mm512_loadu_ps(pd.add((g * nb + b) * 16));
-                sa[g] = _mm512_loadu_ps(ps.add((g * nb + b) * 16));
-            }
-            let line = |g: usize, k: usize| -> __m512i {
-                _mm512_load_si512(lines.add((g * nb + b) * 8 + k).cast())
-            };
-            for r in 0..R {
-                let (lo, hi, d, m) = unpack_bcast::<T>(rows[r].add(b * ts));
-                let mut iacc = [_mm512_setzero_si512(); G];
-                macro_rules! step {
-                    ($src:expr, $perm:literal, $k:literal) => {
-                        let w = _mm512_shuffle_epi32::<$perm>($src);
-                        for g in 0..G {
-                            iacc[g] = _mm512_dpbusd_epi32(iacc[g], w, line(g, $k));
-                        }
-                    };
-                }
-                step!(lo, 0x00, 0);
-                step!(lo, 0x55, 1);
-                step!(lo, 0xAA, 2);
-                step!(lo, 0xFF, 3);
-                step!(hi, 0x00, 4);
-                step!(hi, 0x55, 5);
-                step!(hi, 0xAA, 6);
-                step!(hi, 0xFF, 7);
-                let vd = _mm512_set1_ps(d);
-                let vm = _mm512_set1_ps(m);
+        for s in 0..nb.min(8) {
+            let mut facc = [[_mm512_setzero_ps(); G]; R];
+            let mut b = s;
+            while b < nb {
+                let mut da = [_mm512_setzero_ps(); G];
+                let mut sa = [_mm512_setzero_ps(); G];
                 for g in 0..G {
-                    let sc = _mm512_mul_ps(vd, da[g]);
-                    let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[g]), sc, facc[r][g]);
-                    facc[r][g] = _mm512_fmadd_ps(vm, sa[g], f);
+                    da[g] = _mm512_loadu_ps(pd.add((g * nb + b) * 16));
+                    sa[g] = _mm512_loadu_ps(ps.add((g * nb + b) * 16));
+                }
+                let line = |g: usize, k: usize| -> __m512i {
+                    _mm512_load_si512(lines.add((g * nb + b) * 8 + k).cast())
+                };
+                for r in 0..R {
+                    let (lo, hi, d, m) = unpack_bcast::<T>(rows[r].add(b * ts));
+                    let mut iacc = [_mm512_setzero_si512(); G];
+                    macro_rules! step {
+                        ($src:expr, $perm:literal, $k:literal) => {
+                            let w = _mm512_shuffle_epi32::<$perm>($src);
+                            for g in 0..G {
+                                iacc[g] = _mm512_dpbusd_epi32(iacc[g], w, line(g, $k));
+                            }
+                        };
+                    }
+                    step!(lo, 0x00, 0);
+                    step!(lo, 0x55, 1);
+                    step!(lo, 0xAA, 2);
+                    step!(lo, 0xFF, 3);
+                    step!(hi, 0x00, 4);
+                    step!(hi, 0x55, 5);
+                    step!(hi, 0xAA, 6);
+                    step!(hi, 0xFF, 7);
+                    let vd = _mm512_set1_ps(d);
+                    let vm = _mm512_set1_ps(m);
+                    for g in 0..G {
+                        let sc = _mm512_mul_ps(vd, da[g]);
+                        let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[g]), sc, facc[r][g]);
+                        facc[r][g] = _mm512_fmadd_ps(vm, sa[g], f);
+                    }
+                }
+                b += 8;
+            }
+            for r in 0..R {
+                for g in 0..G {
+                    slots[r][g][s] = facc[r][g];
                 }
             }
         }
         for r in 0..R {
             for g in 0..G {
-                _mm512_storeu_ps(out[r][g].as_mut_ptr(), facc[r][g]);
+                let a = &mut slots[r][g];
+                for h in [4, 2, 1] {
+                    for j in 0..h {
+                        a[j] = _mm512_add_ps(a[j], a[j + h]);
+                    }
+                }
+                _mm512_storeu_ps(out[r][g].as_mut_ptr(), a[0]);
             }
         }
     }

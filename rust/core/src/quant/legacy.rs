@@ -135,19 +135,47 @@ pub(crate) fn unpack_block(ty: GgmlType, blk: &[u8], q: &mut [i32; QK]) -> (f32,
     }
 }
 
+/// Slots of the canonical accumulation order (see [`vec_dot_scalar`]).
+pub(crate) const SLOTS: usize = 8;
+
 /// Scalar reference dot product of one weight row with one token's Q8 activations
 /// (`qa`: quants, `ds`: per block the scale `da` and `sa = da * sum(qa)`).
+///
+/// Canonical f32 order, followed bit for bit by every AVX-512 VNNI kernel (per-row and tile),
+/// so a token's result never depends on the kernel or on the other tokens of the batch:
+/// - per block `b`: exact integer `isum = sum(q * qa)` (Q8_0 uses `q + 128` with
+///   `m_eff = -128 d`, the form the VNNI kernels need), then in slot `s = b % 8`:
+///   `acc[s] = fma(m_eff, sa, fma(isum as f32, d * da, acc[s]))`;
+/// - final: fixed pairwise tree `acc[j] += acc[j + h]` for `h = 4, 2, 1`, result `acc[0]`.
 pub(crate) fn vec_dot_scalar(ty: GgmlType, row: &[u8], qa: &[i8], ds: &[f32]) -> f32 {
     let ts = ty.type_size();
     let mut q = [0i32; QK];
-    let mut sum = 0.0f32;
+    let mut acc = [0.0f32; SLOTS];
     for (b, blk) in row.chunks_exact(ts).enumerate() {
-        let (d, m) = unpack_block(ty, blk, &mut q);
+        let (d, mut m) = unpack_block(ty, blk, &mut q);
+        if ty == GgmlType::Q8_0 {
+            q.iter_mut().for_each(|v| *v += 128);
+            m = -128.0 * d;
+        }
         let a = &qa[b * QK..(b + 1) * QK];
         let isum: i32 = q.iter().zip(a).map(|(&w, &x)| w * x as i32).sum();
-        sum += d * ds[2 * b] * isum as f32 + m * ds[2 * b + 1];
+        let s = &mut acc[b % SLOTS];
+        *s = m.mul_add(ds[2 * b + 1], (isum as f32).mul_add(d * ds[2 * b], *s));
     }
-    sum
+    tree_sum(&mut acc)
+}
+
+/// The canonical final reduction of the slot accumulators.
+#[inline]
+pub(crate) fn tree_sum(acc: &mut [f32; SLOTS]) -> f32 {
+    let mut h = SLOTS / 2;
+    while h > 0 {
+        for j in 0..h {
+            acc[j] += acc[j + h];
+        }
+        h /= 2;
+    }
+    acc[0]
 }
 
 #[cfg(test)]

@@ -503,6 +503,59 @@ mod tests {
         }
     }
 
+    /// Issue #3: a token's outputs are bit-identical whether it is computed alone or at any
+    /// position of a batch (per-row vs tile path, any batch size), at every SIMD level; the
+    /// AVX-512 VNNI kernels also reproduce the scalar canonical order bit for bit.
+    #[test]
+    fn batch_invariant_bit_exact() {
+        let mut rng = Rng(11);
+        let rows = 13;
+        for ty in LEGACY {
+            for cols in [96usize, 576, 1056] {
+                let data = random_weights(ty, rows, cols, &mut rng);
+                let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+                let tok: Vec<f32> = (0..cols).map(|_| rng.f() * 3.0).collect();
+                let mut a1 = QuantizedActs::new();
+                quantize_acts_impl(&mut a1, &tok, 1, cols, ty, false).unwrap();
+                let mut scalar = vec![0f32; rows];
+                matmul_level(&w, &a1, &mut scalar, SimdLevel::Scalar).unwrap();
+                for level in SimdLevel::available() {
+                    let mut alone = vec![0f32; rows];
+                    matmul_level(&w, &a1, &mut alone, level).unwrap();
+                    if level == SimdLevel::Avx512Vnni || level == SimdLevel::Scalar {
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&alone), bits(&scalar), "{} {cols}", ty.name());
+                    }
+                    for n in [2usize, 7, 8, 9, 33, 40] {
+                        for pos in [0, n / 2, n - 1] {
+                            let mut x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+                            x[pos * cols..(pos + 1) * cols].copy_from_slice(&tok);
+                            // Packing as the engine decides, and forced (tile path at any n).
+                            for pack in [n >= q8::PACK_MIN_TOKENS, true] {
+                                let mut a = QuantizedActs::new();
+                                quantize_acts_impl(&mut a, &x, n, cols, ty, pack).unwrap();
+                                let mut out = vec![0f32; n * rows];
+                                matmul_level(&w, &a, &mut out, level).unwrap();
+                                for r in 0..rows {
+                                    assert_eq!(
+                                        out[pos * rows + r].to_bits(),
+                                        alone[r].to_bits(),
+                                        "{} cols={cols} {} n={n} pos={pos} pack={pack} r={r}: \
+                                         {} vs {}",
+                                        ty.name(),
+                                        level.name(),
+                                        out[pos * rows + r],
+                                        alone[r]
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn float_weights_matmul() {
         let mut rng = Rng(3);
@@ -570,17 +623,38 @@ mod tests {
         ] {
             let data = random_weights(ty, rows, cols, &mut rng);
             let w = QMatrix::new(ty, rows, cols, &data).unwrap();
-            for n in [1usize, 512] {
+            // (n, force packing): small batches also with the tile path forced, to tune
+            // PACK_MIN_TOKENS (both paths give identical bits).
+            for (n, force) in [
+                (1usize, false),
+                (4, false),
+                (4, true),
+                (16, false),
+                (16, true),
+                (32, false),
+                (512, false),
+            ] {
+                if rows > 10000 && n > 1 && n < 512 {
+                    continue;
+                }
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
                 let mut out = vec![0f32; n * rows];
                 let mut a = QuantizedActs::new();
-                q8::quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                let quant = |a: &mut QuantizedActs| {
+                    if force {
+                        quantize_acts_impl(a, &x, n, cols, ty, true).unwrap();
+                    } else {
+                        q8::quantize_acts_into(a, &x, n, cols, ty).unwrap();
+                    }
+                };
+                quant(&mut a);
                 let tq = std::time::Instant::now();
-                q8::quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                quant(&mut a);
                 let dq = tq.elapsed().as_secs_f64();
                 let iters = match (n, rows > 10000) {
                     (1, false) => 2000,
                     (1, true) => 40,
+                    (2..=32, _) => 200,
                     (_, false) => 20,
                     _ => 2,
                 };
@@ -608,9 +682,10 @@ mod tests {
                         best = best.min(t0.elapsed().as_secs_f64());
                     }
                     println!(
-                        "{} {rows}x{cols} n={n} threads={threads}: best {:.3} ms, {:.1} GFLOP/s \
+                        "{} {rows}x{cols} n={n}{} threads={threads}: best {:.3} ms, {:.1} GFLOP/s \
                          (quantize acts {:.3} ms) level={}",
                         ty.name(),
+                        if a.has_packed() { " tile" } else { " per-row" },
                         best * 1e3,
                         2.0 * (rows * cols * n) as f64 / best / 1e9,
                         dq * 1e3,
