@@ -168,3 +168,46 @@ def test_prefix_reuse_gives_the_same_logits_and_generation(core: _core.Model) ->
     # Not for a sequence that already has cells.
     with pytest.raises(ValueError):
         ctx.match_prefix(1, toks)
+
+
+def test_results_do_not_depend_on_the_rest_of_the_batch(core: _core.Model) -> None:
+    """Sequence 0 decoded alone vs. in mixed batches with another sequence's prefill chunks and
+    decode steps: bit-identical logits, hence identical greedy tokens."""
+    prompt = core.tokenize(PROMPT, add_special=True)
+    other = core.tokenize("Once upon a time, in a village by the sea, there", add_special=True)
+    n, steps = len(prompt), 6
+
+    alone = core.new_context(512)
+    rows = [_run(alone, prompt, 0)[0]]
+    toks = [int(rows[-1].argmax())]
+    for i in range(steps):
+        rows.append(_run(alone, [toks[-1]], n + i)[0])
+        toks.append(int(rows[-1].argmax()))
+
+    mixed = core.new_context(512)
+    # Prefill of seq 0 together with the first half of seq 1's prompt.
+    half = len(other) // 2
+    out = mixed.decode(
+        prompt + other[:half],
+        list(range(n)) + list(range(half)),
+        [0] * n + [1] * half,
+        [False] * (n - 1) + [True] + [False] * half,
+    )
+    got = [np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab)[0].copy()]
+    mtoks = [int(got[-1].argmax())]
+    rest = other[half:]
+    for i in range(steps):
+        # Seq 0 decodes one token while seq 1 prefills the rest of its prompt, then decodes.
+        extra = rest if i == 0 else [7 + i]
+        extra_pos = list(range(half, len(other))) if i == 0 else [len(other) + i - 1]
+        out = mixed.decode(
+            [mtoks[-1]] + extra,
+            [n + i] + extra_pos,
+            [0] + [1] * len(extra),
+            [True] + [False] * len(extra),
+        )
+        got.append(np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab)[0].copy())
+        mtoks.append(int(got[-1].argmax()))
+    assert mtoks == toks
+    for a, b in zip(got, rows):
+        np.testing.assert_array_equal(a, b)
