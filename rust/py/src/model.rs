@@ -3,7 +3,10 @@
 use std::sync::Arc;
 
 use kvserve_core::gguf::Value;
-use kvserve_core::model::{self as core_model, Context as CoreContext, Model as CoreModel};
+use kvserve_core::kv::storage::KvType;
+use kvserve_core::model::{
+    self as core_model, Context as CoreContext, KvOptions, Model as CoreModel,
+};
 use kvserve_core::Batch;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -165,9 +168,23 @@ impl Model {
             .is_eog(check_token(&self.inner, token)?))
     }
 
-    #[pyo3(signature = (n_ctx=4096))]
-    fn new_context(&self, n_ctx: usize) -> PyResult<Context> {
-        let ctx = CoreContext::new(Arc::clone(&self.inner), n_ctx).map_err(to_py)?;
+    /// A decoding context. The KV cache holds `n_ctx` tokens, or as many blocks as fit in
+    /// `kv_memory` bytes when given; `kv_type` is "f16" (default), "q8_0" or "f32".
+    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None))]
+    fn new_context(
+        &self,
+        n_ctx: usize,
+        kv_type: &str,
+        block_size: usize,
+        kv_memory: Option<usize>,
+    ) -> PyResult<Context> {
+        let o = KvOptions {
+            n_ctx,
+            kv_memory,
+            kv_type: KvType::from_name(kv_type).map_err(to_py)?,
+            block_size,
+        };
+        let ctx = CoreContext::with_options(Arc::clone(&self.inner), &o).map_err(to_py)?;
         Ok(Context { inner: ctx })
     }
 
@@ -318,10 +335,10 @@ impl Context {
         d.set_item("blocks_referenced", p.referenced)?;
         d.set_item("blocks_shared", p.shared)?;
         d.set_item("block_size", cache.table().block_size())?;
-        d.set_item(
-            "bytes_per_block",
-            cache.storage().layout().bytes_per_block(),
-        )?;
+        let block_bytes = cache.storage().layout().bytes_per_block();
+        d.set_item("bytes_per_block", block_bytes)?;
+        d.set_item("bytes_referenced", p.referenced * block_bytes)?;
+        d.set_item("kv_type", cache.storage().kv_type().name())?;
         d.set_item("sequences", t.sequences)?;
         d.set_item("tokens_stored", t.live_cells)?;
         d.set_item("unused_slots", t.unused_slots)?;

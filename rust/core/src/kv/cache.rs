@@ -76,6 +76,26 @@ impl PagedCache {
         ty: KvType,
         block_size: usize,
     ) -> Result<PagedCache> {
+        if block_size == 0 {
+            return Err(Error::InvalidInput("kv block size must be positive".into()));
+        }
+        let n_blocks = n_ctx.div_ceil(block_size) + n_ctx.div_ceil(16).min(64) + 1;
+        Self::build(
+            n_layers, kv_dim, head_dim, rope, n_blocks, n_ctx, ty, block_size,
+        )
+    }
+
+    /// A cache holding as many blocks as fit in `bytes` of K/V storage (`--kv-memory`); the
+    /// token limit is then what those blocks hold.
+    pub fn with_bytes(
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        rope: Rope,
+        bytes: usize,
+        ty: KvType,
+        block_size: usize,
+    ) -> Result<PagedCache> {
         let layout = KvLayout {
             ty,
             n_layers,
@@ -83,9 +103,39 @@ impl PagedCache {
             block_size,
         };
         layout.validate()?;
-        let n_blocks = n_ctx.div_ceil(block_size) + n_ctx.div_ceil(16).min(64) + 1;
-        let n_blocks_u32 = u32::try_from(n_blocks)
-            .map_err(|_| Error::InvalidInput(format!("KV cache of {n_ctx} tokens is too large")))?;
+        let n_blocks = layout.n_blocks_for_bytes(bytes);
+        if n_blocks == 0 {
+            return Err(Error::InvalidInput(format!(
+                "KV memory of {bytes} bytes holds no block (one block takes {} bytes)",
+                layout.bytes_per_block()
+            )));
+        }
+        let n_ctx = n_blocks * block_size;
+        Self::build(
+            n_layers, kv_dim, head_dim, rope, n_blocks, n_ctx, ty, block_size,
+        )
+    }
+
+    fn build(
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        rope: Rope,
+        n_blocks: usize,
+        n_ctx: usize,
+        ty: KvType,
+        block_size: usize,
+    ) -> Result<PagedCache> {
+        let layout = KvLayout {
+            ty,
+            n_layers,
+            kv_dim,
+            block_size,
+        };
+        layout.validate()?;
+        let n_blocks_u32 = u32::try_from(n_blocks).map_err(|_| {
+            Error::InvalidInput(format!("KV cache of {n_blocks} blocks is too large"))
+        })?;
         let pool = Arc::new(BlockPool::new(n_blocks_u32));
         // Default model id: a fingerprint of the K/V layout. Callers that know the model's
         // identity (weights) should set it with `set_model_id`.

@@ -156,6 +156,28 @@ pub fn vocab_from_gguf(g: &GgufFile) -> Result<VocabData> {
     })
 }
 
+/// How a context's KV cache is sized and stored.
+#[derive(Debug, Clone, Copy)]
+pub struct KvOptions {
+    /// Token limit across all sequences (ignored when `kv_memory` is set).
+    pub n_ctx: usize,
+    /// Size the cache by bytes of K/V storage instead (`--kv-memory`).
+    pub kv_memory: Option<usize>,
+    pub kv_type: KvType,
+    pub block_size: usize,
+}
+
+impl Default for KvOptions {
+    fn default() -> KvOptions {
+        KvOptions {
+            n_ctx: 4096,
+            kv_memory: None,
+            kv_type: KvType::F16,
+            block_size: DEFAULT_BLOCK_SIZE,
+        }
+    }
+}
+
 /// A running context: the model plus the keys and values of its sequences.
 pub struct Context {
     model: Arc<Model>,
@@ -163,22 +185,33 @@ pub struct Context {
 }
 
 impl Context {
-    /// A context holding at most `n_ctx` token cells across all sequences.
+    /// A context holding at most `n_ctx` tokens across all sequences, f16 K/V in blocks of
+    /// [`DEFAULT_BLOCK_SIZE`] tokens.
     pub fn new(model: Arc<Model>, n_ctx: usize) -> Result<Context> {
-        if n_ctx == 0 {
+        Context::with_options(
+            model,
+            &KvOptions {
+                n_ctx,
+                ..KvOptions::default()
+            },
+        )
+    }
+
+    pub fn with_options(model: Arc<Model>, o: &KvOptions) -> Result<Context> {
+        if o.n_ctx == 0 && o.kv_memory.is_none() {
             return Err(invalid("n_ctx must be positive"));
         }
         let c = &model.config;
-        let mut cache = PagedCache::new(
-            c.n_layer,
-            c.kv_dim(),
-            c.head_dim,
-            c.rope.clone(),
-            n_ctx,
-            KvType::F16,
-            DEFAULT_BLOCK_SIZE,
-        )?;
-        cache.set_model_id(model.id());
+        let (layers, kvd, hd, rope) = (c.n_layer, c.kv_dim(), c.head_dim, c.rope.clone());
+        let mut cache = match o.kv_memory {
+            Some(bytes) => {
+                PagedCache::with_bytes(layers, kvd, hd, rope, bytes, o.kv_type, o.block_size)?
+            }
+            None => PagedCache::new(layers, kvd, hd, rope, o.n_ctx, o.kv_type, o.block_size)?,
+        };
+        // Keys of cached blocks identify the weights and the K/V format that produced them.
+        let kv_format = [o.kv_type as u32, o.block_size as u32];
+        cache.set_model_id(crate::kv::block_key(model.id(), 0, &kv_format));
         Ok(Context { model, cache })
     }
 
