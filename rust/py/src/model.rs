@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use kvserve_core::gguf::Value;
 use kvserve_core::kv::storage::KvType;
+use kvserve_core::kv::Memory;
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, Model as CoreModel,
 };
@@ -255,18 +256,18 @@ impl Context {
 
     /// Lowest position stored for `seq`, or -1.
     fn seq_pos_min(&self, seq: i32) -> i32 {
-        self.inner.cache().table().seq_pos_min(seq)
+        self.inner.cache().seq_pos_min(seq)
     }
 
     /// Highest position stored for `seq`, or -1.
     fn seq_pos_max(&self, seq: i32) -> i32 {
-        self.inner.cache().table().seq_pos_max(seq)
+        self.inner.cache().seq_pos_max(seq)
     }
 
     /// Drops positions [p0, p1) of `seq` (negative bounds: open ends; seq < 0: all).
     #[pyo3(signature = (seq, p0=-1, p1=-1))]
-    fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) {
-        self.inner.cache_mut().table_mut().seq_rm(seq, p0, p1)
+    fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> PyResult<()> {
+        self.inner.cache_mut().seq_rm(seq, p0, p1).map_err(to_py)
     }
 
     /// `dst` also holds `src`'s positions in [p0, p1): blocks are shared, not copied.

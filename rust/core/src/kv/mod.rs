@@ -8,12 +8,14 @@
 //!
 //! - [`prefix`]: content keys of full blocks and the key -> block index for prefix reuse.
 //!
+//! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements.
 //! - [`cache`]: `PagedCache`, the five above glued together for a decoding context.
 //!
 //! Semantics are written down in docs/KV_SEMANTICS.md.
 
 pub mod attention;
 pub mod cache;
+pub mod memory;
 pub mod pool;
 pub mod prefix;
 pub mod storage;
@@ -23,6 +25,7 @@ pub mod table;
 mod tests;
 
 pub use cache::{PagedCache, PrefixStats, SeqView, DEFAULT_BLOCK_SIZE};
+pub use memory::Memory;
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use prefix::{block_key, PrefixIndex, ROOT_KEY};
 pub use table::{CellShift, CowCopy, KvTable, Pos, SeqId, TableStats, Updates, WritePlan};
