@@ -210,6 +210,17 @@ def test_bench_batched_json(model_path: Path) -> None:
     assert bad.returncode != 0 and "positive integer" in bad.stderr
 
 
+def test_complete_with_q8_0_kv_cache(model_path: Path) -> None:
+    args = ["complete", "--model", str(model_path), "--max-tokens", "8", "--json"]
+    f16 = ok_json(*args, "The capital of France is")
+    q8 = ok_json(*args, "--kv-type", "q8_0", "The capital of France is")
+    assert len(q8["tokens"]) == 8
+    # Half-size K/V: the first greedy tokens agree on this prompt (measured; see test_kv_cache).
+    assert q8["tokens"][:2] == f16["tokens"][:2]
+    bad = run_cli(*args, "--kv-type", "q4", "x")
+    assert bad.returncode != 0 and "invalid choice" in bad.stderr
+
+
 def test_info(model_path: Path) -> None:
     proc = run_cli("info", "--model", str(model_path))
     assert proc.returncode == 0, proc.stderr

@@ -142,8 +142,12 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return self._core.is_eog(token)
 
-    def new_context(self, n_ctx: int = 4096) -> _core.Context:
-        return self._core.new_context(n_ctx)
+    def new_context(
+        self, n_ctx: int = 4096, kv_type: str = "f16", kv_memory: int | None = None
+    ) -> _core.Context:
+        """A decoding context whose paged KV cache holds ``n_ctx`` tokens (or as many blocks as
+        fit in ``kv_memory`` bytes); ``kv_type`` is "f16", "q8_0" (half the memory) or "f32"."""
+        return self._core.new_context(n_ctx, kv_type=kv_type, kv_memory=kv_memory)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
@@ -156,9 +160,10 @@ class Model:
         seed: int | None = None,
         stop: Stop = None,
         n_ctx: int | None = None,
+        kv_type: str = "f16",
     ) -> GenerateResult:
         """Complete ``prompt``; see the module docs for when generation ends."""
-        run = _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx)
+        run = _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx, kv_type)
         text = "".join(run)
         return GenerateResult(text=text, tokens=run.tokens, finish_reason=run.finish_reason)
 
@@ -172,9 +177,12 @@ class Model:
         seed: int | None = None,
         stop: Stop = None,
         n_ctx: int | None = None,
+        kv_type: str = "f16",
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces (complete characters) as they come."""
-        yield from _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx)
+        yield from _Run(
+            self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx, kv_type
+        )
 
 
 def _last_row(logits: _core.Logits) -> npt.NDArray[np.float32]:
@@ -198,7 +206,9 @@ class _Run:
         seed: int | None,
         stop: Stop,
         n_ctx: int | None,
+        kv_type: str = "f16",
     ) -> None:
+        self.kv_type = kv_type
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if n_ctx is not None and n_ctx < 1:
@@ -226,7 +236,7 @@ class _Run:
         if self.max_tokens == 0:
             self.finish_reason = FINISH_LENGTH
             return
-        ctx = self.model.new_context(self.n_ctx)
+        ctx = self.model.new_context(self.n_ctx, kv_type=self.kv_type)
         toks = self.prompt_tokens
         n = len(toks)
         logits = ctx.decode(toks, list(range(n)), [0] * n, [False] * (n - 1) + [True])

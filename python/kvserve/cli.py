@@ -124,6 +124,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop,
         "n_ctx": args.ctx_size,
+        "kv_type": args.kv_type,
     }
     prompt = _read_text(args.prompt)
     if args.json:
@@ -259,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)")
     p.add_argument(
         "-c", "--ctx-size", type=_positive_int, help="context size (default: prompt + max tokens)"
+    )
+    p.add_argument(
+        "--kv-type",
+        choices=("f16", "q8_0", "f32"),
+        default="f16",
+        help="K/V cache element type (q8_0: half the memory of f16)",
     )
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_complete)
