@@ -616,11 +616,11 @@ mod tests {
     #[test]
     fn stress_4_threads_small_pool() {
         // Small pool: constant exhaustion, eviction and revive races.
-        stress(64, 4, 250_000, 0x1234_5678);
+        stress(64, 4, 750_000, 0x1234_5678);
     }
 
     #[test]
     fn stress_4_threads_large_pool() {
-        stress(4096, 4, 250_000, 0xDEAD_BEEF);
+        stress(4096, 4, 750_000, 0xDEAD_BEEF);
     }
 }
