@@ -67,41 +67,21 @@ pub struct PagedCache {
 impl PagedCache {
     /// A cache for at most `n_ctx` stored tokens across all sequences (plus one spare block per
     /// 16 tokens' worth for partly filled tails and copy-on-write).
-    pub fn new(
-        n_layers: usize,
-        kv_dim: usize,
-        head_dim: usize,
-        rope: Rope,
-        n_ctx: usize,
-        ty: KvType,
-        block_size: usize,
-    ) -> Result<PagedCache> {
-        if block_size == 0 {
-            return Err(Error::InvalidInput("kv block size must be positive".into()));
-        }
-        let n_blocks = n_ctx.div_ceil(block_size) + n_ctx.div_ceil(16).min(64) + 1;
-        Self::build(
-            n_layers, kv_dim, head_dim, rope, n_blocks, n_ctx, ty, block_size,
-        )
+    pub fn new(layout: KvLayout, head_dim: usize, rope: Rope, n_ctx: usize) -> Result<PagedCache> {
+        layout.validate()?;
+        let bs = layout.block_size;
+        let n_blocks = n_ctx.div_ceil(bs) + n_ctx.div_ceil(16).min(64) + 1;
+        Self::build(layout, head_dim, rope, n_blocks, n_ctx)
     }
 
     /// A cache holding as many blocks as fit in `bytes` of K/V storage (`--kv-memory`); the
     /// token limit is then what those blocks hold.
     pub fn with_bytes(
-        n_layers: usize,
-        kv_dim: usize,
+        layout: KvLayout,
         head_dim: usize,
         rope: Rope,
         bytes: usize,
-        ty: KvType,
-        block_size: usize,
     ) -> Result<PagedCache> {
-        let layout = KvLayout {
-            ty,
-            n_layers,
-            kv_dim,
-            block_size,
-        };
         layout.validate()?;
         let n_blocks = layout.n_blocks_for_bytes(bytes);
         if n_blocks == 0 {
@@ -110,29 +90,28 @@ impl PagedCache {
                 layout.bytes_per_block()
             )));
         }
-        let n_ctx = n_blocks * block_size;
         Self::build(
-            n_layers, kv_dim, head_dim, rope, n_blocks, n_ctx, ty, block_size,
+            layout,
+            head_dim,
+            rope,
+            n_blocks,
+            n_blocks * layout.block_size,
         )
     }
 
     fn build(
-        n_layers: usize,
-        kv_dim: usize,
+        layout: KvLayout,
         head_dim: usize,
         rope: Rope,
         n_blocks: usize,
         n_ctx: usize,
-        ty: KvType,
-        block_size: usize,
     ) -> Result<PagedCache> {
-        let layout = KvLayout {
+        let KvLayout {
             ty,
             n_layers,
             kv_dim,
             block_size,
-        };
-        layout.validate()?;
+        } = layout;
         let n_blocks_u32 = u32::try_from(n_blocks).map_err(|_| {
             Error::InvalidInput(format!("KV cache of {n_blocks} blocks is too large"))
         })?;
@@ -409,7 +388,13 @@ mod tests {
             scaling: RopeScaling::None,
             freq_factors: None,
         };
-        PagedCache::new(1, D, D, rope, n_ctx, KvType::F32, BS).unwrap()
+        let layout = KvLayout {
+            ty: KvType::F32,
+            n_layers: 1,
+            kv_dim: D,
+            block_size: BS,
+        };
+        PagedCache::new(layout, D, rope, n_ctx).unwrap()
     }
 
     /// Reserves and writes `tokens` of `seq` at `pos0..`; V holds (token, position) so that the

@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Result};
 use crate::gguf::GgufFile;
-use crate::kv::storage::KvType;
+use crate::kv::storage::{KvLayout, KvType};
 use crate::kv::{PagedCache, DEFAULT_BLOCK_SIZE};
 use crate::tokenizer::{Tokenizer, VocabData};
 
@@ -202,12 +202,16 @@ impl Context {
             return Err(invalid("n_ctx must be positive"));
         }
         let c = &model.config;
-        let (layers, kvd, hd, rope) = (c.n_layer, c.kv_dim(), c.head_dim, c.rope.clone());
+        let layout = KvLayout {
+            ty: o.kv_type,
+            n_layers: c.n_layer,
+            kv_dim: c.kv_dim(),
+            block_size: o.block_size,
+        };
+        let (hd, rope) = (c.head_dim, c.rope.clone());
         let mut cache = match o.kv_memory {
-            Some(bytes) => {
-                PagedCache::with_bytes(layers, kvd, hd, rope, bytes, o.kv_type, o.block_size)?
-            }
-            None => PagedCache::new(layers, kvd, hd, rope, o.n_ctx, o.kv_type, o.block_size)?,
+            Some(bytes) => PagedCache::with_bytes(layout, hd, rope, bytes)?,
+            None => PagedCache::new(layout, hd, rope, o.n_ctx)?,
         };
         // Keys of cached blocks identify the weights and the K/V format that produced them.
         let kv_format = [o.kv_type as u32, o.block_size as u32];
