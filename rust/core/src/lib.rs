@@ -14,6 +14,8 @@ pub mod model;
 pub mod ops;
 pub mod quant;
 pub mod shared;
+#[cfg(test)]
+pub(crate) mod test_rng;
 pub mod threads;
 pub mod tokenizer;
 

@@ -513,19 +513,7 @@ mod tests {
         assert_eq!(order, expect);
     }
 
-    /// Tiny xorshift RNG for tests.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Each thread keeps a multiset of the references it holds; the audit and the refcounts
     /// must match the union after all threads finish.

@@ -8,21 +8,7 @@ use std::sync::Arc;
 use super::*;
 use crate::error::Error;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn range(&mut self, lo: i32, hi: i32) -> i32 {
-        lo + self.below((hi - lo + 1) as usize) as i32
-    }
-}
+use crate::test_rng::Rng;
 
 /// Fake K/V storage: per cell (content id, position its K is rotated for).
 struct Storage {
