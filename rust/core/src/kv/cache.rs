@@ -188,7 +188,7 @@ impl PagedCache {
 
     /// Tokens stored across all sequences (a cell shared by several sequences counts once).
     pub fn n_cells(&self) -> usize {
-        self.table.stats().live_cells
+        self.table.live_cells()
     }
 
     pub fn pos_max(&self, seq: SeqId) -> Pos {

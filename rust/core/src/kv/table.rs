@@ -111,6 +111,8 @@ pub struct KvTable {
     bs: usize,
     seqs: BTreeMap<SeqId, Seq>,
     users: Vec<u16>,
+    /// Cells with at least one user (kept in step with `users`, so the hot path need not scan).
+    live: usize,
     pos: Vec<Pos>,
     rope: Vec<Pos>,
     /// Per cell: id of the write that produced its content (kept by copy-on-write).
@@ -143,6 +145,7 @@ impl KvTable {
             bs: block_size,
             seqs: BTreeMap::new(),
             users: vec![0; n],
+            live: 0,
             pos: vec![-1; n],
             rope: vec![-1; n],
             origin: vec![0; n],
@@ -208,6 +211,9 @@ impl KvTable {
                 return true;
             }
             self.users[i] -= 1;
+            if self.users[i] == 0 {
+                self.live -= 1;
+            }
             let h = q.holds.get_mut(&b).expect("held block");
             *h -= 1;
             if *h == 0 {
@@ -236,6 +242,9 @@ impl KvTable {
         q.cells.push((b, sl));
         let i = b as usize * self.bs + sl as usize;
         self.users[i] += 1;
+        if self.users[i] == 1 {
+            self.live += 1;
+        }
         Ok(())
     }
 
@@ -461,8 +470,18 @@ impl KvTable {
         let n = q.holds.remove(&b).unwrap_or(0);
         q.holds.insert(nb, n);
         for c in q.cells.iter_mut().filter(|c| c.0 == b) {
-            self.users[b as usize * bs + c.1 as usize] -= 1;
-            self.users[nb as usize * bs + c.1 as usize] += 1;
+            let (from, to) = (
+                b as usize * bs + c.1 as usize,
+                nb as usize * bs + c.1 as usize,
+            );
+            self.users[from] -= 1;
+            if self.users[from] == 0 {
+                self.live -= 1;
+            }
+            self.users[to] += 1;
+            if self.users[to] == 1 {
+                self.live += 1;
+            }
             c.0 = nb;
         }
         // `s` no longer holds `b` (the pin keeps it alive).
@@ -722,18 +741,21 @@ impl KvTable {
 
     /// Counts over the table (O(cells)).
     pub fn stats(&self) -> TableStats {
-        let mut live = HashSet::new();
         let mut held = HashSet::new();
         for q in self.seqs.values() {
-            live.extend(q.cells.iter().copied());
             held.extend(q.holds.keys().copied());
         }
         TableStats {
             sequences: self.seqs.len(),
-            live_cells: live.len(),
+            live_cells: self.live,
             held_blocks: held.len(),
-            unused_slots: held.len() * self.bs - live.len(),
+            unused_slots: held.len() * self.bs - self.live,
         }
+    }
+
+    /// Distinct cells referenced by at least one sequence, in O(1) (the decode hot path asks).
+    pub fn live_cells(&self) -> usize {
+        self.live
     }
 
     /// Full consistency check (tests, debugging): recomputes holds and cell users from the
@@ -773,6 +795,13 @@ impl KvTable {
         }
         if users != self.users {
             return Err("cell user counts out of sync".into());
+        }
+        let live = users.iter().filter(|&&u| u > 0).count();
+        if live != self.live {
+            return Err(format!(
+                "live cell count {} but {live} cells have users",
+                self.live
+            ));
         }
         for &b in &self.pins {
             *refs.entry(b).or_default() += 1;
