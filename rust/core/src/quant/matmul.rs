@@ -295,38 +295,42 @@ mod tiled {
             let rb1 = (rb + ROW_BLOCK).min(r1);
             let mut g = g0;
             while g < g1 {
-                let mut r = rb;
                 if g + 2 <= g1 {
-                    while r + 4 <= rb1 {
-                        // SAFETY: forwarded contract; rows r..r+4 x groups g..g+2 lie in
-                        // the tile this caller owns.
-                        unsafe { call::<T, 4, 2>(w, a, out, r, g) };
-                        r += 4;
-                    }
-                    while r < rb1 {
-                        // SAFETY: forwarded contract; rows r..r+1 x groups g..g+2 lie in
-                        // the tile this caller owns.
-                        unsafe { call::<T, 1, 2>(w, a, out, r, g) };
-                        r += 1;
-                    }
+                    // SAFETY: forwarded contract; rows rb..rb1 x groups g..g+2 are owned.
+                    unsafe { rows_t::<T, 2>(w, a, out, rb, rb1, g) };
                     g += 2;
                 } else {
-                    while r + 4 <= rb1 {
-                        // SAFETY: forwarded contract; rows r..r+4 x groups g..g+1 lie in
-                        // the tile this caller owns.
-                        unsafe { call::<T, 4, 1>(w, a, out, r, g) };
-                        r += 4;
-                    }
-                    while r < rb1 {
-                        // SAFETY: forwarded contract; rows r..r+1 x groups g..g+1 lie in
-                        // the tile this caller owns.
-                        unsafe { call::<T, 1, 1>(w, a, out, r, g) };
-                        r += 1;
-                    }
+                    // SAFETY: forwarded contract; rows rb..rb1 x group g are owned.
+                    unsafe { rows_t::<T, 1>(w, a, out, rb, rb1, g) };
                     g += 1;
                 }
             }
             rb = rb1;
+        }
+    }
+
+    /// Rows `r0..r1` of `G` token groups from `g`: 4-row kernel calls, then single rows.
+    ///
+    /// # Safety
+    /// As [`range`]: the caller owns rows r0..r1 x groups g..g+G.
+    unsafe fn rows_t<const T: u8, const G: usize>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
+        r0: usize,
+        r1: usize,
+        g: usize,
+    ) {
+        let mut r = r0;
+        while r + 4 <= r1 {
+            // SAFETY: forwarded contract; rows r..r+4 lie in r0..r1.
+            unsafe { call::<T, 4, G>(w, a, out, r, g) };
+            r += 4;
+        }
+        while r < r1 {
+            // SAFETY: forwarded contract; row r lies in r0..r1.
+            unsafe { call::<T, 1, G>(w, a, out, r, g) };
+            r += 1;
         }
     }
 
