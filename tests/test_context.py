@@ -27,7 +27,7 @@ def test_failed_batches_leave_the_cache_unchanged(core: _core.Model) -> None:
     n = len(prompt)
     ctx = core.new_context(n + 4)
     _decode(ctx, prompt, 0)
-    before = (ctx.n_cells, ctx.pos_max(0))
+    before = (ctx.n_cells, ctx.seq_pos_max(0))
 
     with pytest.raises(kvserve.KvCacheFull):
         _decode(ctx, [1] * 5, n)  # 5 more cells do not fit in n + 4
@@ -39,7 +39,7 @@ def test_failed_batches_leave_the_cache_unchanged(core: _core.Model) -> None:
         ctx.decode([1], [-1], [0], [True])
     with pytest.raises(ValueError, match="empty"):
         ctx.decode([], [], [], [])
-    assert (ctx.n_cells, ctx.pos_max(0)) == before
+    assert (ctx.n_cells, ctx.seq_pos_max(0)) == before
 
     # The context still works, and exactly as if the failures never happened.
     nxt = core.tokenize(" jumps", add_special=False)

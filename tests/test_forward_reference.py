@@ -118,7 +118,7 @@ def test_incremental_decoding(tiny: Tiny):
     rows = [tiny.decode(ctx, toks[:k], list(range(k)), [0] * k)]
     for i in range(k, n):
         rows.append(tiny.decode(ctx, [toks[i]], [i], [0]))
-    assert ctx.pos_max(0) == n - 1
+    assert ctx.seq_pos_max(0) == n - 1
     got = np.concatenate(rows)
     want = ref.forward(tiny.w, tiny.spec, toks)
     _check_close(got, want, _tol(tiny.spec), "incremental decoding vs reference")
@@ -188,7 +188,7 @@ def test_two_sequences_in_one_batch_equal_each_alone(tiny: Tiny):
     tol = _tol(tiny.spec)
     _check_close(got_a, ref.forward(tiny.w, tiny.spec, a), tol, "seq 0 vs reference")
     _check_close(got_b, ref.forward(tiny.w, tiny.spec, b), tol, "seq 1 vs reference")
-    assert (ctx2.pos_max(0), ctx2.pos_max(1)) == (len(a) - 1, len(b) - 1)
+    assert (ctx2.seq_pos_max(0), ctx2.seq_pos_max(1)) == (len(a) - 1, len(b) - 1)
 
 
 def test_batch_mixing_a_new_sequence_with_a_running_one(tiny: Tiny):
@@ -204,7 +204,7 @@ def test_batch_mixing_a_new_sequence_with_a_running_one(tiny: Tiny):
     _check_close(np.concatenate([first, got[:1]]), want_a, tol, "seq 0 vs reference")
     _check_close(got[1:], ref.forward(tiny.w, tiny.spec, b), tol, "seq 1 vs reference")
     assert ctx.n_cells == 16
-    assert (ctx.pos_max(0), ctx.pos_max(1)) == (10, 4)
+    assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (10, 4)
 
 
 @pytest.mark.parametrize("wtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])

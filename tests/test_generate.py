@@ -116,7 +116,20 @@ def test_prompt_longer_than_context_raises(model: Model) -> None:
 
 
 def test_max_tokens_zero(model: Model) -> None:
-    assert model.generate(PROMPT, max_tokens=0) == GenerateResult("", [], "length")
+    r = model.generate(PROMPT, max_tokens=0)
+    n = len(model.tokenize(PROMPT, add_special=True, parse_special=True))
+    assert r == GenerateResult("", [], "length", prompt_tokens=n, cached_tokens=0)
+
+
+def test_generate_reuses_the_prefix_of_an_earlier_request(model_path: Path) -> None:
+    fresh = Model(model_path)
+    long = PROMPT * 4
+    n = len(fresh.tokenize(long, add_special=True, parse_special=True))
+    first = fresh.generate(long, max_tokens=8)
+    again = fresh.generate(long, max_tokens=8)
+    assert first.cached_tokens == 0 and first.prompt_tokens == n
+    assert again.cached_tokens == (n - 1) // 16 * 16 > 0
+    assert again.tokens == first.tokens
 
 
 def test_concurrent_generation_matches_sequential(model: Model) -> None:

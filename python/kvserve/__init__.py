@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .models import FetchError
 
 if TYPE_CHECKING:
-    from ._model import GenerateResult, KvCacheFull, Model, ModelError, generate
+    from ._model import EngineError, GenerateResult, KvCacheFull, Model, ModelError, generate
 
 
 def _version() -> str:
@@ -34,6 +34,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "EngineError",
     "FetchError",
     "GenerateResult",
     "KvCacheFull",
@@ -43,7 +44,7 @@ __all__ = [
     "generate",
 ]
 
-_LAZY = {"GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"}
+_LAZY = {"EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"}
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,9 @@ from typing_extensions import Buffer
 class ModelError(ValueError):
     """A model file is malformed, truncated or uses an unsupported feature."""
 
+class EngineError(RuntimeError):
+    """A failure inside the engine (a worker thread panicked); the batch was rolled back."""
+
 class KvCacheFull(RuntimeError):
     """A batch does not fit in the context's KV cache; the cache is left unchanged."""
 
@@ -51,15 +54,18 @@ class Model:
         kv_memory: int | None = None,
     ) -> Context: ...
     def metadata(self) -> dict[str, object]: ...
+    def _inject_worker_panic(self, layer: int | None) -> None:
+        """Testing hook: the next decode panics in one worker at ``layer`` (once)."""
 
 class Context:
-    """One KV cache plus scratch buffers for a model; not shared between threads."""
+    """One context's sequences over the model's shared K/V memory (one block pool and prefix
+    index per model and K/V format). Calls from several threads are serialized on the context;
+    ``n_ctx``, ``n_cells`` and ``stats()`` never wait for a running decode."""
 
     @property
     def n_ctx(self) -> int: ...
     @property
     def n_cells(self) -> int: ...
-    def pos_max(self, seq: int) -> int: ...
     def decode(
         self,
         tokens: list[int],
@@ -80,6 +86,8 @@ class Context:
         ``len(tokens) - 1`` tokens) into the empty sequence ``seq``; returns its length ``n``.
         Decode ``tokens[n:]`` at positions ``n, n+1, ...`` next."""
     def stats(self) -> dict[str, int | str]: ...
+    def audit(self) -> None:
+        """Check every invariant of this context's tables and the model's pool (tests)."""
 
 class Logits:
     """Row-major float32 logits, ``n_rows`` x ``n_vocab``, exposed through the buffer protocol.
@@ -91,6 +99,7 @@ class Logits:
     def n_rows(self) -> int: ...
     @property
     def n_vocab(self) -> int: ...
+    def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 

@@ -38,9 +38,10 @@ except ImportError as _e:  # pragma: no cover - depends on the build
     ) from _e
 
 KvCacheFull = _core.KvCacheFull
+EngineError = _core.EngineError
 ModelError = _core.ModelError
 
-__all__ = ["GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"]
+__all__ = ["EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"]
 
 StrPath = Union[str, "os.PathLike[str]"]
 Stop = Union[str, Sequence[str], None]
@@ -52,11 +53,15 @@ FINISH_CONTEXT = "context"  # the context window is full
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """Generated text and token ids (the prompt is not included)."""
+    """Generated text and token ids (the prompt is not included); ``prompt_tokens`` counts the
+    prompt's tokens and ``cached_tokens`` those whose K/V was reused from the model's prefix
+    cache instead of computed."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = FINISH_LENGTH
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def _stop_list(stop: Stop) -> list[str]:
@@ -145,8 +150,11 @@ class Model:
     def new_context(
         self, n_ctx: int = 4096, kv_type: str = "f16", kv_memory: int | None = None
     ) -> _core.Context:
-        """A decoding context whose paged KV cache holds ``n_ctx`` tokens (or as many blocks as
-        fit in ``kv_memory`` bytes); ``kv_type`` is "f16", "q8_0" (half the memory) or "f32"."""
+        """A decoding context holding at most ``n_ctx`` tokens; ``kv_type`` is "f16", "q8_0"
+        (half the memory) or "f32". Every context of a model (and of one ``kv_type``) shares one
+        block pool and one prefix index: a prefix one context computed is found by the next, and
+        one memory budget covers them all. The pool is made on first use, for ``kv_memory``
+        bytes if given, else for ``max(n_ctx, 4096)`` tokens."""
         return self._core.new_context(n_ctx, kv_type=kv_type, kv_memory=kv_memory)
 
     # -- generation ---------------------------------------------------------------------------
@@ -165,7 +173,13 @@ class Model:
         """Complete ``prompt``; see the module docs for when generation ends."""
         run = _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx, kv_type)
         text = "".join(run)
-        return GenerateResult(text=text, tokens=run.tokens, finish_reason=run.finish_reason)
+        return GenerateResult(
+            text=text,
+            tokens=run.tokens,
+            finish_reason=run.finish_reason,
+            prompt_tokens=len(run.prompt_tokens),
+            cached_tokens=run.cached_tokens,
+        )
 
     def stream(
         self,
@@ -231,6 +245,7 @@ class _Run:
             )
         self.tokens: list[int] = []
         self.finish_reason = FINISH_LENGTH
+        self.cached_tokens = 0
 
     def _token_ids(self) -> Generator[int, None, None]:
         if self.max_tokens == 0:
@@ -239,7 +254,10 @@ class _Run:
         ctx = self.model.new_context(self.n_ctx, kv_type=self.kv_type)
         toks = self.prompt_tokens
         n = len(toks)
-        logits = ctx.decode(toks, list(range(n)), [0] * n, [False] * (n - 1) + [True])
+        # Whole blocks of the prompt that an earlier request on this model computed are reused.
+        m = self.cached_tokens = ctx.match_prefix(0, toks)
+        k = n - m
+        logits = ctx.decode(toks[m:], list(range(m, n)), [0] * k, [False] * (k - 1) + [True])
         pos = n
         is_eog = self.model.is_eog
         while True:

@@ -16,6 +16,10 @@ pub enum Error {
     KvCacheFull(String),
     /// An operating-system error (missing path, permission, ...).
     Io(String),
+    /// A buffer (e.g. a KV cache sized by `--ctx-size`) could not be allocated.
+    OutOfMemory(String),
+    /// A failure inside the engine (a worker panicked); the batch was rolled back.
+    Internal(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -27,7 +31,9 @@ impl fmt::Display for Error {
             | Error::Unsupported(m)
             | Error::InvalidInput(m)
             | Error::KvCacheFull(m)
-            | Error::Io(m) => f.write_str(m),
+            | Error::Io(m)
+            | Error::OutOfMemory(m)
+            | Error::Internal(m) => f.write_str(m),
         }
     }
 }

@@ -14,7 +14,7 @@ pub mod model;
 pub mod ops;
 pub mod quant;
 pub mod shared;
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 pub(crate) mod test_rng;
 pub mod threads;
 pub mod tokenizer;

@@ -41,8 +41,9 @@ impl Logits {
         self.shape[1] as usize
     }
 
+    /// Rows, as `len()` of the 2-D array it exports (`n_rows x n_vocab`).
     fn __len__(&self) -> usize {
-        self.data.len()
+        self.shape[0] as usize
     }
 
     /// # Safety

@@ -13,6 +13,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("ModelError", py.get_type::<errors::ModelError>())?;
     m.add("KvCacheFull", py.get_type::<errors::KvCacheFull>())?;
+    m.add("EngineError", py.get_type::<errors::EngineError>())?;
     m.add_class::<buffer::Logits>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<model::Context>()?;

@@ -1,10 +1,11 @@
 //! Binding of `kvserve_core::model`: `Model` (load, tokenizer, metadata) and `Context` (decode).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use kvserve_core::gguf::Value;
 use kvserve_core::kv::storage::KvType;
-use kvserve_core::kv::Memory;
+use kvserve_core::kv::{Memory, PagedCache, SharedKv};
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, Model as CoreModel,
 };
@@ -14,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::buffer::Logits;
-use crate::errors::to_py;
+use crate::errors::{to_py, EngineError};
 
 #[pyclass(frozen, module = "kvserve._core")]
 pub struct Model {
@@ -22,10 +23,13 @@ pub struct Model {
 }
 
 fn check_token(m: &CoreModel, t: i64) -> PyResult<u32> {
-    if t < 0 || t as usize >= m.n_vocab() {
+    check_vocab(m.n_vocab(), t)
+}
+
+fn check_vocab(n_vocab: usize, t: i64) -> PyResult<u32> {
+    if t < 0 || t as usize >= n_vocab {
         return Err(PyValueError::new_err(format!(
-            "token {t} is out of range (vocabulary has {})",
-            m.n_vocab()
+            "token {t} is out of range (vocabulary has {n_vocab})"
         )));
     }
     Ok(t as u32)
@@ -174,6 +178,7 @@ impl Model {
     #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None))]
     fn new_context(
         &self,
+        py: Python<'_>,
         n_ctx: usize,
         kv_type: &str,
         block_size: usize,
@@ -185,8 +190,18 @@ impl Model {
             kv_type: KvType::from_name(kv_type).map_err(to_py)?,
             block_size,
         };
-        let ctx = CoreContext::with_options(Arc::clone(&self.inner), &o).map_err(to_py)?;
-        Ok(Context { inner: ctx })
+        let m = Arc::clone(&self.inner);
+        let ctx = py
+            .detach(move || CoreContext::with_options(m, &o))
+            .map_err(to_py)?;
+        Ok(Context::new(ctx))
+    }
+
+    /// Testing hook: the next decode on this model panics in one worker thread at `layer`
+    /// (once); `None` disarms it. The decode then raises `kvserve.EngineError` and rolls back.
+    #[pyo3(signature = (layer))]
+    fn _inject_worker_panic(&self, layer: Option<usize>) {
+        self.inner.inject_worker_panic(layer);
     }
 
     /// GGUF metadata as a dict; arrays longer than 64 items are summarized by their length.
@@ -204,41 +219,111 @@ impl Model {
     }
 }
 
-#[pyclass(module = "kvserve._core")]
+/// Counters of one context, published after every operation so that `stats()` and `n_cells`
+/// answer from any thread at once, even while a decode holds the context.
+#[derive(Default)]
+struct Published {
+    sequences: AtomicUsize,
+    tokens: AtomicUsize,
+    held_blocks: AtomicUsize,
+    unused_slots: AtomicUsize,
+    lookups: AtomicU64,
+    hit_tokens: AtomicU64,
+}
+
+impl Published {
+    fn update(&self, c: &PagedCache) {
+        let t = c.stats();
+        let p = c.prefix_stats();
+        self.sequences.store(t.sequences, Ordering::Relaxed);
+        self.tokens.store(t.live_cells, Ordering::Relaxed);
+        self.held_blocks.store(t.held_blocks, Ordering::Relaxed);
+        self.unused_slots.store(t.unused_slots, Ordering::Relaxed);
+        self.lookups.store(p.lookups, Ordering::Relaxed);
+        self.hit_tokens.store(p.hit_tokens, Ordering::Relaxed);
+    }
+}
+
+/// A decoding context. Thread-safe: calls from several Python threads are serialized on the
+/// context (without the GIL), while `n_cells`, `n_ctx` and `stats()` never wait.
+#[pyclass(frozen, module = "kvserve._core")]
 pub struct Context {
-    inner: CoreContext,
+    inner: Mutex<Option<CoreContext>>,
+    shared: Arc<SharedKv>,
+    n_ctx: usize,
+    n_vocab: usize,
+    published: Published,
+}
+
+impl Context {
+    fn new(ctx: CoreContext) -> Context {
+        let published = Published::default();
+        published.update(ctx.cache());
+        Context {
+            shared: Arc::clone(ctx.cache().shared()),
+            n_ctx: ctx.n_ctx(),
+            n_vocab: ctx.model().n_vocab(),
+            inner: Mutex::new(Some(ctx)),
+            published,
+        }
+    }
+
+    /// Runs `f` on the context with the GIL released, then publishes its counters. A Rust panic
+    /// in `f` (a bug: the core catches panics of the forward pass and rolls the batch back)
+    /// closes the context: this and every later call raise `kvserve.EngineError`.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut CoreContext) -> kvserve_core::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(ctx) = guard.as_mut() else {
+                return Err(EngineError::new_err(
+                    "this context was closed after an internal error; create a new one",
+                ));
+            };
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx))) {
+                Ok(r) => {
+                    self.published.update(ctx.cache());
+                    r.map_err(to_py)
+                }
+                Err(_) => {
+                    *guard = None;
+                    Err(EngineError::new_err(
+                        "internal error in the KV cache; the context was closed",
+                    ))
+                }
+            }
+        })
+    }
 }
 
 #[pymethods]
 impl Context {
     #[getter]
     fn n_ctx(&self) -> usize {
-        self.inner.n_ctx()
+        self.n_ctx
     }
 
-    /// Cells in use across all sequences.
+    /// Cells in use across all sequences (never waits for a running decode).
     #[getter]
     fn n_cells(&self) -> usize {
-        self.inner.cache().n_cells()
-    }
-
-    fn pos_max(&self, seq: i32) -> i32 {
-        self.inner.cache().pos_max(seq)
+        self.published.tokens.load(Ordering::Relaxed)
     }
 
     /// Runs one batch (parallel lists); returns logits of the tokens whose `logits` flag is set.
     fn decode(
-        &mut self,
+        &self,
         py: Python<'_>,
         tokens: Vec<i64>,
         positions: Vec<i32>,
         seq_ids: Vec<i32>,
         logits: Vec<bool>,
     ) -> PyResult<Logits> {
-        let model = Arc::clone(self.inner.model());
         let tokens = tokens
             .into_iter()
-            .map(|t| check_token(&model, t))
+            .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
         let batch = Batch {
             tokens,
@@ -246,107 +331,103 @@ impl Context {
             seq_ids,
             logits,
         };
-        let out = py.detach(|| self.inner.decode(&batch)).map_err(to_py)?;
+        let out = self.with(py, |c| c.decode(&batch))?;
         Ok(Logits::new(out.data, out.n_rows, out.n_vocab))
     }
 
-    fn clear(&mut self) {
-        self.inner.clear()
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |c| {
+            c.clear();
+            Ok(())
+        })
     }
 
-    /// Lowest position stored for `seq`, or -1.
-    fn seq_pos_min(&self, seq: i32) -> i32 {
-        self.inner.cache().seq_pos_min(seq)
+    /// Lowest position stored for `seq` (all sequences if `seq < 0`), or -1.
+    fn seq_pos_min(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
+        self.with(py, |c| Ok(c.cache().seq_pos_min(seq)))
     }
 
-    /// Highest position stored for `seq`, or -1.
-    fn seq_pos_max(&self, seq: i32) -> i32 {
-        self.inner.cache().seq_pos_max(seq)
+    /// Highest position stored for `seq` (all sequences if `seq < 0`), or -1.
+    fn seq_pos_max(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
+        self.with(py, |c| Ok(c.cache().seq_pos_max(seq)))
     }
 
     /// Drops positions [p0, p1) of `seq` (negative bounds: open ends; seq < 0: all).
     #[pyo3(signature = (seq, p0=-1, p1=-1))]
-    fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> PyResult<()> {
-        self.inner.cache_mut().seq_rm(seq, p0, p1).map_err(to_py)
+    fn seq_rm(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32) -> PyResult<()> {
+        self.with(py, |c| c.cache_mut().seq_rm(seq, p0, p1))
     }
 
     /// `dst` also holds `src`'s positions in [p0, p1): blocks are shared, not copied.
     #[pyo3(signature = (src, dst, p0=-1, p1=-1))]
-    fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
-        self.inner
-            .cache_mut()
-            .table_mut()
-            .seq_cp(src, dst, p0, p1)
-            .map_err(to_py)
+    fn seq_cp(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
+        self.with(py, |c| c.cache_mut().seq_cp(src, dst, p0, p1))
     }
 
     /// Drops every sequence but `seq`.
-    fn seq_keep(&mut self, seq: i32) -> PyResult<()> {
-        self.inner
-            .cache_mut()
-            .table_mut()
-            .seq_keep(seq)
-            .map_err(to_py)
+    fn seq_keep(&self, py: Python<'_>, seq: i32) -> PyResult<()> {
+        self.with(py, |c| c.cache_mut().seq_keep(seq))
     }
 
     /// Adds `delta` to positions in [p0, p1) of `seq`; keys are re-rotated before the next
     /// attention.
-    fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> PyResult<()> {
-        self.inner
-            .cache_mut()
-            .table_mut()
-            .seq_add(seq, p0, p1, delta)
-            .map_err(to_py)
+    fn seq_add(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32, delta: i32) -> PyResult<()> {
+        self.with(py, |c| c.cache_mut().seq_add(seq, p0, p1, delta))
     }
 
     /// Divides positions in [p0, p1) of `seq` by `d` (integer division).
-    fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> PyResult<()> {
-        self.inner
-            .cache_mut()
-            .table_mut()
-            .seq_div(seq, p0, p1, d)
-            .map_err(to_py)
+    fn seq_div(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32, d: i32) -> PyResult<()> {
+        self.with(py, |c| c.cache_mut().seq_div(seq, p0, p1, d))
     }
 
     /// For a new (empty) sequence `seq`: maps the longest cached prefix of `tokens` (whole
-    /// blocks, at most `len(tokens) - 1` tokens) onto cached blocks and returns its length `n`;
-    /// decode `tokens[n:]` at positions `n..` next.
-    fn match_prefix(&mut self, seq: i32, tokens: Vec<i64>) -> PyResult<usize> {
-        let model = Arc::clone(self.inner.model());
+    /// blocks, at most `len(tokens) - 1` tokens), computed by any context of this model, onto
+    /// cached blocks and returns its length `n`; decode `tokens[n:]` at positions `n..` next.
+    fn match_prefix(&self, py: Python<'_>, seq: i32, tokens: Vec<i64>) -> PyResult<usize> {
         let tokens = tokens
             .into_iter()
-            .map(|t| check_token(&model, t))
+            .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
-        self.inner
-            .cache_mut()
-            .match_prefix(seq, &tokens)
-            .map_err(to_py)
+        self.with(py, |c| c.cache_mut().match_prefix(seq, &tokens))
     }
 
-    /// Cache statistics: blocks by state, tokens stored, unused slots in held blocks, prefix
-    /// lookups and the tokens they mapped.
+    /// Cache statistics (never waits for a running decode): the model's block pool for this
+    /// K/V format (shared by all its contexts) by state, and this context's sequences, tokens,
+    /// unused slots, prefix lookups and the tokens they mapped.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let cache = self.inner.cache();
-        let p = cache.table().pool().stats();
-        let t = cache.stats();
+        let p = self.shared.pool_stats();
+        let layout = self.shared.layout();
+        let pb = &self.published;
         let d = PyDict::new(py);
         d.set_item("blocks_total", p.total)?;
         d.set_item("blocks_free", p.free)?;
         d.set_item("blocks_cached", p.cached)?;
         d.set_item("blocks_referenced", p.referenced)?;
         d.set_item("blocks_shared", p.shared)?;
-        d.set_item("block_size", cache.table().block_size())?;
-        let block_bytes = cache.storage().layout().bytes_per_block();
+        d.set_item("block_size", layout.block_size)?;
+        let block_bytes = layout.bytes_per_block();
         d.set_item("bytes_per_block", block_bytes)?;
         d.set_item("bytes_referenced", p.referenced * block_bytes)?;
-        d.set_item("kv_type", cache.storage().kv_type().name())?;
-        d.set_item("sequences", t.sequences)?;
-        d.set_item("tokens_stored", t.live_cells)?;
-        d.set_item("unused_slots", t.unused_slots)?;
-        let ps = cache.prefix_stats();
-        d.set_item("prefix_lookups", ps.lookups)?;
-        d.set_item("prefix_hit_tokens", ps.hit_tokens)?;
+        d.set_item("kv_type", layout.ty.name())?;
+        d.set_item("sequences", pb.sequences.load(Ordering::Relaxed))?;
+        d.set_item("tokens_stored", pb.tokens.load(Ordering::Relaxed))?;
+        d.set_item("blocks_held", pb.held_blocks.load(Ordering::Relaxed))?;
+        d.set_item("unused_slots", pb.unused_slots.load(Ordering::Relaxed))?;
+        d.set_item("prefix_lookups", pb.lookups.load(Ordering::Relaxed))?;
+        d.set_item("prefix_hit_tokens", pb.hit_tokens.load(Ordering::Relaxed))?;
+        d.set_item("prefix_indexed", self.shared.index().len())?;
         Ok(d)
+    }
+
+    /// Checks every invariant of this context's tables and of the model's pool (for tests; run
+    /// it while no other context of the model is working). Raises `RuntimeError` on a violation.
+    fn audit(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |c| {
+            c.cache()
+                .table()
+                .check()
+                .map_err(|e| kvserve_core::Error::Internal(format!("KV audit failed: {e}")))
+        })
     }
 }
 

@@ -437,6 +437,14 @@ impl GgufFile {
         self.tensor(name).map(|t| self.tensor_data(t))
     }
 
+    /// The file's header as stored: magic, version, every metadata entry and the tensor table
+    /// (everything before the tensor data).
+    pub fn header_bytes(&self) -> &[u8] {
+        let bytes = self.storage.bytes();
+        let end = usize::try_from(self.data_offset).map_or(bytes.len(), |e| e.min(bytes.len()));
+        &bytes[..end]
+    }
+
     /// Size of the whole file in bytes.
     pub fn file_size(&self) -> u64 {
         self.storage.bytes().len() as u64

@@ -1,28 +1,27 @@
-//! `PagedCache`: the paged KV cache a [`crate::model::Context`] decodes into. It glues the
-//! block pool and tables ([`super::table`]) to the K/V data ([`super::storage`]):
+//! The paged KV cache a [`crate::model::Context`] decodes into.
 //!
-//! - `reserve(batch)` plans where every token goes (blocks on demand, copy-on-write of shared
-//!   partly filled tails), applies pending storage work in order (copies, then K-shifts: keys
-//!   re-rotated by the position delta of `seq_add`/`seq_div`, lazily like llama.cpp's K-shift),
-//!   and returns one `(block, slot)` per token. A batch that does not fit fails with
-//!   `KvCacheFull` and changes nothing.
-//! - `write(layer, slots, k, v)` stores the batch's keys and values of one layer.
-//! - `view(seq)` gives the sequence's block list and per-slot positions for attention, whose
-//!   cost then grows with the sequence's own length only.
-//! - Prefix reuse ([`super::prefix`]): `reserve` records each cell's token id, and when a block of
-//!   a clean sequence becomes full (see docs/KV_SEMANTICS.md, "Prefix index") gives it a content
-//!   key chained from the previous block's key and indexes it. `match_prefix(seq, tokens)`
-//!   attaches the longest indexed prefix (whole blocks) to a new sequence. Keys are assigned when
-//!   the batch is reserved: if the forward pass then fails, the batch's cells (keyed or not) hold
-//!   no valid data and the caller must `seq_rm` them, as for any failed decode.
+//! - [`SharedKv`]: the K/V memory of one model, shared by all its contexts: the block pool, the
+//!   K/V data of every block ([`super::storage`]) and the prefix index ([`super::prefix`]). One
+//!   memory budget covers every context, and a prefix computed by one context is found by the
+//!   next. Contexts on different threads allocate, release and revive blocks concurrently; the
+//!   K/V data is touched only inside a decode, under the storage lock (decodes of one model run
+//!   one at a time on its worker team anyway).
+//! - [`PagedCache`]: one context's sequences over a `SharedKv` (its own block tables,
+//!   [`super::table`]). A batch is a transaction: `begin_batch` plans every token's cell (blocks
+//!   on demand, copy-on-write of shared or keyed partly filled tails) and applies pending storage
+//!   work (copies, then K-shifts with one angle computation per delta); the caller writes the
+//!   K/V; `commit` then gives newly filled clean blocks their content keys and indexes them (a
+//!   key never names unwritten data), or `rollback` undoes the batch if the pass failed.
+//! - `match_prefix(seq, tokens)` attaches the longest indexed prefix (whole blocks) to a new
+//!   sequence, whichever context computed it.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::pool::{BlockId, BlockPool, NO_KEY};
-use super::prefix::{block_key, PrefixIndex, ROOT_KEY};
-use super::storage::{KvLayout, KvStorage, KvType};
-use super::table::{KvTable, Pos, SeqId, TableStats, Updates};
+use super::pool::{BlockId, BlockPool, PoolStats};
+use super::prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
+use super::storage::{KvLayout, KvStorage};
+use super::table::{BatchTx, KvTable, Pos, SeqId, SeqView, TableStats, Updates};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::ops::Rope;
@@ -30,12 +29,9 @@ use crate::ops::Rope;
 /// Default tokens per block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
-/// A sequence's blocks (any order) and the position held in each slot (`-1`: empty slot).
-#[derive(Debug, Default, Clone)]
-pub struct SeqView {
-    pub blocks: Vec<u32>,
-    pub positions: Vec<i32>,
-}
+/// Version of the key derivation; part of every model id so that a change of the scheme never
+/// matches keys stored by an older one.
+const KEY_SCHEME: u64 = 2;
 
 /// Prefix reuse counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -44,44 +40,110 @@ pub struct PrefixStats {
     pub lookups: u64,
     /// Tokens mapped onto cached blocks by `match_prefix`, summed over calls.
     pub hit_tokens: u64,
-    /// Entries in the index (some may be stale until looked up).
+    /// Entries in the index.
     pub indexed: usize,
 }
 
-pub struct PagedCache {
-    table: KvTable,
-    storage: KvStorage,
-    rope: Rope,
+/// The K/V memory of one model and K/V format (see the module docs).
+pub struct SharedKv {
+    pool: Arc<BlockPool>,
+    index: Arc<PrefixIndex>,
+    storage: Mutex<KvStorage>,
+    layout: KvLayout,
     head_dim: usize,
-    n_ctx: usize,
-    /// Token id of every cell (valid for cells that have been written).
-    tokens: Vec<u32>,
-    /// Per block: the parent key used for its content key (valid while it has a key).
-    parent: Vec<u64>,
-    index: PrefixIndex,
-    model_id: u64,
-    lookups: u64,
-    hit_tokens: u64,
+    rope: Rope,
+    model_id: Key,
+    lookups: AtomicU64,
+    hit_tokens: AtomicU64,
 }
 
-impl PagedCache {
-    /// A cache for at most `n_ctx` stored tokens across all sequences (plus one spare block per
-    /// 16 tokens' worth for partly filled tails and copy-on-write).
-    pub fn new(layout: KvLayout, head_dim: usize, rope: Rope, n_ctx: usize) -> Result<PagedCache> {
+impl std::fmt::Debug for SharedKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedKv")
+            .field("layout", &self.layout)
+            .field("blocks", &self.pool.total())
+            .finish()
+    }
+}
+
+/// Blocks for `n_ctx` tokens plus spares for partly filled tails and copy-on-write.
+pub fn blocks_for_tokens(n_ctx: usize, block_size: usize) -> usize {
+    n_ctx.div_ceil(block_size) + n_ctx.div_ceil(16).min(64) + 1
+}
+
+impl SharedKv {
+    /// K/V memory of `n_blocks` blocks. `weights_id` identifies the weights that compute the
+    /// K/V (see `model::model_identity`); with the K/V format it forms the model id mixed into
+    /// every content key.
+    pub fn new(
+        layout: KvLayout,
+        head_dim: usize,
+        rope: Rope,
+        n_blocks: usize,
+        weights_id: Key,
+    ) -> Result<SharedKv> {
         layout.validate()?;
-        let bs = layout.block_size;
-        let n_blocks = n_ctx.div_ceil(bs) + n_ctx.div_ceil(16).min(64) + 1;
-        Self::build(layout, head_dim, rope, n_blocks, n_ctx)
+        if n_blocks == 0 {
+            return Err(Error::InvalidInput(
+                "a KV cache needs at least one block".into(),
+            ));
+        }
+        let n_blocks_u32 = u32::try_from(n_blocks)
+            .ok()
+            .filter(|&n| n < u32::MAX - 1)
+            .ok_or_else(|| {
+                Error::InvalidInput(format!("KV cache of {n_blocks} blocks is too large"))
+            })?;
+        // The big buffer first: a size the machine cannot hold fails here, cheaply.
+        let storage = KvStorage::new(layout, n_blocks)?;
+        let index = PrefixIndex::new(n_blocks, layout.block_size)?;
+        let mut h = KeyHasher::new(KEY_SCHEME);
+        h.write_u128(weights_id);
+        for w in [
+            layout.ty.code() as u64,
+            layout.block_size as u64,
+            layout.n_layers as u64,
+            layout.kv_dim as u64,
+            head_dim as u64,
+        ] {
+            h.write_u64(w);
+        }
+        Ok(SharedKv {
+            pool: Arc::new(BlockPool::new(n_blocks_u32)),
+            index: Arc::new(index),
+            storage: Mutex::new(storage),
+            layout,
+            head_dim,
+            rope,
+            model_id: h.finish(),
+            lookups: AtomicU64::new(0),
+            hit_tokens: AtomicU64::new(0),
+        })
     }
 
-    /// A cache holding as many blocks as fit in `bytes` of K/V storage (`--kv-memory`); the
-    /// token limit is then what those blocks hold.
+    /// K/V memory for `n_ctx` tokens (see [`blocks_for_tokens`]).
+    pub fn for_tokens(
+        layout: KvLayout,
+        head_dim: usize,
+        rope: Rope,
+        n_ctx: usize,
+        weights_id: Key,
+    ) -> Result<SharedKv> {
+        if n_ctx == 0 {
+            return Err(Error::InvalidInput("n_ctx must be positive".into()));
+        }
+        let n = blocks_for_tokens(n_ctx, layout.block_size.max(1));
+        SharedKv::new(layout, head_dim, rope, n, weights_id)
+    }
+
+    /// K/V memory of as many blocks as fit in `bytes` (`--kv-memory`).
     pub fn with_bytes(
         layout: KvLayout,
         head_dim: usize,
         rope: Rope,
         bytes: usize,
-    ) -> Result<PagedCache> {
+        weights_id: Key,
+    ) -> Result<SharedKv> {
         layout.validate()?;
         let n_blocks = layout.n_blocks_for_bytes(bytes);
         if n_blocks == 0 {
@@ -90,79 +152,111 @@ impl PagedCache {
                 layout.bytes_per_block()
             )));
         }
-        Self::build(
-            layout,
-            head_dim,
-            rope,
-            n_blocks,
-            n_blocks * layout.block_size,
-        )
+        SharedKv::new(layout, head_dim, rope, n_blocks, weights_id)
     }
 
-    fn build(
-        layout: KvLayout,
-        head_dim: usize,
-        rope: Rope,
-        n_blocks: usize,
-        n_ctx: usize,
-    ) -> Result<PagedCache> {
-        let KvLayout {
-            ty,
-            n_layers,
-            kv_dim,
-            block_size,
-        } = layout;
-        let n_blocks_u32 = u32::try_from(n_blocks).map_err(|_| {
-            Error::InvalidInput(format!("KV cache of {n_blocks} blocks is too large"))
-        })?;
-        let pool = Arc::new(BlockPool::new(n_blocks_u32));
-        // Default model id: a fingerprint of the K/V layout. Callers that know the model's
-        // identity (weights) should set it with `set_model_id`.
-        let ty_id = match ty {
-            KvType::F32 => 0u32,
-            KvType::F16 => 1,
-            KvType::Q8_0 => 8,
-        };
-        let shape = [
-            n_layers as u32,
-            kv_dim as u32,
-            head_dim as u32,
-            block_size as u32,
-        ];
-        let model_id = block_key(0x6b76_7365_7276_6501, ty_id as u64, &shape);
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    pub fn index(&self) -> &Arc<PrefixIndex> {
+        &self.index
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn n_blocks(&self) -> usize {
+        self.pool.total()
+    }
+
+    /// Tokens the whole pool holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.total() * self.layout.block_size
+    }
+
+    /// The id mixed into every content key: weights + K/V format + key scheme.
+    pub fn model_id(&self) -> Key {
+        self.model_id
+    }
+
+    /// Locks the K/V data (held for a whole decode). A decode that panicked rolled its batch
+    /// back before releasing the lock, so a poisoned lock still guards consistent data.
+    pub fn lock_storage(&self) -> MutexGuard<'_, KvStorage> {
+        self.storage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pool counts, O(1).
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// Prefix reuse counters of every context of this memory.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        PrefixStats {
+            lookups: self.lookups.load(Ordering::Relaxed),
+            hit_tokens: self.hit_tokens.load(Ordering::Relaxed),
+            indexed: self.index.len(),
+        }
+    }
+}
+
+/// One context's sequences over a model's [`SharedKv`].
+pub struct PagedCache {
+    shared: Arc<SharedKv>,
+    table: KvTable,
+    n_ctx: usize,
+    lookups: u64,
+    hit_tokens: u64,
+}
+
+impl PagedCache {
+    /// A cache over `shared` storing at most `n_ctx` tokens across its sequences (the pool may
+    /// run out first: it is shared).
+    pub fn new(shared: Arc<SharedKv>, n_ctx: usize) -> Result<PagedCache> {
+        if n_ctx == 0 {
+            return Err(Error::InvalidInput("n_ctx must be positive".into()));
+        }
+        let table = KvTable::with_index(
+            Arc::clone(&shared.pool),
+            Some(Arc::clone(&shared.index)),
+            shared.layout.block_size,
+        )?;
         Ok(PagedCache {
-            table: KvTable::new(pool, block_size)?,
-            storage: KvStorage::new(layout, n_blocks)?,
-            rope,
-            head_dim,
-            n_ctx,
-            tokens: vec![0; n_blocks * block_size],
-            parent: vec![NO_KEY; n_blocks],
-            index: PrefixIndex::new(),
-            model_id,
+            n_ctx: n_ctx.min(shared.capacity_tokens()),
+            shared,
+            table,
             lookups: 0,
             hit_tokens: 0,
         })
     }
 
-    /// Sets the model id mixed into every content key (identifies the weights that computed the
-    /// K/V). Empties the index: blocks keyed under the old id are no longer matched.
-    pub fn set_model_id(&mut self, id: u64) {
-        if id != self.model_id {
-            self.model_id = id;
-            self.index.clear();
-        }
+    /// A cache with K/V memory of its own for `n_ctx` tokens (tests, benchmarks).
+    pub fn standalone(
+        layout: KvLayout,
+        head_dim: usize,
+        rope: Rope,
+        n_ctx: usize,
+    ) -> Result<PagedCache> {
+        let shared = SharedKv::for_tokens(layout, head_dim, rope, n_ctx, ROOT_KEY)?;
+        PagedCache::new(Arc::new(shared), n_ctx)
     }
 
-    pub fn model_id(&self) -> u64 {
-        self.model_id
+    pub fn shared(&self) -> &Arc<SharedKv> {
+        &self.shared
     }
 
+    pub fn model_id(&self) -> Key {
+        self.shared.model_id
+    }
+
+    /// This context's prefix reuse counters (`indexed` counts the model's whole index).
     pub fn prefix_stats(&self) -> PrefixStats {
         PrefixStats {
             lookups: self.lookups,
             hit_tokens: self.hit_tokens,
-            indexed: self.index.len(),
+            indexed: self.shared.index.len(),
         }
     }
 
@@ -178,10 +272,6 @@ impl PagedCache {
         &mut self.table
     }
 
-    pub fn storage(&self) -> &KvStorage {
-        &self.storage
-    }
-
     pub fn stats(&self) -> TableStats {
         self.table.stats()
     }
@@ -191,18 +281,27 @@ impl PagedCache {
         self.table.live_cells()
     }
 
-    pub fn pos_max(&self, seq: SeqId) -> Pos {
-        self.table.seq_pos_max(seq)
-    }
-
     pub fn clear(&mut self) {
         self.table.clear();
         // Nothing to apply: cleared cells are gone; drop pending work with them.
         let _ = self.table.take_updates();
     }
 
-    /// Plans and prepares the batch's cells; see the module docs.
-    pub fn reserve(&mut self, batch: &Batch) -> Result<Vec<(BlockId, u16)>> {
+    /// Plans the batch's cells and applies pending storage work to `storage` (this cache's
+    /// shared storage, locked by the caller); returns one `(block, slot)` per token and the
+    /// transaction to commit or roll back. `KvCacheFull` / `InvalidInput`: nothing changed.
+    pub fn begin_batch(
+        &mut self,
+        batch: &Batch,
+        storage: &mut KvStorage,
+    ) -> Result<(Vec<(BlockId, u16)>, BatchTx)> {
+        if batch.tokens.len() != batch.seq_ids.len() {
+            return Err(Error::InvalidInput(format!(
+                "batch has {} tokens but {} sequence ids",
+                batch.tokens.len(),
+                batch.seq_ids.len()
+            )));
+        }
         let used = self.n_cells();
         if used + batch.len() > self.n_ctx {
             return Err(Error::KvCacheFull(format!(
@@ -211,62 +310,40 @@ impl PagedCache {
                 batch.len()
             )));
         }
-        if batch.tokens.len() != batch.seq_ids.len() {
-            return Err(Error::InvalidInput(format!(
-                "batch has {} tokens but {} sequence ids",
-                batch.tokens.len(),
-                batch.seq_ids.len()
-            )));
+        let (plan, tx) = self.table.prepare_batch(&batch.seq_ids, &batch.positions)?;
+        self.table.set_tokens(&plan.slots, &batch.tokens);
+        if let Err(e) = self.apply(storage, &plan.updates) {
+            self.table.rollback(tx);
+            return Err(e);
         }
-        let plan = self.table.prepare_batch(&batch.seq_ids, &batch.positions)?;
-        self.apply(&plan.updates)?;
-        let bs = self.table.block_size();
-        for (&(b, sl), &t) in plan.slots.iter().zip(&batch.tokens) {
-            self.tokens[b as usize * bs + sl as usize] = t;
-        }
-        for (&(b, sl), &s) in plan.slots.iter().zip(&batch.seq_ids) {
-            if sl as usize + 1 == bs {
-                self.key_block(s, b)?;
-            }
-        }
-        Ok(plan.slots)
+        Ok((plan.slots, tx))
     }
 
-    /// Gives block `b`, just filled by sequence `s`, its content key if it qualifies (see the
-    /// module docs) and indexes it.
-    fn key_block(&mut self, s: SeqId, b: BlockId) -> Result<()> {
-        let pool = Arc::clone(self.table.pool());
-        if pool.key(b) != NO_KEY {
-            return Ok(());
+    /// The batch's K/V are written: indexes the blocks it filled (see the module docs).
+    pub fn commit(&mut self, tx: BatchTx) {
+        let keyed = self.table.commit(tx, Some(self.shared.model_id));
+        for (b, key, parent) in keyed {
+            // Cannot fail: the block is held and its tokens are block_size long.
+            let _ = self.shared.index.insert(
+                &self.shared.pool,
+                b,
+                key,
+                parent,
+                self.table.block_tokens(b),
+            );
         }
-        let Some((_, parent_block)) = self.table.full_prefix_block(s, b) else {
-            return Ok(());
-        };
-        let parent = match parent_block {
-            None => ROOT_KEY,
-            Some(p) => match pool.key(p) {
-                NO_KEY => return Ok(()),
-                k => k,
-            },
-        };
-        let bs = self.table.block_size();
-        let key = block_key(
-            self.model_id,
-            parent,
-            &self.tokens[b as usize * bs..(b as usize + 1) * bs],
-        );
-        pool.set_key(b, key)
-            .map_err(|e| Error::InvalidInput(format!("kv bookkeeping: {e}")))?;
-        self.parent[b as usize] = parent;
-        self.index.insert(&pool, key, b);
-        Ok(())
+    }
+
+    /// The batch's K/V could not be written: undoes it (see [`KvTable::rollback`]).
+    pub fn rollback(&mut self, tx: BatchTx) {
+        self.table.rollback(tx);
     }
 
     /// For a new (empty) sequence `seq`: maps the longest indexed prefix of `tokens`, in whole
     /// blocks and at most `tokens.len() - 1` tokens (so the caller still decodes the last token
-    /// for its logits), onto cached blocks, which `seq` then references at positions
-    /// `0..n`. Returns `n`, a multiple of the block size; the caller decodes `tokens[n..]` at
-    /// positions `n..`. `InvalidInput` if `seq < 0` or `seq` has cells.
+    /// for its logits), onto cached blocks of the model, which `seq` then references at
+    /// positions `0..n`. Returns `n`, a multiple of the block size; the caller decodes
+    /// `tokens[n..]` at positions `n..`. `InvalidInput` if `seq < 0` or `seq` has cells.
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
         if seq < 0 {
             return Err(Error::InvalidInput(format!(
@@ -279,34 +356,33 @@ impl PagedCache {
             )));
         }
         self.lookups += 1;
+        self.shared.lookups.fetch_add(1, Ordering::Relaxed);
         let bs = self.table.block_size();
-        let pool = Arc::clone(self.table.pool());
+        let (pool, index) = (&self.shared.pool, &self.shared.index);
         let n_max = tokens.len().saturating_sub(1) / bs;
         let mut blocks: Vec<BlockId> = Vec::new();
+        let mut keys: Vec<Key> = Vec::new();
         let mut parent = ROOT_KEY;
         for chunk in tokens.chunks_exact(bs).take(n_max) {
-            let key = block_key(self.model_id, parent, chunk);
-            let Some(b) = self.index.lookup(&pool, key) else {
+            let key = block_key(self.shared.model_id, parent, chunk);
+            let Some(b) = index.lookup(pool, key, parent, chunk) else {
                 break;
             };
-            // Guard against hash collisions: the block must hold these very tokens after the
-            // same parent.
-            let r = b as usize * bs..(b as usize + 1) * bs;
-            if self.tokens[r] != *chunk || self.parent[b as usize] != parent {
-                let _ = pool.release(b);
-                break;
-            }
             blocks.push(b);
+            keys.push(key);
             parent = key;
         }
-        if let Err(e) = self.table.attach_blocks(seq, &blocks) {
+        let n = blocks.len() * bs;
+        if let Err(e) = self.table.attach_blocks(seq, &blocks, &keys, &tokens[..n]) {
             for &b in blocks.iter().rev() {
                 let _ = pool.release(b);
             }
             return Err(e);
         }
-        let n = blocks.len() * bs;
         self.hit_tokens += n as u64;
+        self.shared
+            .hit_tokens
+            .fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
 
@@ -314,36 +390,40 @@ impl PagedCache {
     /// batch.
     pub fn apply_pending(&mut self) -> Result<()> {
         let u = self.table.take_updates();
-        self.apply(&u)
+        let shared = Arc::clone(&self.shared);
+        let mut storage = shared.lock_storage();
+        self.apply(&mut storage, &u)
     }
 
-    fn apply(&mut self, u: &Updates) -> Result<()> {
-        let bs = self.table.block_size();
+    fn apply(&self, storage: &mut KvStorage, u: &Updates) -> Result<()> {
         for c in &u.copies {
-            self.storage.copy_block(c.src, c.dst, c.n_slots as usize)?;
-            let (src, dst) = (c.src as usize * bs, c.dst as usize * bs);
-            self.tokens.copy_within(src..src + c.n_slots as usize, dst);
+            storage.copy_block(c.src, c.dst, c.n_slots as usize)?;
         }
-        for s in &u.shifts {
-            for layer in 0..self.storage.n_layers() {
-                self.storage.rotate_k(
-                    layer,
-                    s.block,
-                    s.slot as usize,
-                    &self.rope,
-                    self.head_dim,
-                    s.delta,
-                )?;
-            }
+        // One angle computation per distinct delta.
+        let mut shifts: Vec<(Pos, BlockId, u16)> = u
+            .shifts
+            .iter()
+            .map(|s| (s.delta, s.block, s.slot))
+            .collect();
+        shifts.sort_unstable();
+        for group in shifts.chunk_by(|a, b| a.0 == b.0) {
+            let cells: Vec<(BlockId, u16)> = group.iter().map(|&(_, b, sl)| (b, sl)).collect();
+            storage.rotate_k_cells(&cells, &self.shared.rope, self.shared.head_dim, group[0].0)?;
         }
         Ok(())
     }
 
-    /// Stores one layer's keys and values (`kv_dim` per batch token) at the reserved slots.
-    pub fn write(&mut self, layer: usize, slots: &[(BlockId, u16)], k: &[f32], v: &[f32]) {
-        let d = self.storage.kv_dim();
+    /// Stores one layer's keys and values (`kv_dim` per batch token) at the planned slots.
+    pub fn write(
+        storage: &mut KvStorage,
+        layer: usize,
+        slots: &[(BlockId, u16)],
+        k: &[f32],
+        v: &[f32],
+    ) {
+        let d = storage.kv_dim();
         for (t, &(b, sl)) in slots.iter().enumerate() {
-            self.storage
+            storage
                 .write(
                     layer,
                     b,
@@ -355,26 +435,17 @@ impl PagedCache {
         }
     }
 
-    /// Blocks and slot positions of `seq`, for attention.
-    pub fn view(&self, seq: SeqId) -> SeqView {
-        let bs = self.storage.block_size();
-        let mut index: HashMap<BlockId, usize> = HashMap::new();
-        let mut v = SeqView::default();
-        for (pos, b, slot) in self.table.cells(seq) {
-            let i = *index.entry(b).or_insert_with(|| {
-                v.blocks.push(b);
-                v.positions.extend(std::iter::repeat_n(-1, bs));
-                v.blocks.len() - 1
-            });
-            v.positions[i * bs + slot as usize] = pos;
-        }
-        v
+    /// Blocks and slot positions of `seq`, for attention (cached per sequence).
+    pub fn view(&mut self, seq: SeqId) -> SeqView {
+        self.table.view(seq)
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::kv::storage::KvType;
+    use crate::kv::NO_KEY;
     use crate::ops::RopeScaling;
 
     const BS: usize = 4;
@@ -394,14 +465,16 @@ mod tests {
             kv_dim: D,
             block_size: BS,
         };
-        PagedCache::new(layout, D, rope, n_ctx).unwrap()
+        PagedCache::standalone(layout, D, rope, n_ctx).unwrap()
     }
 
     /// Reserves and writes `tokens` of `seq` at `pos0..`; V holds (token, position) so that the
     /// storage content can be checked later.
     fn decode(c: &mut PagedCache, seq: SeqId, tokens: &[u32], pos0: Pos) {
         let b = Batch::prompt(tokens, pos0, seq);
-        let slots = c.reserve(&b).unwrap();
+        let shared = Arc::clone(c.shared());
+        let mut st = shared.lock_storage();
+        let (slots, tx) = c.begin_batch(&b, &mut st).unwrap();
         let mut k = vec![0.0f32; tokens.len() * D];
         let mut v = vec![0.0f32; tokens.len() * D];
         for (i, &t) in tokens.iter().enumerate() {
@@ -409,7 +482,8 @@ mod tests {
             v[i * D] = t as f32;
             v[i * D + 1] = (pos0 + i as Pos) as f32;
         }
-        c.write(0, &slots, &k, &v);
+        PagedCache::write(&mut st, 0, &slots, &k, &v);
+        c.commit(tx);
         c.table().check().unwrap();
     }
 
@@ -421,7 +495,10 @@ mod tests {
             .into_iter()
             .map(|(p, b, sl)| {
                 let mut v = vec![0.0f32; D];
-                c.storage().read_v(0, b, sl as usize, &mut v).unwrap();
+                c.shared()
+                    .lock_storage()
+                    .read_v(0, b, sl as usize, &mut v)
+                    .unwrap();
                 assert_eq!(v[1] as Pos, p, "cell position matches its data");
                 (v[0] as u32, p)
             })
@@ -567,16 +644,39 @@ mod tests {
         pool.retain(b0).unwrap();
         pool.retain(b1).unwrap();
         let t = c.table_mut();
-        assert!(t.attach_blocks(0, &[b0]).is_err(), "sequence not empty");
-        assert!(t.attach_blocks(-1, &[b0]).is_err(), "negative id");
-        assert!(t.attach_blocks(1, &[b0, b0]).is_err(), "repeated block");
+        let (k1, k2) = ([1u128], [1u128, 2]);
+        let before = t.stats();
         assert!(
-            t.attach_blocks(1, &[b1]).is_err(),
+            t.attach_blocks(0, &[b0], &k1, &p[..4]).is_err(),
+            "sequence not empty"
+        );
+        assert!(
+            t.attach_blocks(-1, &[b0], &k1, &p[..4]).is_err(),
+            "negative id"
+        );
+        assert!(
+            t.attach_blocks(1, &[b0, b0], &k2, &p[..8]).is_err(),
+            "repeated block"
+        );
+        assert!(
+            t.attach_blocks(1, &[b1], &k1, &p[..4]).is_err(),
             "block 1 holds positions 4..8"
         );
-        assert!(t.attach_blocks(1, &[b0, 999]).is_err(), "out of range");
+        assert!(
+            t.attach_blocks(1, &[b0, 999], &k2, &p[..8]).is_err(),
+            "out of range"
+        );
+        assert!(
+            t.attach_blocks(1, &[b0, b1], &k1, &p[..8]).is_err(),
+            "one key per block"
+        );
+        assert!(
+            t.attach_blocks(1, &[b0, b1], &k2, &p[..7]).is_err(),
+            "tokens per block"
+        );
         assert!(t.cells(1).is_empty());
-        t.attach_blocks(1, &[b0, b1]).unwrap();
+        assert_eq!(t.stats(), before);
+        t.attach_blocks(1, &[b0, b1], &k2, &p[..8]).unwrap();
         t.check().unwrap();
         assert_eq!(content(&c, 1), expect(&p[..8]));
     }
@@ -609,5 +709,102 @@ mod tests {
         assert_eq!(c.match_prefix(4, &q).unwrap(), 8);
         assert_eq!(c.match_prefix(5, &p).unwrap(), 0);
         c.table().check().unwrap();
+    }
+
+    /// A planned batch whose K/V never got written (the pass failed) is rolled back: the
+    /// tables, the pool and the index are as before, and no key names the unwritten blocks.
+    #[test]
+    fn rollback_leaves_no_trace_and_no_keys() {
+        let mut c = cache(64);
+        let p = prompt(6, 2);
+        decode(&mut c, 0, &p, 0);
+        c.table_mut().seq_cp(0, 1, -1, -1).unwrap(); // shared partial tail: the batch copies it
+        let snap = |c: &PagedCache| {
+            let pool = c.table().pool();
+            let blocks: Vec<_> = (0..pool.total() as BlockId)
+                .map(|b| (pool.refcount(b), pool.key(b)))
+                .collect();
+            (
+                c.table().cells(0),
+                c.table().cells(1),
+                c.table().cells(2),
+                c.stats(),
+                pool.stats(),
+                blocks,
+                c.prefix_stats().indexed,
+            )
+        };
+        let before = snap(&c);
+        let q = prompt(12, 40);
+        let mut b = Batch::prompt(&q, 0, 2);
+        for (t, pos) in [(91, 6), (92, 7), (93, 8)] {
+            b.tokens.push(t);
+            b.positions.push(pos);
+            b.seq_ids.push(1);
+            b.logits.push(false);
+        }
+        let shared = Arc::clone(c.shared());
+        let mut st = shared.lock_storage();
+        let (slots, tx) = c.begin_batch(&b, &mut st).unwrap();
+        assert_eq!(slots.len(), 15);
+        drop(st);
+        c.rollback(tx);
+        c.table().check().unwrap();
+        assert_eq!(snap(&c), before);
+        // Nothing of the failed batch is matched; committing the same batch for real indexes it.
+        assert_eq!(c.match_prefix(3, &q).unwrap(), 0);
+        c.table_mut().seq_rm(3, -1, -1);
+        decode(&mut c, 2, &q, 0);
+        assert_eq!(c.match_prefix(3, &q).unwrap(), 8);
+        assert_eq!(content(&c, 3), expect(&q[..8]));
+        assert_eq!(content(&c, 0), expect(&p));
+        assert_eq!(content(&c, 1), expect(&p));
+    }
+
+    /// Two contexts over one shared memory: a prefix computed by one is matched by the other,
+    /// and blocks evicted by the other's allocations leave the index at once.
+    #[test]
+    fn contexts_share_pool_and_index() {
+        let mut a = cache(64);
+        let mut b = PagedCache::new(Arc::clone(a.shared()), 64).unwrap();
+        let p = prompt(13, 7);
+        decode(&mut a, 0, &p, 0);
+        assert_eq!(b.match_prefix(0, &p).unwrap(), 12);
+        assert_eq!(content(&b, 0), expect(&p[..12]));
+        assert_eq!(a.shared().pool_stats().shared, 3);
+        b.table_mut().seq_rm(0, -1, -1);
+        a.table_mut().seq_rm(0, -1, -1);
+        assert_eq!(a.shared().prefix_stats().indexed, 3);
+        // b fills the pool: the cached blocks are evicted and forgotten.
+        let total = a.shared().n_blocks();
+        let big = prompt(total * BS, 90);
+        let mut c2 = PagedCache::new(Arc::clone(a.shared()), total * BS).unwrap();
+        decode(&mut c2, 0, &big, 0);
+        assert_eq!(
+            a.shared().prefix_stats().indexed,
+            total,
+            "only c2's blocks are indexed"
+        );
+        assert_eq!(a.match_prefix(1, &p).unwrap(), 0);
+        a.table().check().unwrap();
+        c2.table().check().unwrap();
+    }
+
+    /// A context that goes away gives its blocks back to the shared pool: full clean blocks stay
+    /// cached (and matchable), the partial tail is freed.
+    #[test]
+    fn dropping_a_context_releases_its_blocks() {
+        let mut a = cache(64);
+        let shared = Arc::clone(a.shared());
+        let mut b = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        let p = prompt(10, 3);
+        decode(&mut b, 0, &p, 0);
+        decode(&mut b, 1, &prompt(3, 50), 0);
+        assert_eq!(shared.pool_stats().referenced, 4);
+        drop(b);
+        let st = shared.pool_stats();
+        assert_eq!((st.referenced, st.cached), (0, 2));
+        assert_eq!(a.match_prefix(0, &p).unwrap(), 8);
+        a.table().check().unwrap();
     }
 }

@@ -1,6 +1,7 @@
 //! The paged KV cache.
 //!
-//! - [`pool`]: a lock-free pool of fixed-size blocks (free / cached / referenced, refcounts).
+//! - [`pool`]: a pool of fixed-size blocks (free / cached / referenced, refcounts, LRU of cached
+//!   blocks), lock-free but for O(1) critical sections on the cached list.
 //! - [`table`]: per-sequence block tables with llama.cpp's sequence operations; it plans the
 //!   writes, copy-on-write copies and K-shifts that the storage performs.
 //! - [`storage`]: the K/V data of every block (f16, q8_0 or f32), never moved.
@@ -9,7 +10,8 @@
 //! - [`prefix`]: content keys of full blocks and the key -> block index for prefix reuse.
 //!
 //! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements.
-//! - [`cache`]: `PagedCache`, the five above glued together for a decoding context.
+//! - [`cache`]: `SharedKv` (pool + storage + index of one model, shared by its contexts) and
+//!   `PagedCache` (one context's tables over it, batches as transactions).
 //!
 //! Semantics are written down in docs/KV_SEMANTICS.md.
 
@@ -21,11 +23,13 @@ pub mod prefix;
 pub mod storage;
 pub mod table;
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests;
 
-pub use cache::{PagedCache, PrefixStats, SeqView, DEFAULT_BLOCK_SIZE};
+pub use cache::{blocks_for_tokens, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE};
 pub use memory::Memory;
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
-pub use prefix::{block_key, PrefixIndex, ROOT_KEY};
-pub use table::{CellShift, CowCopy, KvTable, Pos, SeqId, TableStats, Updates, WritePlan};
+pub use prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
+pub use table::{
+    BatchTx, CellShift, CowCopy, KvTable, Pos, SeqId, SeqView, TableStats, Updates, WritePlan,
+};

@@ -57,6 +57,16 @@ pub enum KvType {
 }
 
 impl KvType {
+    /// A stable code for the type, used in content keys that may leave the process (never an
+    /// enum discriminant): ggml's type ids (F32 = 0, F16 = 1, Q8_0 = 8).
+    pub fn code(self) -> u32 {
+        match self {
+            KvType::F32 => 0,
+            KvType::F16 => 1,
+            KvType::Q8_0 => 8,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             KvType::F32 => "f32",
@@ -156,6 +166,29 @@ impl std::fmt::Debug for KvStorage {
     }
 }
 
+/// `n` zero bytes, or `OutOfMemory` instead of aborting the process when the allocator says
+/// no (a mistyped `--ctx-size` must not take a server down). Zeroed pages are mapped lazily by
+/// the OS, so a large cache costs memory only as it fills.
+fn zeroed_bytes(n: usize) -> Result<Vec<u8>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n)
+        .map_err(|_| invalid(format!("KV cache of {n} bytes is too large")))?;
+    // SAFETY: `layout` has a non-zero size (checked above).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(crate::error::Error::OutOfMemory(format!(
+            "cannot allocate a KV cache of {:.1} GiB",
+            n as f64 / (1u64 << 30) as f64
+        )));
+    }
+    // SAFETY: `ptr` was just allocated by the global allocator with the layout of `[u8; n]`
+    // (align 1, size n), is non-null and holds `n` initialized (zero) bytes; the Vec takes
+    // ownership and frees it with the same layout.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
 impl KvStorage {
     /// Allocates `n_blocks` zeroed blocks.
     pub fn new(layout: KvLayout, n_blocks: usize) -> Result<KvStorage> {
@@ -173,7 +206,7 @@ impl KvStorage {
             n_blocks,
             row_bytes: layout.row_bytes(),
             block_bytes,
-            data: vec![0u8; total],
+            data: zeroed_bytes(total)?,
         })
     }
 
@@ -357,9 +390,6 @@ impl KvStorage {
     }
 
     /// [`KvStorage::rotate_k`] for a range of slots of one block (one angle computation).
-    ///
-    /// The rotation uses `rope`'s angles for `delta_pos` normalized to unit length, so YaRN's
-    /// magnitude factor (already applied when the key was first rotated) is not applied twice.
     pub fn rotate_k_slots(
         &mut self,
         layer: usize,
@@ -370,8 +400,34 @@ impl KvStorage {
         delta_pos: i32,
     ) -> Result<()> {
         self.check_layer(layer)?;
-        let b = self.check_block(block)?;
         self.check_slots(&slots)?;
+        let cells: Vec<(u32, u16)> = slots.map(|sl| (block, sl as u16)).collect();
+        self.rotate_cells(layer..layer + 1, &cells, rope, head_dim, delta_pos)
+    }
+
+    /// Re-rotates the stored keys of many cells by the same `delta_pos`, in every layer, with
+    /// one angle computation (a K-shift after `seq_add`/`seq_div` moves many cells by one
+    /// delta).
+    pub fn rotate_k_cells(
+        &mut self,
+        cells: &[(u32, u16)],
+        rope: &Rope,
+        head_dim: usize,
+        delta_pos: i32,
+    ) -> Result<()> {
+        self.rotate_cells(0..self.layout.n_layers, cells, rope, head_dim, delta_pos)
+    }
+
+    /// The rotation uses `rope`'s angles for `delta_pos` normalized to unit length, so YaRN's
+    /// magnitude factor (already applied when the key was first rotated) is not applied twice.
+    fn rotate_cells(
+        &mut self,
+        layers: Range<usize>,
+        cells: &[(u32, u16)],
+        rope: &Rope,
+        head_dim: usize,
+        delta_pos: i32,
+    ) -> Result<()> {
         let kv_dim = self.layout.kv_dim;
         if head_dim == 0
             || !kv_dim.is_multiple_of(head_dim)
@@ -387,7 +443,11 @@ impl KvStorage {
                 rope.n_rot
             )));
         }
-        if delta_pos == 0 || slots.is_empty() {
+        for &(b, sl) in cells {
+            self.check_block(b)?;
+            self.check_slots(&(sl as usize..sl as usize + 1))?;
+        }
+        if delta_pos == 0 || cells.is_empty() {
             return Ok(());
         }
         let mut cs = vec![(0.0f32, 0.0f32); rope.n_rot / 2];
@@ -400,11 +460,13 @@ impl KvStorage {
         }
         let ty = self.layout.ty;
         let mut row = vec![0.0f32; kv_dim];
-        for slot in slots {
-            let r = self.row_range(layer, b, slot, false);
-            decode_row(ty, &self.data[r.clone()], &mut row);
-            rope.apply(&mut row, head_dim, &cs);
-            encode_row(ty, &row, &mut self.data[r]);
+        for layer in layers {
+            for &(b, sl) in cells {
+                let r = self.row_range(layer, b as usize, sl as usize, false);
+                decode_row(ty, &self.data[r.clone()], &mut row);
+                rope.apply(&mut row, head_dim, &cs);
+                encode_row(ty, &row, &mut self.data[r]);
+            }
         }
         Ok(())
     }

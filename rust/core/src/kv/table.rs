@@ -29,14 +29,31 @@
 //! stay pinned (an extra pool reference) until their copy is handed out, so they cannot be
 //! reused or mutated before the storage reads them.
 //!
-//! Complexity: `prepare_batch` is O(tokens + pool scan for the availability check); `seq_rm`,
-//! `seq_cp`, `seq_add`, `seq_div`, `seq_pos_min/max` are O(cells of the sequences involved);
-//! `seq_keep` and `clear` are O(all cells).
+//! Blocks with a content key (full blocks of a clean prefix, see docs/KV_SEMANTICS.md) may be
+//! shared with other contexts of the model through the prefix index at any moment, so they are
+//! immutable: a write or a shift into one copies it first, unless the table holds every
+//! reference to it, in which case it loses its key ([`BlockPool::untag`]) and is changed in place.
+//! Blocks without a key are private to this table.
+//!
+//! A batch is a transaction: [`KvTable::prepare_batch`] plans it and returns a [`BatchTx`];
+//! after the K/V are written the caller either [`KvTable::commit`]s it (full clean blocks get
+//! their content keys only now, so a key never names unwritten data) or [`KvTable::rollback`]s
+//! it (the cells it added are removed and copy-on-write moves undone: every sequence holds
+//! exactly the positions, blocks and K rotation it held before).
+//!
+//! Complexity (n = tokens of the batch, c = cells of the sequences involved, S = sequences):
+//! `prepare_batch` and `commit` are O(n) plus O(block size) per block filled (per-sequence tail,
+//! bounds and key chain are kept in step; the pool's counters answer the availability check);
+//! `rollback` is O(n + cells in copied tails); `view` is O(1) amortized per appended token (a
+//! cached view, rebuilt in O(c) after a structural change); `seq_pos_min/max(s)` are O(1) (O(S)
+//! for `s < 0`); `seq_rm`, `seq_cp`, `seq_add`, `seq_div` are O(c); `seq_keep`, `clear` and
+//! `stats` are O(all cells).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::pool::{BlockId, BlockPool, NO_KEY};
+use super::prefix::{block_key, key_tag, Key, PrefixIndex, ROOT_KEY};
 use crate::error::{Error, Result};
 
 /// A sequence id (`>= 0`; negative ids mean "all sequences" where an operation allows it).
@@ -80,6 +97,14 @@ pub struct WritePlan {
     pub slots: Vec<(BlockId, u16)>,
 }
 
+/// A sequence's blocks (in order of first use) and the position held in each of their slots
+/// (`-1`: a slot the sequence does not use), for attention.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SeqView {
+    pub blocks: Vec<u32>,
+    pub positions: Vec<i32>,
+}
+
 #[derive(Debug, Default, Clone)]
 struct Seq {
     cells: Vec<(BlockId, u16)>,
@@ -89,7 +114,34 @@ struct Seq {
     /// sequence (`seq_cp` into a non-empty or from a tainted sequence): its blocks get no
     /// content keys. Reset when the sequence becomes empty.
     tainted: bool,
+    // Derived from `cells`, kept in step by appends and recomputed by `refresh` after any other
+    // change:
+    /// One past the highest slot the sequence uses in its tail block (the block of its last cell).
+    top: usize,
+    pos_min: Pos,
+    pos_max: Pos,
+    /// Cached attention view (`None`: rebuild on demand).
+    view: Option<SeqView>,
+    /// Content keys of the leading full blocks known to form a clean prefix (a prefix of the
+    /// truth; `chain_ok == false`: recompute from scratch at the next commit).
+    chain: Vec<Key>,
+    chain_ok: bool,
+    /// The block after `chain` is full but not a clean prefix block: nothing further is keyed.
+    chain_stuck: bool,
 }
+
+/// Undo record of one planned batch (see the module docs): per sequence, its cell count before
+/// the batch and the copy-on-write move of its tail (old block, new block), if any; the old
+/// blocks stay pinned until `commit` or `rollback`.
+#[derive(Debug, Default)]
+#[must_use = "a planned batch must be committed or rolled back"]
+pub struct BatchTx {
+    seqs: Vec<TxSeq>,
+    pins: Vec<BlockId>,
+}
+
+/// A sequence in a batch: its id, its cell count before, and its copied tail (old, new block).
+type TxSeq = (SeqId, usize, Option<(BlockId, BlockId)>);
 
 /// Table-level counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -108,11 +160,19 @@ pub struct TableStats {
 #[derive(Debug)]
 pub struct KvTable {
     pool: Arc<BlockPool>,
+    /// The model's prefix index: told when a block loses its key (eviction, untag).
+    index: Option<Arc<PrefixIndex>>,
     bs: usize,
     seqs: BTreeMap<SeqId, Seq>,
+    /// Per block: sequences of this table holding it.
+    holders: Vec<u32>,
+    /// Per cell: token id (set by the caller for written cells; keys are computed from it).
+    tokens: Vec<u32>,
     users: Vec<u16>,
     /// Cells with at least one user (kept in step with `users`, so the hot path need not scan).
     live: usize,
+    /// Blocks with at least one holder here (kept in step with `holders`).
+    held: usize,
     pos: Vec<Pos>,
     rope: Vec<Pos>,
     /// Per cell: id of the write that produced its content (kept by copy-on-write).
@@ -123,8 +183,25 @@ pub struct KvTable {
     dirty: Vec<(BlockId, u16)>,
 }
 
+/// A table gives its references back to the (shared) pool when it goes away: keyed blocks stay
+/// cached for other contexts, the rest is freed.
+impl Drop for KvTable {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
 fn internal(e: String) -> Error {
     Error::InvalidInput(format!("kv bookkeeping: {e}"))
+}
+
+fn try_vec<T: Clone>(n: usize, v: T) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| {
+        Error::OutOfMemory(format!("cannot allocate KV block tables for {n} cells"))
+    })?;
+    out.resize(n, v);
+    Ok(out)
 }
 
 fn range(p0: Pos, p1: Pos) -> (Pos, Pos) {
@@ -134,21 +211,37 @@ fn range(p0: Pos, p1: Pos) -> (Pos, Pos) {
 impl KvTable {
     /// A table over `pool` with `block_size` tokens per block (1..=32768).
     pub fn new(pool: Arc<BlockPool>, block_size: usize) -> Result<KvTable> {
+        KvTable::with_index(pool, None, block_size)
+    }
+
+    /// A table over `pool` whose key changes are reported to `index`.
+    pub fn with_index(
+        pool: Arc<BlockPool>,
+        index: Option<Arc<PrefixIndex>>,
+        block_size: usize,
+    ) -> Result<KvTable> {
         if block_size == 0 || block_size > 32768 {
             return Err(Error::InvalidInput(format!(
                 "kv block size must be in 1..=32768, got {block_size}"
             )));
         }
-        let n = pool.total() * block_size;
+        let n = pool
+            .total()
+            .checked_mul(block_size)
+            .ok_or_else(|| Error::InvalidInput("KV block table too large".into()))?;
         Ok(KvTable {
+            holders: try_vec(pool.total(), 0)?,
+            tokens: try_vec(n, 0)?,
             pool,
+            index,
             bs: block_size,
             seqs: BTreeMap::new(),
-            users: vec![0; n],
+            users: try_vec(n, 0)?,
             live: 0,
-            pos: vec![-1; n],
-            rope: vec![-1; n],
-            origin: vec![0; n],
+            held: 0,
+            pos: try_vec(n, -1)?,
+            rope: try_vec(n, -1)?,
+            origin: try_vec(n, 0)?,
             next_origin: 1,
             pending: Vec::new(),
             pins: Vec::new(),
@@ -205,6 +298,7 @@ impl KvTable {
         };
         let mut released = Vec::new();
         let bs = self.bs;
+        let before = q.cells.len();
         q.cells.retain(|&(b, sl)| {
             let i = b as usize * bs + sl as usize;
             if !drop(self.pos[i]) {
@@ -223,24 +317,103 @@ impl KvTable {
             false
         });
         for b in released.into_iter().rev() {
+            self.hold(b, false);
             // A held block has refcount >= 1, so this cannot fail.
             let _ = self.pool.release(b);
         }
         if !q.cells.is_empty() {
+            if q.cells.len() != before {
+                self.refresh(&mut q);
+            }
             self.seqs.insert(s, q);
         }
     }
 
-    /// Adds cell `(b, sl)` to the end of `s`; takes a pool reference if `s` did not hold `b`.
+    /// Counts one more (`up`) or one fewer sequence of this table holding block `b`.
+    fn hold(&mut self, b: BlockId, up: bool) {
+        let h = &mut self.holders[b as usize];
+        if up {
+            *h += 1;
+            self.held += usize::from(*h == 1);
+        } else {
+            *h -= 1;
+            self.held -= usize::from(*h == 0);
+        }
+    }
+
+    /// Recomputes the derived fields of a sequence after a change other than an append.
+    fn refresh(&self, q: &mut Seq) {
+        let tail = q.cells.last().map(|c| c.0);
+        q.top = q
+            .cells
+            .iter()
+            .filter(|c| Some(c.0) == tail)
+            .map(|c| c.1 as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let (mut lo, mut hi) = (Pos::MAX, -1);
+        for &(b, sl) in &q.cells {
+            let p = self.pos[self.idx(b, sl)];
+            lo = lo.min(p);
+            hi = hi.max(p);
+        }
+        q.pos_min = if hi < 0 { -1 } else { lo };
+        q.pos_max = hi;
+        q.view = None;
+        q.chain_ok = false;
+        q.chain_stuck = false;
+    }
+
+    fn refresh_seq(&mut self, s: SeqId) {
+        if let Some(mut q) = self.seqs.remove(&s) {
+            self.refresh(&mut q);
+            self.seqs.insert(s, q);
+        }
+    }
+
+    /// Adds cell `(b, sl)` to the end of `s`; takes a pool reference if `s` did not hold `b` and
+    /// the block is not `fresh` (a fresh block's reference comes from the caller). Keeps the
+    /// derived fields of an append (`top`, bounds, view); other callers `refresh` after.
     fn add_cell(&mut self, s: SeqId, b: BlockId, sl: u16, fresh: bool) -> Result<()> {
+        let bs = self.bs;
+        let p = self.pos[b as usize * bs + sl as usize];
+        if self.seqs.get(&s).is_none_or(|q| !q.holds.contains_key(&b)) {
+            if !fresh {
+                self.pool.retain(b).map_err(internal)?;
+            }
+            self.hold(b, true);
+        }
         let q = self.seqs.entry(s).or_default();
         let h = q.holds.entry(b).or_insert(0);
-        if *h == 0 && !fresh {
-            self.pool.retain(b).map_err(internal)?;
-        }
         *h += 1;
+        let new_block = q.cells.last().is_none_or(|c| c.0 != b);
         q.cells.push((b, sl));
-        let i = b as usize * self.bs + sl as usize;
+        q.top = if new_block {
+            sl as usize + 1
+        } else {
+            q.top.max(sl as usize + 1)
+        };
+        if q.cells.len() == 1 {
+            q.pos_min = p;
+            q.pos_max = p;
+        } else {
+            q.pos_min = q.pos_min.min(p);
+            q.pos_max = q.pos_max.max(p);
+        }
+        if let Some(v) = &mut q.view {
+            if v.blocks.last() == Some(&b) {
+                let k = v.blocks.len() - 1;
+                v.positions[k * bs + sl as usize] = p;
+            } else if *h == 1 {
+                v.blocks.push(b);
+                v.positions.extend(std::iter::repeat_n(-1, bs));
+                let k = v.blocks.len() - 1;
+                v.positions[k * bs + sl as usize] = p;
+            } else {
+                q.view = None;
+            }
+        }
+        let i = b as usize * bs + sl as usize;
         self.users[i] += 1;
         if self.users[i] == 1 {
             self.live += 1;
@@ -298,8 +471,18 @@ impl KvTable {
         for (b, sl) in add {
             self.add_cell(dst, b, sl, false)?;
         }
-        if let Some(q) = self.seqs.get_mut(&dst) {
+        let chain = self.seqs.get(&src).map(|q| (q.chain.clone(), q.chain_ok));
+        if let Some(mut q) = self.seqs.remove(&dst) {
             q.tainted |= !clean;
+            self.refresh(&mut q);
+            if clean {
+                // A clean copy holds the same leading blocks: the same key chain.
+                if let Some((c, ok)) = chain {
+                    q.chain = c;
+                    q.chain_ok = ok;
+                }
+            }
+            self.seqs.insert(dst, q);
         }
         Ok(())
     }
@@ -362,23 +545,81 @@ impl KvTable {
         }
         let targets = self.targets(s);
         let in_range = |p: Pos| p >= p0 && p < p1;
+        let moves = |p: Pos| in_range(p) && f(p) >= 0 && f(p) != p;
         // With one sequence, cells it shares with others must become private first. With all
-        // sequences, every user of a cell moves it the same way, so in place is fine.
+        // sequences, every user of a cell moves it the same way, so in place is fine. A block
+        // with a content key may be shared with other contexts: it is changed in place only if
+        // this table holds every reference (it then loses its key), else each holder here that
+        // moves a cell in it gets a private copy.
         let mut cow: Vec<(SeqId, BlockId)> = Vec::new();
-        if s >= 0 {
-            for &t in &targets {
-                let q = &self.seqs[&t];
-                let mut seen = HashSet::new();
-                for &(b, sl) in &q.cells {
-                    let i = self.idx(b, sl);
-                    let p = self.pos[i];
-                    if in_range(p) && f(p) >= 0 && self.users[i] >= 2 && seen.insert(b) {
+        let mut keyed: Vec<BlockId> = Vec::new();
+        let mut keyed_seen = HashSet::new();
+        for &t in &targets {
+            let q = &self.seqs[&t];
+            let mut seen = HashSet::new();
+            for &(b, sl) in &q.cells {
+                let i = self.idx(b, sl);
+                if !moves(self.pos[i]) {
+                    continue;
+                }
+                if s >= 0 && self.users[i] >= 2 {
+                    if seen.insert(b) {
                         cow.push((t, b));
                     }
+                } else if self.pool.key(b) != NO_KEY && keyed_seen.insert(b) {
+                    keyed.push(b);
                 }
             }
         }
-        let mut fresh = self.reserve(cow.len())?;
+        let holders_moving = |tbl: &KvTable, b: BlockId, cow: &[(SeqId, BlockId)]| {
+            let mut v = Vec::new();
+            for &t in &targets {
+                let holds = tbl.seqs[&t]
+                    .cells
+                    .iter()
+                    .any(|&(cb, sl)| cb == b && moves(tbl.pos[tbl.idx(cb, sl)]));
+                if holds && !cow.contains(&(t, b)) {
+                    v.push((t, b));
+                }
+            }
+            v
+        };
+        let mut untag = Vec::new();
+        for &b in &keyed {
+            if self.pool.refcount(b) == self.holders[b as usize] {
+                untag.push(b);
+            } else {
+                let more = holders_moving(self, b, &cow);
+                cow.extend(more);
+            }
+        }
+        let mut fresh = self.take_blocks(cow.len())?;
+        let mut raced = Vec::new();
+        for b in untag {
+            match self.pool.untag(b, self.holders[b as usize]) {
+                Some(tag) => {
+                    if let Some(ix) = &self.index {
+                        ix.forget(b, tag);
+                    }
+                }
+                // Revived by another context since we looked: copy it instead.
+                None => raced.extend(holders_moving(self, b, &cow)),
+            }
+        }
+        if !raced.is_empty() {
+            match self.take_blocks(raced.len()) {
+                Ok(more) => {
+                    fresh.extend(more);
+                    cow.extend(raced);
+                }
+                Err(e) => {
+                    for b in fresh {
+                        let _ = self.pool.release(b);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         for (t, b) in cow {
             let nb = fresh.pop().expect("reserved");
             let top = self.top_of(t, b);
@@ -411,20 +652,23 @@ impl KvTable {
                 }
             }
         }
-        if !touched.is_empty() || removed_any {
+        let changed = !touched.is_empty() || removed_any;
+        for (b, sl, np) in touched {
+            debug_assert_eq!(
+                self.pool.key(b),
+                NO_KEY,
+                "moved cells are in unkeyed blocks"
+            );
+            let i = self.idx(b, sl);
+            self.pos[i] = np;
+            self.dirty.push((b, sl));
+        }
+        if changed {
             for t in self.targets(s) {
                 if let Some(q) = self.seqs.get_mut(&t) {
                     q.tainted = true;
                 }
-            }
-        }
-        for (b, sl, np) in touched {
-            let i = self.idx(b, sl);
-            self.pos[i] = np;
-            self.dirty.push((b, sl));
-            if self.pool.key(b) != NO_KEY {
-                // Content changed: it no longer matches its index key.
-                self.pool.set_key(b, NO_KEY).map_err(internal)?;
+                self.refresh_seq(t);
             }
         }
         Ok(())
@@ -454,6 +698,7 @@ impl KvTable {
             self.pos[j] = self.pos[i];
             self.rope[j] = self.rope[i];
             self.origin[j] = self.origin[i];
+            self.tokens[j] = self.tokens[i];
             if self.pos[j] != self.rope[j] {
                 self.dirty.push((nb, sl as u16));
             }
@@ -466,9 +711,12 @@ impl KvTable {
             n_slots: top as u16,
         });
         let bs = self.bs;
+        self.hold(b, false);
+        self.hold(nb, true);
         let q = self.seqs.get_mut(&s).expect("sequence exists");
         let n = q.holds.remove(&b).unwrap_or(0);
         q.holds.insert(nb, n);
+        q.view = None;
         for c in q.cells.iter_mut().filter(|c| c.0 == b) {
             let (from, to) = (
                 b as usize * bs + c.1 as usize,
@@ -489,9 +737,10 @@ impl KvTable {
         Ok(())
     }
 
-    /// Allocates `n` blocks or none: `KvCacheFull` (nothing changed) if the pool cannot supply
-    /// them.
-    fn reserve(&mut self, n: usize) -> Result<Vec<BlockId>> {
+    /// Takes `n` blocks from the pool (free ones first, then evicting the least recently used
+    /// cached ones, whose keys the index forgets), or none: `KvCacheFull` (nothing changed) if
+    /// the pool cannot supply them.
+    fn take_blocks(&mut self, n: usize) -> Result<Vec<BlockId>> {
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -507,8 +756,13 @@ impl KvTable {
         }
         let mut got = Vec::with_capacity(n);
         for _ in 0..n {
-            match self.pool.allocate() {
-                Some(b) => got.push(b),
+            match self.pool.allocate_evicting() {
+                Some((b, old)) => {
+                    if let (Some(ix), Some(tag)) = (&self.index, old) {
+                        ix.forget(b, tag);
+                    }
+                    got.push(b)
+                }
                 None => {
                     // Only reachable when another owner of the pool raced us.
                     for b in got {
@@ -528,24 +782,32 @@ impl KvTable {
         if k == 0 {
             return 0;
         }
-        let (copy, avail) = match self.seqs.get(&s).and_then(|q| q.cells.last()) {
-            Some(&(t, _)) => {
-                let top = self.top_of(s, t);
-                if top < self.bs {
-                    (usize::from(!self.writable(t)), self.bs - top)
-                } else {
-                    (0, 0)
-                }
+        let (copy, avail) = match self
+            .seqs
+            .get(&s)
+            .and_then(|q| Some((q.cells.last()?, q.top)))
+        {
+            Some((&(t, _), top)) if top < self.bs => {
+                (usize::from(!self.writable(t)), self.bs - top)
             }
-            None => (0, 0),
+            _ => (0, 0),
         };
         copy + (k.saturating_sub(avail)).div_ceil(self.bs)
     }
 
     /// Plans the writes of one token per `(seq_ids[i], positions[i])`: allocates blocks on
-    /// demand, copies shared partly filled tail blocks first. All or nothing: on
-    /// `KvCacheFull` nothing changed. The returned plan also carries all pending [`Updates`].
-    pub fn prepare_batch(&mut self, seq_ids: &[SeqId], positions: &[Pos]) -> Result<WritePlan> {
+    /// demand, copies shared or keyed partly filled tail blocks first. All or nothing: on
+    /// `KvCacheFull` or `InvalidInput` nothing changed. The returned plan also carries all
+    /// pending [`Updates`]; the [`BatchTx`] must be committed or rolled back.
+    ///
+    /// Validation (as llama.cpp's batch check): every sequence id `>= 0`, every position
+    /// `>= 0`, and the positions of each sequence strictly increase through the batch and start
+    /// after the sequence's last stored position (gaps are allowed).
+    pub fn prepare_batch(
+        &mut self,
+        seq_ids: &[SeqId],
+        positions: &[Pos],
+    ) -> Result<(WritePlan, BatchTx)> {
         if seq_ids.len() != positions.len() {
             return Err(Error::InvalidInput(format!(
                 "batch has {} sequence ids but {} positions",
@@ -565,32 +827,53 @@ impl KvTable {
                 positions[i]
             )));
         }
-        let mut count: BTreeMap<SeqId, usize> = BTreeMap::new();
-        for &s in seq_ids {
-            *count.entry(s).or_default() += 1;
+        // Per sequence: tokens in the batch and the last position seen so far.
+        let mut count: BTreeMap<SeqId, (usize, Pos)> = BTreeMap::new();
+        for (i, (&s, &p)) in seq_ids.iter().zip(positions).enumerate() {
+            let e = count
+                .entry(s)
+                .or_insert_with(|| (0, self.seqs.get(&s).map_or(-1, |q| q.pos_max)));
+            if p <= e.1 {
+                let what = if e.0 == 0 {
+                    format!("the last stored position of sequence {s} is {}", e.1)
+                } else {
+                    format!(
+                        "an earlier token of sequence {s} in this batch has position {}",
+                        e.1
+                    )
+                };
+                return Err(Error::InvalidInput(format!(
+                    "token {i}: position {p} of sequence {s} does not increase ({what}); \
+                     positions of a sequence must increase strictly"
+                )));
+            }
+            *e = (e.0 + 1, p);
         }
-        let need: usize = count.iter().map(|(&s, &k)| self.blocks_needed(s, k)).sum();
-        let mut fresh = self.reserve(need)?;
+        let need: usize = count
+            .iter()
+            .map(|(&s, &(k, _))| self.blocks_needed(s, k))
+            .sum();
+        let mut fresh = self.take_blocks(need)?;
+        let pins_before = self.pins.len();
+        let mut tx = BatchTx::default();
+        let mut tx_at: HashMap<SeqId, usize> = HashMap::with_capacity(count.len());
         let mut slots = Vec::with_capacity(seq_ids.len());
-        // Per sequence: the block and top of the last write in this batch (avoids rescans).
-        let mut tail: HashMap<SeqId, (BlockId, usize)> = HashMap::new();
         for (&s, &p) in seq_ids.iter().zip(positions) {
-            let cur = match tail.get(&s) {
-                Some(&(b, top)) => Some((b, top, true)),
-                None => self
-                    .seqs
-                    .get(&s)
-                    .and_then(|q| q.cells.last())
-                    .map(|&(b, _)| {
-                        let top = self.top_of(s, b);
-                        (b, top, self.writable(b))
-                    }),
-            };
+            let k = *tx_at.entry(s).or_insert_with(|| {
+                let n = self.seqs.get(&s).map_or(0, |q| q.cells.len());
+                tx.seqs.push((s, n, None));
+                tx.seqs.len() - 1
+            });
+            let cur = self
+                .seqs
+                .get(&s)
+                .and_then(|q| Some((q.cells.last()?.0, q.top)));
             let (b, sl, is_fresh) = match cur {
-                Some((b, top, true)) if top < self.bs => (b, top, false),
-                Some((b, top, false)) if top < self.bs => {
+                Some((b, top)) if top < self.bs && self.writable(b) => (b, top, false),
+                Some((b, top)) if top < self.bs => {
                     let nb = fresh.pop().expect("reserved");
                     self.copy_block(s, b, nb, top)?;
+                    tx.seqs[k].2 = Some((b, nb));
                     (nb, top, false)
                 }
                 _ => (fresh.pop().expect("reserved"), 0, true),
@@ -601,52 +884,210 @@ impl KvTable {
             self.origin[i] = self.next_origin;
             self.next_origin += 1;
             self.add_cell(s, b, sl as u16, is_fresh)?;
-            tail.insert(s, (b, sl + 1));
             slots.push((b, sl as u16));
         }
         debug_assert!(fresh.is_empty(), "block reservation mismatch");
         for b in fresh {
             let _ = self.pool.release(b);
         }
-        Ok(WritePlan {
-            updates: self.take_updates(),
-            slots,
-        })
+        // The batch's copy sources stay pinned until commit or rollback.
+        tx.pins = self.pins.split_off(pins_before);
+        Ok((
+            WritePlan {
+                updates: self.take_updates(),
+                slots,
+            },
+            tx,
+        ))
     }
 
-    /// If `s` is untainted and block `b` holds exactly its cells number `i*bs .. (i+1)*bs` in
-    /// slot order with positions `i*bs + slot` (no pending shift), and so do all blocks before
-    /// it: `Some((i, parent))` where `parent` is the block of cells `(i-1)*bs..` (`None` for
-    /// `i == 0`). Such a block may get a content key (docs/KV_SEMANTICS.md, "Prefix index").
-    pub fn full_prefix_block(&self, s: SeqId, b: BlockId) -> Option<(usize, Option<BlockId>)> {
-        let q = self.seqs.get(&s)?;
-        if q.tainted {
-            return None;
+    /// The token ids recorded for the slots of block `b`.
+    pub fn block_tokens(&self, b: BlockId) -> &[u32] {
+        let i = self.idx(b, 0);
+        &self.tokens[i..i + self.bs]
+    }
+
+    /// Records the token id of each written cell (content keys are computed from them).
+    pub fn set_tokens(&mut self, slots: &[(BlockId, u16)], tokens: &[u32]) {
+        for (&(b, sl), &t) in slots.iter().zip(tokens) {
+            let i = self.idx(b, sl);
+            self.tokens[i] = t;
         }
-        let bs = self.bs;
-        let k = q.cells.iter().position(|c| *c == (b, 0))?;
-        if k % bs != 0 || k + bs > q.cells.len() {
-            return None;
+    }
+
+    /// The batch's K/V are written: unpins its copy sources and gives every block that is now a
+    /// full block of a clean prefix (docs/KV_SEMANTICS.md, "Prefix index") its content key,
+    /// computed with `model_id`. Returns the blocks keyed now, as `(block, key, parent key)`;
+    /// the caller indexes them.
+    /// With `model_id == None` (prefix caching off) nothing is keyed.
+    pub fn commit(&mut self, tx: BatchTx, model_id: Option<Key>) -> Vec<(BlockId, Key, Key)> {
+        for b in tx.pins.into_iter().rev() {
+            let _ = self.pool.release(b);
         }
-        for (j, &(cb, sl)) in q.cells[..k + bs].iter().enumerate() {
-            let i = self.idx(cb, sl);
-            if sl as usize != j % bs
-                || cb != q.cells[j - j % bs].0
-                || self.pos[i] != j as Pos
-                || self.rope[i] != j as Pos
-            {
-                return None;
+        let mut keyed = Vec::new();
+        if let Some(id) = model_id {
+            for (s, _, _) in tx.seqs {
+                self.extend_chain(s, id, &mut keyed);
             }
         }
-        Some((k / bs, (k > 0).then(|| q.cells[k - bs].0)))
+        keyed
+    }
+
+    /// Extends the key chain of `s` over its full clean prefix blocks (O(block size) per new
+    /// block; O(cells) after a structural change).
+    fn extend_chain(&mut self, s: SeqId, model_id: Key, keyed: &mut Vec<(BlockId, Key, Key)>) {
+        let Some(mut q) = self.seqs.remove(&s) else {
+            return;
+        };
+        if !q.chain_ok {
+            q.chain.clear();
+            q.chain_ok = true;
+            q.chain_stuck = false;
+        }
+        let bs = self.bs;
+        while !q.tainted && !q.chain_stuck && (q.chain.len() + 1) * bs <= q.cells.len() {
+            let k = q.chain.len();
+            let cells = &q.cells[k * bs..(k + 1) * bs];
+            let b = cells[0].0;
+            let clean = cells.iter().enumerate().all(|(j, &(cb, sl))| {
+                let i = self.idx(cb, sl);
+                let p = (k * bs + j) as Pos;
+                cb == b && sl as usize == j && self.pos[i] == p && self.rope[i] == p
+            });
+            if !clean {
+                q.chain_stuck = true;
+                break;
+            }
+            let parent = q.chain.last().copied().unwrap_or(ROOT_KEY);
+            let i0 = self.idx(b, 0);
+            let key = block_key(model_id, parent, &self.tokens[i0..i0 + bs]);
+            match self.pool.key(b) {
+                NO_KEY => {
+                    // Untagged, so private to this table, and full: nothing else writes it.
+                    keyed.push((b, key, parent));
+                }
+                t if t == key_tag(key) => {}
+                _ => {
+                    // Keyed under another chain (cannot happen for a clean block); stop here.
+                    q.chain_stuck = true;
+                    break;
+                }
+            }
+            q.chain.push(key);
+        }
+        self.seqs.insert(s, q);
+    }
+
+    /// Undoes a planned batch whose K/V could not be written: removes the cells it added and
+    /// moves copied tails back to their original blocks, so that every sequence holds exactly
+    /// what it held before (blocks the batch evicted from the cache stay evicted).
+    pub fn rollback(&mut self, tx: BatchTx) {
+        let mut pins = tx.pins;
+        for (s, n_before, cow) in tx.seqs.into_iter().rev() {
+            if let Some(mut q) = self.seqs.remove(&s) {
+                let bs = self.bs;
+                let mut released = Vec::new();
+                for (b, sl) in q.cells.split_off(n_before.min(q.cells.len())) {
+                    let i = b as usize * bs + sl as usize;
+                    self.users[i] -= 1;
+                    if self.users[i] == 0 {
+                        self.live -= 1;
+                    }
+                    let h = q.holds.get_mut(&b).expect("held block");
+                    *h -= 1;
+                    if *h == 0 {
+                        q.holds.remove(&b);
+                        released.push(b);
+                    }
+                }
+                if let Some((b, nb)) = cow {
+                    // Back to the original block: the pin becomes the sequence's reference.
+                    if let Some(n) = q.holds.remove(&nb) {
+                        if let Some(j) = pins.iter().position(|&x| x == b) {
+                            pins.swap_remove(j);
+                        } else {
+                            let _ = self.pool.retain(b);
+                        }
+                        q.holds.insert(b, n);
+                        self.hold(b, true);
+                        released.push(nb);
+                        for c in q.cells.iter_mut().filter(|c| c.0 == nb) {
+                            let (from, to) = (
+                                nb as usize * bs + c.1 as usize,
+                                b as usize * bs + c.1 as usize,
+                            );
+                            self.users[from] -= 1;
+                            if self.users[from] == 0 {
+                                self.live -= 1;
+                            }
+                            self.users[to] += 1;
+                            if self.users[to] == 1 {
+                                self.live += 1;
+                            }
+                            if self.pos[to] != self.rope[to] {
+                                self.dirty.push((b, c.1));
+                            }
+                            c.0 = b;
+                        }
+                    }
+                }
+                for b in released.into_iter().rev() {
+                    self.hold(b, false);
+                    let _ = self.pool.release(b);
+                }
+                if !q.cells.is_empty() {
+                    self.refresh(&mut q);
+                    self.seqs.insert(s, q);
+                }
+            }
+        }
+        for b in pins.into_iter().rev() {
+            let _ = self.pool.release(b);
+        }
+    }
+
+    /// The blocks and slot positions of `s` for attention (cached; see the module docs).
+    pub fn view(&mut self, s: SeqId) -> SeqView {
+        let Some(mut q) = self.seqs.remove(&s) else {
+            return SeqView::default();
+        };
+        if q.view.is_none() {
+            q.view = Some(self.build_view(&q));
+        }
+        let v = q.view.clone().expect("built above");
+        self.seqs.insert(s, q);
+        v
+    }
+
+    fn build_view(&self, q: &Seq) -> SeqView {
+        let bs = self.bs;
+        let mut v = SeqView::default();
+        let mut at: HashMap<BlockId, usize> = HashMap::with_capacity(q.holds.len());
+        for &(b, sl) in &q.cells {
+            let k = *at.entry(b).or_insert_with(|| {
+                v.blocks.push(b);
+                v.positions.extend(std::iter::repeat_n(-1, bs));
+                v.blocks.len() - 1
+            });
+            v.positions[k * bs + sl as usize] = self.pos[self.idx(b, sl)];
+        }
+        v
     }
 
     /// Attaches whole blocks to the empty sequence `s`: block `blocks[i]` provides positions
-    /// `[i*bs, (i+1)*bs)` in slot order. The caller must already hold one pool reference per
-    /// block (e.g. from `BlockPool::revive`), which passes to the sequence. Fails with
-    /// `InvalidInput` (nothing changed, references still the caller's) if `s < 0`, `s` has cells
-    /// or a block repeats.
-    pub fn attach_blocks(&mut self, s: SeqId, blocks: &[BlockId]) -> Result<()> {
+    /// `[i*bs, (i+1)*bs)` in slot order, holding `tokens[i*bs..(i+1)*bs]` under content key
+    /// `keys[i]` (the blocks come from the prefix index, possibly written by another context).
+    /// The caller must already hold one pool reference per block (e.g. from
+    /// `BlockPool::revive`), which passes to the sequence. Fails with `InvalidInput` (nothing
+    /// changed, references still the caller's) if `s < 0`, `s` has cells, a block repeats, or a
+    /// block this table already uses holds other positions.
+    pub fn attach_blocks(
+        &mut self,
+        s: SeqId,
+        blocks: &[BlockId],
+        keys: &[Key],
+        tokens: &[u32],
+    ) -> Result<()> {
         if s < 0 {
             return Err(Error::InvalidInput(format!(
                 "attach needs a sequence id >= 0, got {s}"
@@ -658,23 +1099,40 @@ impl KvTable {
             )));
         }
         let distinct: HashSet<BlockId> = blocks.iter().copied().collect();
-        if distinct.len() != blocks.len() || blocks.iter().any(|&b| b as usize >= self.pool.total())
+        if distinct.len() != blocks.len()
+            || blocks.iter().any(|&b| b as usize >= self.pool.total())
+            || keys.len() != blocks.len()
+            || tokens.len() != blocks.len() * self.bs
         {
             return Err(Error::InvalidInput(
-                "attach: blocks must be distinct pool blocks".into(),
+                "attach: blocks must be distinct pool blocks, one key and block_size tokens each"
+                    .into(),
             ));
         }
-        // The cells keep their position and rotation from when they were written; they must be
-        // exactly the positions the block provides here.
+        // A block some sequence of this table already uses must hold exactly these positions
+        // (a cached block is never shifted in place, so this holds unless the caller errs).
         for (i, &b) in blocks.iter().enumerate() {
             for sl in 0..self.bs {
                 let c = self.idx(b, sl as u16);
                 let p = (i * self.bs + sl) as Pos;
-                if self.pos[c] != p || self.rope[c] != p {
+                if self.users[c] > 0 && (self.pos[c] != p || self.rope[c] != p) {
                     return Err(Error::InvalidInput(format!(
                         "attach: block {b} slot {sl} holds position {} (rotated for {}), not {p}",
                         self.pos[c], self.rope[c]
                     )));
+                }
+            }
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            for sl in 0..self.bs {
+                let c = self.idx(b, sl as u16);
+                if self.users[c] == 0 {
+                    let p = (i * self.bs + sl) as Pos;
+                    self.pos[c] = p;
+                    self.rope[c] = p;
+                    self.tokens[c] = tokens[i * self.bs + sl];
+                    self.origin[c] = self.next_origin;
+                    self.next_origin += 1;
                 }
             }
         }
@@ -684,11 +1142,16 @@ impl KvTable {
                 self.add_cell(s, b, sl as u16, true)?;
             }
         }
+        if let Some(q) = self.seqs.get_mut(&s) {
+            q.chain = keys.to_vec();
+            q.chain_ok = true;
+            q.chain_stuck = false;
+        }
         Ok(())
     }
 
     /// Plans the writes of `positions.len()` tokens of sequence `s`.
-    pub fn prepare_write(&mut self, s: SeqId, positions: &[Pos]) -> Result<WritePlan> {
+    pub fn prepare_write(&mut self, s: SeqId, positions: &[Pos]) -> Result<(WritePlan, BatchTx)> {
         self.prepare_batch(&vec![s; positions.len()], positions)
     }
 
@@ -730,26 +1193,30 @@ impl KvTable {
 
     fn pos_fold(&self, s: SeqId) -> Option<(Pos, Pos)> {
         let mut r: Option<(Pos, Pos)> = None;
-        for t in self.targets(s) {
-            for &(b, sl) in &self.seqs[&t].cells {
-                let p = self.pos[self.idx(b, sl)];
-                r = Some(r.map_or((p, p), |(lo, hi)| (lo.min(p), hi.max(p))));
+        let mut fold = |q: &Seq| {
+            if !q.cells.is_empty() {
+                r = Some(r.map_or((q.pos_min, q.pos_max), |(lo, hi)| {
+                    (lo.min(q.pos_min), hi.max(q.pos_max))
+                }));
             }
+        };
+        if s >= 0 {
+            if let Some(q) = self.seqs.get(&s) {
+                fold(q);
+            }
+        } else {
+            self.seqs.values().for_each(fold);
         }
         r
     }
 
-    /// Counts over the table (O(cells)).
+    /// Counts over the table, O(1).
     pub fn stats(&self) -> TableStats {
-        let mut held = HashSet::new();
-        for q in self.seqs.values() {
-            held.extend(q.holds.keys().copied());
-        }
         TableStats {
             sequences: self.seqs.len(),
             live_cells: self.live,
-            held_blocks: held.len(),
-            unused_slots: held.len() * self.bs - self.live,
+            held_blocks: self.held,
+            unused_slots: self.held * self.bs - self.live,
         }
     }
 
@@ -759,7 +1226,9 @@ impl KvTable {
     }
 
     /// Full consistency check (tests, debugging): recomputes holds and cell users from the
-    /// sequence lists, checks pool refcounts (= holding sequences + pins) and runs the pool audit.
+    /// sequence lists, checks pool refcounts (= holding sequences + pins for unkeyed blocks, at
+    /// least that for keyed ones, which other contexts may hold) and runs the pool audit (so
+    /// call it while no other context of the pool is working).
     pub fn check(&self) -> Result<(), String> {
         let mut users = vec![0u16; self.users.len()];
         let mut refs: HashMap<BlockId, u32> = HashMap::new();
@@ -796,6 +1265,31 @@ impl KvTable {
         if users != self.users {
             return Err("cell user counts out of sync".into());
         }
+        let mut holders = vec![0u32; self.holders.len()];
+        for q in self.seqs.values() {
+            for &b in q.holds.keys() {
+                holders[b as usize] += 1;
+            }
+        }
+        if holders != self.holders || self.held != holders.iter().filter(|&&h| h > 0).count() {
+            return Err("block holder counts out of sync".into());
+        }
+        for (&s, q) in &self.seqs {
+            let mut r = q.clone();
+            self.refresh(&mut r);
+            if (r.top, r.pos_min, r.pos_max) != (q.top, q.pos_min, q.pos_max) {
+                return Err(format!(
+                    "seq {s}: derived (top, pos_min, pos_max) = {:?}, cells say {:?}",
+                    (q.top, q.pos_min, q.pos_max),
+                    (r.top, r.pos_min, r.pos_max)
+                ));
+            }
+            if let Some(v) = &q.view {
+                if *v != self.build_view(q) {
+                    return Err(format!("seq {s}: cached view is stale"));
+                }
+            }
+        }
         let live = users.iter().filter(|&&u| u > 0).count();
         if live != self.live {
             return Err(format!(
@@ -806,12 +1300,15 @@ impl KvTable {
         for &b in &self.pins {
             *refs.entry(b).or_default() += 1;
         }
+        // Blocks without a key are private to this table: their refcount is exactly what it
+        // holds. Keyed blocks may also be held by other contexts of the shared pool.
         for b in 0..self.pool.total() as BlockId {
             let want = refs.get(&b).copied().unwrap_or(0);
-            if self.pool.refcount(b) != want {
+            let have = self.pool.refcount(b);
+            let keyed = self.pool.key(b) != NO_KEY;
+            if have < want || (!keyed && want > 0 && have != want) {
                 return Err(format!(
-                    "block {b}: pool refcount {} but table holds {want}",
-                    self.pool.refcount(b)
+                    "block {b}: pool refcount {have} but table holds {want} (keyed: {keyed})"
                 ));
             }
         }

@@ -129,6 +129,23 @@ impl Model {
     }
 }
 
+/// Plans a batch and commits it at once (the storage executes the plan), as a decode does.
+trait Plan {
+    fn plan_batch(&mut self, seqs: &[SeqId], pos: &[Pos]) -> crate::Result<WritePlan>;
+    fn plan_write(&mut self, s: SeqId, pos: &[Pos]) -> crate::Result<WritePlan>;
+}
+
+impl Plan for KvTable {
+    fn plan_batch(&mut self, seqs: &[SeqId], pos: &[Pos]) -> crate::Result<WritePlan> {
+        let (plan, tx) = self.prepare_batch(seqs, pos)?;
+        let _ = self.commit(tx, None);
+        Ok(plan)
+    }
+    fn plan_write(&mut self, s: SeqId, pos: &[Pos]) -> crate::Result<WritePlan> {
+        self.plan_batch(&vec![s; pos.len()], pos)
+    }
+}
+
 fn table(n_blocks: u32, bs: usize) -> KvTable {
     KvTable::new(Arc::new(BlockPool::new(n_blocks)), bs).unwrap()
 }
@@ -197,6 +214,7 @@ fn compare(t: &KvTable, st: &Storage, m: &Model, synced: bool) {
 fn random_operations_match_the_model() {
     let mut rng = Rng(0x5EED_0001);
     let mut full_hits = 0;
+    let (mut invalid_hits, mut rollbacks) = (0, 0);
     let mut ops_done = 0;
     for case in 0..1500 {
         let bs = [1, 2, 3, 4, 8][rng.below(5)];
@@ -237,20 +255,53 @@ fn random_operations_match_the_model() {
                         seqs.push(q);
                         pos.push(pp);
                     }
+                    // llama.cpp's rule: per sequence, positions increase strictly and start
+                    // after the last stored one.
+                    let mut last: BTreeMap<SeqId, Pos> = BTreeMap::new();
+                    let valid = seqs.iter().zip(&pos).all(|(&q, &p)| {
+                        let l = last.entry(q).or_insert_with(|| m.pos_max(q));
+                        let ok = p > *l;
+                        *l = p;
+                        ok
+                    });
+                    let roll_back = rng.below(4) == 0;
+                    // Pending copies/shifts are applied by the batch and stay applied (their
+                    // pins are released): only then may a rolled-back pool differ.
+                    let had_updates = t.has_updates();
                     match t.prepare_batch(&seqs, &pos) {
-                        Ok(plan) => {
+                        Ok((plan, tx)) => {
+                            assert!(valid, "invalid batch accepted: {seqs:?} {pos:?}");
                             assert_eq!(plan.slots.len(), n);
                             let ids: Vec<u64> = (0..n as u64).map(|k| next_id + k).collect();
                             next_id += n as u64;
                             st.write(&plan, &ids, &pos);
-                            synced = true;
-                            for k in 0..n {
-                                m.seqs.entry(seqs[k]).or_default().push((pos[k], ids[k]));
+                            if roll_back {
+                                // The K/V "failed": the table must hold what it held before.
+                                let evicted = t.pool().stats().cached < before.2.cached;
+                                t.rollback(tx);
+                                rollbacks += 1;
+                                synced &= !t.has_updates();
+                                let after = snapshot(&t);
+                                assert_eq!(after.0, before.0, "rollback left other cells");
+                                if !evicted && !had_updates {
+                                    assert_eq!(after, before, "rollback changed the pool");
+                                }
+                            } else {
+                                let _ = t.commit(tx, None);
+                                synced = true;
+                                for k in 0..n {
+                                    m.seqs.entry(seqs[k]).or_default().push((pos[k], ids[k]));
+                                }
                             }
                         }
                         Err(Error::KvCacheFull(_)) => {
                             full_hits += 1;
                             assert_eq!(snapshot(&t), before, "failed batch changed state");
+                        }
+                        Err(Error::InvalidInput(e)) => {
+                            assert!(!valid, "valid batch rejected: {e}");
+                            invalid_hits += 1;
+                            assert_eq!(snapshot(&t), before, "rejected batch changed state");
                         }
                         Err(e) => panic!("unexpected error {e}"),
                     }
@@ -326,6 +377,14 @@ fn random_operations_match_the_model() {
         full_hits > 100,
         "KvCacheFull path exercised only {full_hits} times"
     );
+    assert!(
+        invalid_hits > 100,
+        "validation exercised only {invalid_hits} times"
+    );
+    assert!(
+        rollbacks > 1000,
+        "rollback exercised only {rollbacks} times"
+    );
     assert!(ops_done >= 90_000);
 }
 
@@ -336,25 +395,25 @@ fn positions(t: &KvTable, s: SeqId) -> Vec<Pos> {
 #[test]
 fn appends_fill_blocks_in_order() {
     let mut t = table(8, 4);
-    let plan = t.prepare_write(0, &(0..10).collect::<Vec<_>>()).unwrap();
+    let plan = t.plan_write(0, &(0..10).collect::<Vec<_>>()).unwrap();
     let want: Vec<(BlockId, u16)> = (0..10).map(|i| (i as u32 / 4, (i % 4) as u16)).collect();
     assert_eq!(plan.slots, want);
     assert!(plan.updates.is_empty());
     assert_eq!(t.stats().held_blocks, 3);
     assert_eq!(t.stats().unused_slots, 2);
     // The next token continues in the partly filled tail.
-    assert_eq!(t.prepare_write(0, &[10]).unwrap().slots, vec![(2, 2)]);
+    assert_eq!(t.plan_write(0, &[10]).unwrap().slots, vec![(2, 2)]);
     t.check().unwrap();
 }
 
 #[test]
 fn seq_cp_shares_and_write_copies_partial_tail_only() {
     let mut t = table(8, 4);
-    t.prepare_write(0, &(0..6).collect::<Vec<_>>()).unwrap();
+    t.plan_write(0, &(0..6).collect::<Vec<_>>()).unwrap();
     t.seq_cp(0, 1, -1, -1).unwrap();
     assert_eq!(t.pool().stats().shared, 2);
     assert_eq!(t.stats().held_blocks, 2, "seq_cp allocates nothing");
-    let plan = t.prepare_write(1, &[6]).unwrap();
+    let plan = t.plan_write(1, &[6]).unwrap();
     // Block 1 (slots 0..2 used) is shared and partly filled: copied; block 0 stays shared.
     assert_eq!(
         plan.updates.copies,
@@ -370,7 +429,7 @@ fn seq_cp_shares_and_write_copies_partial_tail_only() {
         vec![0, 0, 0, 0, 2, 2, 2]
     );
     // The source is now exclusive again and appends in place.
-    let plan = t.prepare_write(0, &[6]).unwrap();
+    let plan = t.plan_write(0, &[6]).unwrap();
     assert!(plan.updates.copies.is_empty());
     assert_eq!(plan.slots, vec![(1, 2)]);
     t.check().unwrap();
@@ -382,14 +441,13 @@ fn shared_prefix_memory_bound() {
     // most ceil(P/b) + N*(ceil(U/b) + 1) blocks.
     let (b, p, n, u) = (16usize, 200usize, 8usize, 40usize);
     let mut t = table(200, b);
-    t.prepare_write(0, &(0..p as i32).collect::<Vec<_>>())
-        .unwrap();
+    t.plan_write(0, &(0..p as i32).collect::<Vec<_>>()).unwrap();
     for s in 1..n as i32 {
         t.seq_cp(0, s, -1, -1).unwrap();
     }
     for step in 0..u as i32 {
         let seqs: Vec<SeqId> = (0..n as i32).collect();
-        t.prepare_batch(&seqs, &vec![p as i32 + step; n]).unwrap();
+        t.plan_batch(&seqs, &vec![p as i32 + step; n]).unwrap();
     }
     let used = t.pool().stats().referenced;
     let bound = p.div_ceil(b) + n * (u.div_ceil(b) + 1);
@@ -401,25 +459,25 @@ fn shared_prefix_memory_bound() {
 #[test]
 fn full_cache_fails_without_changes() {
     let mut t = table(3, 4);
-    t.prepare_write(0, &(0..9).collect::<Vec<_>>()).unwrap();
+    t.plan_write(0, &(0..9).collect::<Vec<_>>()).unwrap();
     let before = snapshot(&t);
     // 3 more tokens fit in block 2, the 4th needs a block that does not exist.
-    let err = t.prepare_batch(&[0, 0, 1, 0], &[9, 10, 0, 11]).unwrap_err();
+    let err = t.plan_batch(&[0, 0, 1, 0], &[9, 10, 0, 11]).unwrap_err();
     assert!(matches!(err, Error::KvCacheFull(_)), "{err:?}");
     assert_eq!(snapshot(&t), before);
-    t.prepare_batch(&[0, 0, 0], &[9, 10, 11]).unwrap();
+    t.plan_batch(&[0, 0, 0], &[9, 10, 11]).unwrap();
     t.check().unwrap();
     // Bad input is InvalidInput, not a panic.
     assert!(matches!(
-        t.prepare_write(-1, &[0]),
+        t.plan_write(-1, &[0]),
         Err(Error::InvalidInput(_))
     ));
     assert!(matches!(
-        t.prepare_write(0, &[-3]),
+        t.plan_write(0, &[-3]),
         Err(Error::InvalidInput(_))
     ));
     assert!(matches!(
-        t.prepare_batch(&[0], &[]),
+        t.plan_batch(&[0], &[]),
         Err(Error::InvalidInput(_))
     ));
 }
@@ -427,10 +485,10 @@ fn full_cache_fails_without_changes() {
 #[test]
 fn rm_tail_then_rewrite_reuses_slots() {
     let mut t = table(4, 4);
-    t.prepare_write(0, &(0..7).collect::<Vec<_>>()).unwrap();
+    t.plan_write(0, &(0..7).collect::<Vec<_>>()).unwrap();
     t.seq_rm(0, 5, -1);
     assert_eq!(t.seq_pos_max(0), 4);
-    let plan = t.prepare_write(0, &[5, 6, 7]).unwrap();
+    let plan = t.plan_write(0, &[5, 6, 7]).unwrap();
     assert_eq!(plan.slots, vec![(1, 1), (1, 2), (1, 3)]);
     assert_eq!(t.stats().held_blocks, 2);
 }
@@ -438,7 +496,7 @@ fn rm_tail_then_rewrite_reuses_slots() {
 #[test]
 fn seq_add_records_pending_shifts_and_removes_negative() {
     let mut t = table(4, 4);
-    t.prepare_write(0, &(0..6).collect::<Vec<_>>()).unwrap();
+    t.plan_write(0, &(0..6).collect::<Vec<_>>()).unwrap();
     t.seq_add(0, 4, -1, 10).unwrap();
     assert_eq!(positions(&t, 0), vec![0, 1, 2, 3, 14, 15]);
     let u = t.take_updates();
@@ -479,7 +537,7 @@ fn seq_add_records_pending_shifts_and_removes_negative() {
 #[test]
 fn shifting_a_shared_cell_copies_it_first() {
     let mut t = table(4, 4);
-    t.prepare_write(0, &[0, 1, 2]).unwrap();
+    t.plan_write(0, &[0, 1, 2]).unwrap();
     t.seq_cp(0, 1, -1, -1).unwrap();
     t.seq_add(1, 1, -1, 5).unwrap();
     // Seq 0 keeps its positions; seq 1 got a private copy of the block.
@@ -509,7 +567,7 @@ fn shifting_a_shared_cell_copies_it_first() {
     assert_eq!(positions(&t, 0)[0], 3);
     assert_eq!(positions(&t, 2)[0], 3);
     // A shift that needs a copy fails cleanly when the pool is full.
-    t.prepare_write(3, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+    t.plan_write(3, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
     let before = snapshot(&t);
     assert!(matches!(
         t.seq_add(2, -1, -1, 1),
@@ -522,7 +580,7 @@ fn shifting_a_shared_cell_copies_it_first() {
 #[test]
 fn rm_all_keep_clear_and_open_ranges() {
     let mut t = table(8, 2);
-    t.prepare_batch(&[0, 1, 2, 0, 1, 2], &[0, 0, 0, 1, 1, 1])
+    t.plan_batch(&[0, 1, 2, 0, 1, 2], &[0, 0, 0, 1, 1, 1])
         .unwrap();
     t.seq_cp(0, 3, 1, 2).unwrap();
     t.seq_rm(-1, 1, -1);
@@ -544,14 +602,14 @@ fn rm_all_keep_clear_and_open_ranges() {
 #[test]
 fn released_sequences_evict_tails_first() {
     let mut t = table(4, 2);
-    t.prepare_write(0, &[0, 1, 2, 3, 4, 5]).unwrap();
+    t.plan_write(0, &[0, 1, 2, 3, 4, 5]).unwrap();
     for (k, (_, b, _)) in t.cells(0).into_iter().enumerate() {
         t.pool().set_key(b, 1000 + k as u64 / 2).unwrap();
     }
     t.seq_rm(0, -1, -1);
     assert_eq!(t.pool().stats().cached, 3);
     // Seq 1 needs two blocks: one free block, then the cached tail (block 2) goes first.
-    t.prepare_write(1, &[0, 1, 2, 3]).unwrap();
+    t.plan_write(1, &[0, 1, 2, 3]).unwrap();
     assert!(t.pool().is_cached(0) && !t.pool().is_cached(2));
     t.check().unwrap();
 }

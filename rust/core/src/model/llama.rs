@@ -11,7 +11,10 @@ use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::kv::attention::{self, Mask, Query};
-use crate::kv::{PagedCache, SeqView};
+use std::collections::HashMap;
+
+use crate::kv::storage::KvStorage;
+use crate::kv::{BlockId, PagedCache, SeqId, SeqView};
 use crate::ops;
 use crate::quant::{self, GgmlType, MatmulJob, QMatrix, QuantizedActs};
 use crate::shared::SharedSlice;
@@ -261,22 +264,24 @@ fn matmuls(
     });
 }
 
-/// Runs one batch through the model, storing its keys and values in `cache`.
+/// Runs one batch through the model, storing its keys and values at `slots` of `storage`
+/// (planned by the context's cache; `views` holds each batch sequence's blocks and positions,
+/// including the new cells).
 ///
 /// The pass is one SPMD region on the model's team: every member walks the layers; each step
 /// splits its work (tokens, output rows, (token, head) pairs) across the members and ends in a
 /// barrier. Activation quantization and cache writes are cheap and run on member 0.
-pub(crate) fn forward(model: &Model, cache: &mut PagedCache, batch: &Batch) -> Result<Logits> {
+pub(crate) fn forward(
+    model: &Model,
+    storage: &mut KvStorage,
+    cells: &[(BlockId, u16)],
+    views: &HashMap<SeqId, SeqView>,
+    batch: &Batch,
+) -> Result<Logits> {
     let c = &model.config;
     let wts = &model.weights;
     let n = batch.len();
     let (d, qd, kvd, hd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim, c.n_ff);
-    let cells = cache.reserve(batch)?;
-    // Each sequence's blocks and slot positions, including this batch's new cells.
-    let mut views: std::collections::HashMap<i32, SeqView> = std::collections::HashMap::new();
-    for &sq in &batch.seq_ids {
-        views.entry(sq).or_insert_with(|| cache.view(sq));
-    }
 
     // Token embeddings and RoPE angles (cheap, serial).
     let mut x = vec![0.0f32; n * d];
@@ -321,7 +326,7 @@ pub(crate) fn forward(model: &Model, cache: &mut PagedCache, batch: &Batch) -> R
     let hs = SharedSlice::new(&mut hs);
     let out = SharedSlice::new(&mut logits);
     let acts = SharedSlice::new(&mut acts);
-    let cache = SharedSlice::new(std::slice::from_mut(cache));
+    let storage = SharedSlice::new(std::slice::from_mut(storage));
 
     let scale = 1.0 / (hd as f32).sqrt();
     let group = c.n_head / c.n_head_kv;
@@ -332,6 +337,9 @@ pub(crate) fn forward(model: &Model, cache: &mut PagedCache, batch: &Batch) -> R
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
+            if model.fault_at(li) {
+                panic!("injected worker panic at layer {li} (test hook)");
+            }
             // 1. h = norm(x) over this member's tokens.
             for t in w.share(n) {
                 // SAFETY: token rows t of x (read) and h (write) belong to this member now.
@@ -390,15 +398,16 @@ pub(crate) fn forward(model: &Model, cache: &mut PagedCache, batch: &Batch) -> R
             w.sync();
             // 4. Store K and V (member 0).
             if w.id == 0 {
-                // SAFETY: only member 0 touches the cache in this step; k and v are read-only.
-                unsafe { cache.slice_mut(0..1)[0].write(li, &cells, k.all(), v.all()) };
+                // SAFETY: only member 0 touches the storage in this step; k and v are read-only.
+                unsafe {
+                    PagedCache::write(&mut storage.slice_mut(0..1)[0], li, cells, k.all(), v.all())
+                };
             }
             w.sync();
             // 5. Attention, one task per (token, KV head): the query heads of a GQA group
             // read each cached key and value once, over the token's own sequence only.
-            // SAFETY: the cache and q are read-only in this step.
-            let (cache_r, q_r) = unsafe { (&cache.slice(0..1)[0], q.all()) };
-            let store = cache_r.storage();
+            // SAFETY: the storage and q are read-only in this step.
+            let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
             w.for_tasks(n * c.n_head_kv, |job| {
                 let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
                 let view = &views[&batch.seq_ids[t]];

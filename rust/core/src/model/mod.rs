@@ -5,14 +5,15 @@ pub mod config;
 pub mod llama;
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::batch::Batch;
-use crate::error::{invalid, Result};
+use crate::error::{invalid, Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv::storage::{KvLayout, KvType};
-use crate::kv::{PagedCache, DEFAULT_BLOCK_SIZE};
+use crate::kv::{blocks_for_tokens, Key, KeyHasher, PagedCache, SharedKv, DEFAULT_BLOCK_SIZE};
 use crate::tokenizer::{Tokenizer, VocabData};
 
 pub use config::{Arch, Config};
@@ -25,7 +26,12 @@ pub struct Model {
     gguf: GgufFile,
     team: crate::threads::Team,
     /// Stable identity of the weights, part of every prefix-cache block key.
-    id: u64,
+    id: Key,
+    /// The K/V memory of each K/V format in use, shared by every context of this model.
+    kv: Mutex<Vec<Arc<SharedKv>>>,
+    /// Test hook: a decode panics in one worker at this layer (-1: never). See
+    /// [`Model::inject_worker_panic`].
+    fault_layer: AtomicI64,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -69,7 +75,79 @@ impl Model {
             gguf,
             team,
             id,
+            kv: Mutex::new(Vec::new()),
+            fault_layer: AtomicI64::new(-1),
         })
+    }
+
+    /// The model's K/V memory for the format in `o`, created on first use and shared by every
+    /// context of that format. It is sized by `o.kv_memory` (bytes) or else for
+    /// `max(o.n_ctx, 4096)` tokens. A later request for more than it holds replaces it when no
+    /// context uses it (its cached prefixes are dropped), else fails with `InvalidInput`.
+    pub fn kv_memory(&self, o: &KvOptions) -> Result<Arc<SharedKv>> {
+        let c = &self.config;
+        let layout = KvLayout {
+            ty: o.kv_type,
+            n_layers: c.n_layer,
+            kv_dim: c.kv_dim(),
+            block_size: o.block_size,
+        };
+        layout.validate()?;
+        let want = match o.kv_memory {
+            Some(bytes) if layout.n_blocks_for_bytes(bytes) == 0 => {
+                return Err(invalid(format!(
+                    "KV memory of {bytes} bytes holds no block (one block takes {} bytes)",
+                    layout.bytes_per_block()
+                )))
+            }
+            Some(bytes) => layout.n_blocks_for_bytes(bytes),
+            None => blocks_for_tokens(o.n_ctx.max(MIN_POOL_TOKENS), o.block_size),
+        };
+        let mut pools = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        let same = |m: &Arc<SharedKv>| {
+            let l = m.layout();
+            (l.ty, l.block_size) == (o.kv_type, o.block_size)
+        };
+        if let Some(i) = pools.iter().position(same) {
+            if pools[i].n_blocks() >= want {
+                return Ok(Arc::clone(&pools[i]));
+            }
+            if Arc::strong_count(&pools[i]) > 1 {
+                return Err(invalid(format!(
+                    "the model's {} KV memory holds {} tokens and other contexts use it; \
+                     ask for at most that much, or close them first",
+                    o.kv_type.name(),
+                    pools[i].capacity_tokens()
+                )));
+            }
+            // Free the old memory before allocating the new one.
+            pools.swap_remove(i);
+        }
+        let m = match o.kv_memory {
+            Some(bytes) => {
+                SharedKv::with_bytes(layout, c.head_dim, c.rope.clone(), bytes, self.id)?
+            }
+            None => SharedKv::new(layout, c.head_dim, c.rope.clone(), want, self.id)?,
+        };
+        let m = Arc::new(m);
+        pools.push(Arc::clone(&m));
+        Ok(m)
+    }
+
+    /// Testing hook: the next decode panics in one worker at layer `layer` (once), to exercise
+    /// the rollback path. `None` disarms it.
+    pub fn inject_worker_panic(&self, layer: Option<usize>) {
+        let v = layer.map_or(-1, |l| l as i64);
+        self.fault_layer.store(v, Ordering::Relaxed);
+    }
+
+    /// Whether the armed fault fires at `layer` (then it is disarmed).
+    pub(crate) fn fault_at(&self, layer: usize) -> bool {
+        self.fault_layer.load(Ordering::Relaxed) == layer as i64
+            && self
+                .fault_layer
+                .compare_exchange(layer as i64, -1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     pub fn gguf(&self) -> &GgufFile {
@@ -85,41 +163,50 @@ impl Model {
     }
 
     /// Stable identity of the weights (see [`model_identity`]).
-    pub fn id(&self) -> u64 {
+    pub fn id(&self) -> Key {
         self.id
     }
 }
 
-/// A stable 64-bit identity of a model file's weights for prefix-cache keys: the tensor table
-/// (names, types, shapes, offsets), the file size, and the first and last 4 KiB of every
-/// tensor's data. Cheap (no full read of the weights) and the same on every run and platform.
-pub fn model_identity(g: &GgufFile) -> u64 {
-    fn words(bytes: &[u8]) -> Vec<u32> {
-        bytes
-            .chunks(4)
-            .map(|c| {
-                let mut w = [0u8; 4];
-                w[..c.len()].copy_from_slice(c);
-                u32::from_le_bytes(w)
-            })
-            .collect()
-    }
-    let mut h = crate::kv::block_key(0x6b76_7365_7276_6549, g.file_size(), &[]);
+/// Smallest K/V memory a model creates (tokens), so that short requests share one pool.
+const MIN_POOL_TOKENS: usize = 4096;
+
+/// Bytes of each tensor's data that [`model_identity`] reads: `ID_STRIPES` stripes of
+/// `ID_STRIPE` bytes spread evenly over the tensor (all of it when smaller).
+const ID_STRIPES: usize = 16;
+const ID_STRIPE: usize = 4096;
+
+/// A stable 128-bit identity of a model file, part of every prefix-cache key, so that K/V
+/// computed by one model is never served for another. It hashes:
+/// - the whole GGUF header: every metadata key and value and the tensor table (names, types,
+///   shapes, offsets) as stored, so any change of architecture, tokenizer, chat template or
+///   layout changes it;
+/// - the file size;
+/// - 16 evenly spread 4 KiB stripes of every tensor's data (the whole tensor when smaller).
+///   Fine-tuning changes (nearly) every element of each tensor it touches, so two fine-tunes
+///   of one base differ in the stripes of every changed tensor, even when only one layer was
+///   trained; a difference confined to bytes between the stripes of every changed tensor
+///   would go unseen (the price of not reading the whole file).
+///
+/// Cost at load: at most 64 KiB per tensor (~17 MiB for the 272 tensors of SmolLM2, whatever
+/// the model's size), read through the mapping: a few milliseconds.
+pub fn model_identity(g: &GgufFile) -> Key {
+    let mut h = KeyHasher::new(0x6b76_7365_7276_654d); // "kvserveM"
+    h.write_u64(g.file_size());
+    h.write_bytes(g.header_bytes());
     for t in g.tensors() {
-        let mut w = words(t.name.as_bytes());
-        w.push(t.ty.id());
-        for &d in &t.dims {
-            w.extend([d as u32, (d >> 32) as u32]);
-        }
-        w.extend([t.offset as u32, (t.offset >> 32) as u32]);
         let data = g.tensor_data(t);
-        let head = &data[..data.len().min(4096)];
-        let tail = &data[data.len().saturating_sub(4096)..];
-        w.extend(words(head));
-        w.extend(words(tail));
-        h = crate::kv::block_key(h, h, &w);
+        if data.len() <= ID_STRIPES * ID_STRIPE {
+            h.write_bytes(data);
+            continue;
+        }
+        let step = (data.len() - ID_STRIPE) / (ID_STRIPES - 1);
+        for k in 0..ID_STRIPES {
+            let at = k * step;
+            h.write_bytes(&data[at..at + ID_STRIPE]);
+        }
     }
-    h
+    h.finish()
 }
 
 /// Reads the tokenizer description from GGUF metadata.
@@ -178,7 +265,8 @@ impl Default for KvOptions {
     }
 }
 
-/// A running context: the model plus the keys and values of its sequences.
+/// A running context: the model plus the block tables of its sequences, over the model's shared
+/// K/V memory ([`Model::kv_memory`]).
 pub struct Context {
     model: Arc<Model>,
     cache: PagedCache,
@@ -197,25 +285,18 @@ impl Context {
         )
     }
 
+    /// A context over the model's K/V memory for `o`'s format. Its token limit is `o.n_ctx`,
+    /// or what the memory holds when `o.kv_memory` is given.
     pub fn with_options(model: Arc<Model>, o: &KvOptions) -> Result<Context> {
         if o.n_ctx == 0 && o.kv_memory.is_none() {
             return Err(invalid("n_ctx must be positive"));
         }
-        let c = &model.config;
-        let layout = KvLayout {
-            ty: o.kv_type,
-            n_layers: c.n_layer,
-            kv_dim: c.kv_dim(),
-            block_size: o.block_size,
+        let shared = model.kv_memory(o)?;
+        let n_ctx = match o.kv_memory {
+            Some(_) => shared.capacity_tokens(),
+            None => o.n_ctx,
         };
-        let (hd, rope) = (c.head_dim, c.rope.clone());
-        let mut cache = match o.kv_memory {
-            Some(bytes) => PagedCache::with_bytes(layout, hd, rope, bytes)?,
-            None => PagedCache::new(layout, hd, rope, o.n_ctx)?,
-        };
-        // Keys of cached blocks identify the weights and the K/V format that produced them.
-        let kv_format = [o.kv_type as u32, o.block_size as u32];
-        cache.set_model_id(crate::kv::block_key(model.id(), 0, &kv_format));
+        let cache = PagedCache::new(shared, n_ctx)?;
         Ok(Context { model, cache })
     }
 
@@ -236,10 +317,48 @@ impl Context {
     }
 
     /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
-    /// A batch that does not fit fails with `KvCacheFull` and leaves the cache unchanged.
+    ///
+    /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
+    /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
+    /// in every case the cache is left as before the call (the batch is rolled back, and no
+    /// block it touched was given a content key).
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
         batch.validate(self.model.n_vocab())?;
-        llama::forward(&self.model, &mut self.cache, batch)
+        let shared = Arc::clone(self.cache.shared());
+        let mut storage = shared.lock_storage();
+        let (slots, tx) = self.cache.begin_batch(batch, &mut storage)?;
+        let mut views = std::collections::HashMap::new();
+        for &s in &batch.seq_ids {
+            if let std::collections::hash_map::Entry::Vacant(e) = views.entry(s) {
+                e.insert(self.cache.view(s));
+            }
+        }
+        let model = &self.model;
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            llama::forward(model, &mut storage, &slots, &views, batch)
+        }));
+        match run {
+            Ok(Ok(logits)) => {
+                self.cache.commit(tx);
+                Ok(logits)
+            }
+            Ok(Err(e)) => {
+                self.cache.rollback(tx);
+                Err(e)
+            }
+            Err(payload) => {
+                self.cache.rollback(tx);
+                let why = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(Error::Internal(format!(
+                    "decode failed inside the engine ({why}); the batch was rolled back and \
+                     the context is usable"
+                )))
+            }
+        }
     }
 
     pub fn clear(&mut self) {
@@ -371,4 +490,56 @@ pub fn bench_batched(
             0.0
         },
     })
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn real_model() -> GgufFile {
+        let path = std::env::var("KVSERVE_TEST_MODEL")
+            .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
+        GgufFile::open(path).expect("KVSERVE_TEST_MODEL must be a readable GGUF")
+    }
+
+    /// The identity covers metadata, the tensor table and tensor data: changing one byte of
+    /// any of them (inside a sampled stripe for data) changes it.
+    #[test]
+    fn model_identity_sees_metadata_table_and_data() {
+        let g = real_model();
+        let bytes = std::fs::read(std::env::var("KVSERVE_TEST_MODEL").unwrap()).unwrap();
+        let id = model_identity(&g);
+        assert_eq!(id, model_identity(&GgufFile::from_bytes(bytes.clone()).unwrap()));
+        let t = &g.tensors()[g.tensors().len() / 2];
+        let data_at = t.offset as usize;
+        // One byte in: the name of a metadata key's value (general.name is a string).
+        let name_at = bytes
+            .windows(b"general.name".len())
+            .position(|w| w == b"general.name")
+            .unwrap();
+        for (what, at) in [
+            ("metadata", name_at + b"general.name".len() + 12),
+            ("first stripe of a tensor", data_at + 100),
+            ("last byte of a tensor", data_at + t.n_bytes as usize - 1),
+        ] {
+            let mut b = bytes.clone();
+            b[at] ^= 0x01;
+            let g2 = GgufFile::from_bytes(b).unwrap();
+            assert_ne!(model_identity(&g2), id, "{what}");
+        }
+    }
+
+    /// What the identity costs at load (printed; `--ignored --nocapture`).
+    #[test]
+    #[ignore = "measurement, not a test"]
+    fn measure_model_identity() {
+        let g = real_model();
+        let t0 = Instant::now();
+        let reps = 20;
+        for _ in 0..reps {
+            std::hint::black_box(model_identity(&g));
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        println!("model_identity: {ms:.2} ms for {} tensors", g.tensors().len());
+    }
 }
