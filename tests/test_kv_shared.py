@@ -238,3 +238,15 @@ def test_logits_len_is_its_row_count(core: _core.Model) -> None:
     out = ctx.decode([1, 2, 3], [0, 1, 2], [0, 0, 0], [True, False, True])
     assert len(out) == out.n_rows == 2
     assert len(_rows(out)) == len(out)
+
+
+def test_the_memory_grows_when_idle_and_is_shared_as_is_when_busy(core: _core.Model) -> None:
+    a = core.new_context(64)
+    cap = int(a.stats()["blocks_total"]) * int(a.stats()["block_size"])
+    assert cap >= 4096  # the smallest memory a model makes
+    b = core.new_context(cap * 2)  # a is alive: b shares the memory, limited by it
+    assert b.n_ctx == cap and b.stats()["blocks_total"] == a.stats()["blocks_total"]
+    del a, b
+    c = core.new_context(cap * 2)  # nobody uses it: it is replaced by a larger one
+    assert c.n_ctx == cap * 2
+    assert int(c.stats()["blocks_total"]) * 16 >= cap * 2

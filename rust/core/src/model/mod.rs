@@ -83,7 +83,8 @@ impl Model {
     /// The model's K/V memory for the format in `o`, created on first use and shared by every
     /// context of that format. It is sized by `o.kv_memory` (bytes) or else for
     /// `max(o.n_ctx, 4096)` tokens. A later request for more than it holds replaces it when no
-    /// context uses it (its cached prefixes are dropped), else fails with `InvalidInput`.
+    /// context uses it (its cached prefixes are dropped); while contexts use it, the request
+    /// shares it as it is (the context's token limit is then what the memory holds).
     pub fn kv_memory(&self, o: &KvOptions) -> Result<Arc<SharedKv>> {
         let c = &self.config;
         let layout = KvLayout {
@@ -113,12 +114,8 @@ impl Model {
                 return Ok(Arc::clone(&pools[i]));
             }
             if Arc::strong_count(&pools[i]) > 1 {
-                return Err(invalid(format!(
-                    "the model's {} KV memory holds {} tokens and other contexts use it; \
-                     ask for at most that much, or close them first",
-                    o.kv_type.name(),
-                    pools[i].capacity_tokens()
-                )));
+                // In use: share it as it is (the new context's limit is what it holds).
+                return Ok(Arc::clone(&pools[i]));
             }
             // Free the old memory before allocating the new one.
             pools.swap_remove(i);
@@ -509,7 +506,10 @@ mod tests {
         let g = real_model();
         let bytes = std::fs::read(std::env::var("KVSERVE_TEST_MODEL").unwrap()).unwrap();
         let id = model_identity(&g);
-        assert_eq!(id, model_identity(&GgufFile::from_bytes(bytes.clone()).unwrap()));
+        assert_eq!(
+            id,
+            model_identity(&GgufFile::from_bytes(bytes.clone()).unwrap())
+        );
         let t = &g.tensors()[g.tensors().len() / 2];
         let data_at = t.offset as usize;
         // One byte in: the name of a metadata key's value (general.name is a string).
@@ -540,6 +540,9 @@ mod tests {
             std::hint::black_box(model_identity(&g));
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
-        println!("model_identity: {ms:.2} ms for {} tensors", g.tensors().len());
+        println!(
+            "model_identity: {ms:.2} ms for {} tensors",
+            g.tensors().len()
+        );
     }
 }
