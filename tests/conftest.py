@@ -4,6 +4,9 @@
 else the default model from :func:`kvserve.models.pull` (cached after the first download).
 A test that asks for it fails, never skips, when no model is available.
 
+``vocab``: the test model's vocabulary read with ``gguf`` (tests/gguf_vocab.py), an oracle for
+token pieces and text.
+
 ``cpu_simd_level``: the best SIMD level this CPU has, read from ``/proc/cpuinfo`` (independently
 of the engine's own detection). ``simd_report``: where tests record which SIMD levels they ran
 the engine at; the run's summary prints one ``simd coverage:`` line per entry.
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_vocab import Vocab
 
 _SIMD_REPORT = pytest.StashKey[dict]()
 
@@ -39,6 +43,11 @@ def model_path() -> Path:
             f"no test model: KVSERVE_TEST_MODEL is unset and pulling the default model failed "
             f"({e}); set KVSERVE_TEST_MODEL to a GGUF file"
         )
+
+
+@pytest.fixture(scope="session")
+def vocab(model_path: Path) -> Vocab:
+    return Vocab(model_path)
 
 
 def _cpuinfo_level() -> str | None:
