@@ -355,6 +355,23 @@ def test_bad_kvserve_threads_env_is_one_line_error(
     assert "KVSERVE_THREADS" in assert_one_line_error(proc)
 
 
+def test_undecodable_argument_bytes_are_one_line_error(model_path: Path) -> None:
+    """A Latin-1 byte in the argument (Python keeps it as a lone surrogate) has no UTF-8 form."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve", "tokenize", "--model", str(model_path), b"caf\xe9"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=600,
+        check=False,
+    )
+    err = proc.stderr.decode()
+    assert (proc.returncode, proc.stdout, err.count("\n")) == (1, b"", 1), err
+    assert err == (
+        "kvserve: error: 'utf-8' codec can't encode character '\\udce9' in position 3: "
+        "surrogates not allowed\n"
+    )
+
+
 def test_context_too_small_is_one_line_error(model_path: Path) -> None:
     proc = run_cli("complete", "--model", str(model_path), "-c", "2", "--json", PROMPT)
     assert_one_line_error(proc)
