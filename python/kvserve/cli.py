@@ -16,7 +16,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .models import DEFAULT_MODEL, REGISTRY
@@ -208,8 +208,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors follow the command's error contract: one line
+    ``kvserve: error: <message>`` on stderr and status 1 (argparse's default is the usage text
+    and status 2). Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"{PROG}: error: {' '.join(message.split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="CPU inference for GGUF models.")
+    parser = _Parser(prog=PROG, description="CPU inference for GGUF models.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

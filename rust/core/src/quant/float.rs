@@ -40,6 +40,10 @@ pub(crate) fn vec_dot_scalar(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     s
 }
 
+/// Lowest level of each SIMD kernel of [`vec_dot`] (see `simd::coverage`).
+#[cfg(test)]
+pub(crate) const DOT_KERNELS: [SimdLevel; 2] = [SimdLevel::Avx2, SimdLevel::Avx512];
+
 /// Dispatches on `level`; `row` holds `x.len()` weights of type `ty`.
 pub(crate) fn vec_dot(ty: GgmlType, row: &[u8], x: &[f32], level: SimdLevel) -> f32 {
     assert_eq!(
@@ -213,6 +217,7 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         };
+        let kernels = crate::quant::simd::coverage::simd_kernels(&DOT_KERNELS);
         for n in [1usize, 7, 16, 33, 64, 100, 576] {
             let w: Vec<f32> = (0..n).map(|_| rnd()).collect();
             let x: Vec<f32> = (0..n).map(|_| rnd()).collect();
@@ -230,7 +235,7 @@ mod tests {
                 };
                 let want = vec_dot_scalar(ty, &row, &x);
                 let norm: f32 = x.iter().map(|v| v.abs()).sum::<f32>() + 1e-6;
-                for level in SimdLevel::available() {
+                for &level in &kernels {
                     let got = vec_dot(ty, &row, &x, level);
                     assert!(
                         (got - want).abs() <= 1e-5 * norm,
@@ -241,5 +246,6 @@ mod tests {
                 }
             }
         }
+        crate::quant::simd::coverage::report("float weight dot", &DOT_KERNELS, &kernels);
     }
 }

@@ -341,6 +341,11 @@ fn cpu_best() -> SimdLevel {
     *BEST.get_or_init(super::simd::detect)
 }
 
+/// Lowest level of each SIMD kernel of the `vec_dot_q*_k` dispatchers (see `simd::coverage`).
+#[cfg(test)]
+pub(crate) const DOT_KERNELS: [SimdLevel; 3] =
+    [SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Vnni];
+
 /// Number of whole blocks present in both operands.
 #[inline(always)]
 fn common_blocks(w: &[u8], block_bytes: usize, a: &[BlockQ8K]) -> usize {
@@ -1004,15 +1009,40 @@ mod tests {
         assert_eq!(&q[0].qs[..5], &[-127, 2, 4, -2, 126]);
     }
 
-    fn levels() -> Vec<SimdLevel> {
-        let l = SimdLevel::available();
-        eprintln!("testing levels: {l:?}");
-        l
+    use crate::quant::simd::coverage;
+
+    /// The SIMD kernels to compare with the scalar one (never the scalar kernel itself).
+    fn kernels() -> Vec<SimdLevel> {
+        coverage::simd_kernels(&DOT_KERNELS)
+    }
+
+    /// The AVX2 build of the Q8_K quantizer is the same source as the scalar one compiled with
+    /// other features; the two must agree bit for bit (the dispatcher always takes the best).
+    #[test]
+    fn kquants_q8k_quantize_builds_agree() {
+        let mut rng = Rng(8);
+        let mut x = random_activations(&mut rng, 12 * QK_K);
+        x[QK_K..2 * QK_K].fill(0.0);
+        x[5 * QK_K + 3] = 40.0;
+        x[7 * QK_K..8 * QK_K].iter_mut().for_each(|v| *v *= 1e-30);
+        let mut scalar = vec![BlockQ8K::ZERO; 12];
+        quantize_q8k_body(&x, &mut scalar);
+        let starts = [SimdLevel::Avx2];
+        let tested = coverage::simd_kernels(&starts);
+        #[cfg(target_arch = "x86_64")]
+        if tested.contains(&SimdLevel::Avx2) {
+            let mut simd = vec![BlockQ8K::ZERO; 12];
+            // SAFETY: simd_kernels() lists Avx2 only when the CPU has AVX2, FMA and F16C.
+            unsafe { quantize_q8k_avx2(&x, &mut simd) };
+            assert_eq!(simd, scalar);
+        }
+        coverage::report("Q8_K activation quantization", &starts, &tested);
     }
 
     #[test]
     fn kquants_simd_dots_match_scalar() {
         let mut rng = Rng(42);
+        let kernels = kernels();
         for kind in Kind::ALL {
             for &nb in &[1usize, 2, 7, 16] {
                 for trial in 0..4 {
@@ -1026,7 +1056,7 @@ mod tests {
                             kind.dot(&w[r], &a[b..b + 1], SimdLevel::Scalar).abs()
                         })
                         .sum();
-                    for level in levels() {
+                    for &level in &kernels {
                         let got = kind.dot(&w, &a, level);
                         let tol = 1e-5 * want.abs().max(mag) + f32::MIN_POSITIVE;
                         assert!(
@@ -1037,12 +1067,14 @@ mod tests {
                 }
             }
         }
+        coverage::report("K-quant row dot", &DOT_KERNELS, &kernels);
     }
 
     #[test]
     fn kquants_simd_dots_match_scalar_at_extremes() {
         // Saturating inputs: every quant field at its maximum, activations at +-127, scales at
         // their extremes. Exposes any int16 overflow in the SIMD paths.
+        let kernels = kernels();
         for kind in Kind::ALL {
             for pattern in [0xffu8, 0x00, 0xaa, 0x55] {
                 let mut w = vec![pattern; 4 * kind.bytes()];
@@ -1088,7 +1120,7 @@ mod tests {
                         (want as f64 - exact).abs() <= 1e-5 * mag,
                         "{kind:?} {pattern:#x}/{sign_pat}: scalar {want} vs exact {exact}"
                     );
-                    for level in levels() {
+                    for &level in &kernels {
                         let got = kind.dot(&w, &a, level);
                         assert!(
                             ((got - want) as f64).abs() <= 1e-5 * mag,
@@ -1098,11 +1130,16 @@ mod tests {
                 }
             }
         }
+        coverage::report("K-quant row dot at extremes", &DOT_KERNELS, &kernels);
     }
 
     #[test]
     fn kquants_dot_approximates_f32_dot() {
         let mut rng = Rng(99);
+        // Against an f64 oracle, so the scalar kernel is checked too.
+        let kernels: Vec<SimdLevel> = std::iter::once(SimdLevel::Scalar)
+            .chain(kernels())
+            .collect();
         for kind in Kind::ALL {
             let nb = 8;
             let w = kind.random_blocks(&mut rng, nb);
@@ -1131,7 +1168,7 @@ mod tests {
                 bound < 0.05 * mag,
                 "{kind:?}: test data too coarse ({bound} vs {mag})"
             );
-            for level in levels() {
+            for &level in &kernels {
                 let got = kind.dot(&w, &a, level) as f64;
                 assert!(
                     (got - exact).abs() <= bound + 1e-5 * mag,
@@ -1142,7 +1179,7 @@ mod tests {
             let a_deq: f64 = (0..nb * QK_K)
                 .map(|i| deq[i] as f64 * (a[i / QK_K].d * a[i / QK_K].qs[i % QK_K] as f32) as f64)
                 .sum();
-            for level in levels() {
+            for &level in &kernels {
                 let got = kind.dot(&w, &a, level) as f64;
                 assert!(
                     (got - a_deq).abs() <= 1e-5 * mag,
@@ -1154,19 +1191,23 @@ mod tests {
 
     #[test]
     fn kquants_level_above_cpu_falls_back() {
-        // Passing the highest level must be safe on any CPU (capped internally) and agree.
+        // A level above the CPU's must be safe (capped internally) and run the CPU's best
+        // kernel. Only a CPU that lacks some level can check this; on one that has them all
+        // there is nothing above its best (and comparing its kernel with itself proves nothing).
         let mut rng = Rng(5);
-        for kind in Kind::ALL {
-            let w = kind.random_blocks(&mut rng, 3);
-            let a = quantize(&random_activations(&mut rng, 3 * QK_K));
-            let best = *SimdLevel::available().last().unwrap();
-            let want = kind.dot(&w, &a, best);
-            let got = kind.dot(&w, &a, SimdLevel::Avx512Vnni);
-            assert_eq!(
-                got.to_bits(),
-                want.to_bits(),
-                "{kind:?}: {got} vs {want} at {best:?}"
-            );
+        let best = crate::quant::simd::detect();
+        for above in SimdLevel::ALL.into_iter().filter(|&l| l > best) {
+            for kind in Kind::ALL {
+                let w = kind.random_blocks(&mut rng, 3);
+                let a = quantize(&random_activations(&mut rng, 3 * QK_K));
+                let want = kind.dot(&w, &a, best);
+                let got = kind.dot(&w, &a, above);
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{kind:?}: {got} at {above:?} vs {want} at {best:?}"
+                );
+            }
         }
     }
 

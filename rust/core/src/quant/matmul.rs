@@ -82,6 +82,10 @@ fn prefetch(bytes: &[u8]) {
 /// 2 rows ahead gave 175 tok/s, 4 and 8 rows ahead ~200 tok/s).
 const PREFETCH_ROWS: usize = 8;
 
+/// Lowest level of the tile kernel (legacy weights, packed activations; see `simd::coverage`).
+#[cfg(test)]
+pub(crate) const TILE_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
+
 enum Plan {
     /// Rows split into chunks of `chunk`; each row dotted with every token.
     PerRow { chunk: usize },
@@ -452,10 +456,13 @@ mod tests {
         }
     }
 
-    /// Every level (and the tiled path) against the scalar kernel on the same activations.
+    /// Every SIMD kernel (per-row, and the tile path with packed activations) against the
+    /// scalar kernel on the same activations.
     #[test]
     fn all_levels_match_scalar() {
         let mut rng = Rng(2);
+        let kernels = simd::coverage::simd_kernels(&crate::quant::LEGACY_DOT_KERNELS);
+        let tiles = simd::coverage::simd_kernels(&TILE_KERNELS);
         for ty in LEGACY {
             for &(rows, cols) in &[(1usize, 32usize), (5, 64), (13, 96), (9, 576)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
@@ -479,8 +486,12 @@ mod tests {
                                 wr.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum::<f32>() + 1e-6;
                         }
                     }
-                    for level in SimdLevel::available() {
-                        for acts in [&plain, &packed] {
+                    for &level in &kernels {
+                        // Packed activations take the tile kernel at tile levels (from 8
+                        // tokens here); elsewhere they would rerun the per-row kernel.
+                        let packed = Some(&packed).filter(|p| p.has_packed());
+                        let packed = packed.filter(|_| tiles.contains(&level));
+                        for acts in std::iter::once(&plain).chain(packed) {
                             let mut got = vec![f32::NAN; n * rows];
                             matmul_level(&w, acts, &mut got, level).unwrap();
                             for i in 0..n * rows {
@@ -505,6 +516,9 @@ mod tests {
                 }
             }
         }
+        let legacy = &crate::quant::LEGACY_DOT_KERNELS;
+        simd::coverage::report("legacy matmul, per-row kernels", legacy, &kernels);
+        simd::coverage::report("legacy matmul, tile kernel", &TILE_KERNELS, &tiles);
     }
 
     /// Issue #3: a token's outputs are bit-identical whether it is computed alone or at any
@@ -514,6 +528,12 @@ mod tests {
     fn batch_invariant_bit_exact() {
         let mut rng = Rng(11);
         let rows = 13;
+        // Scalar and each distinct SIMD kernel (a level that reruns another's kernel adds
+        // nothing).
+        let kernels = simd::coverage::simd_kernels(&crate::quant::LEGACY_DOT_KERNELS);
+        let levels: Vec<SimdLevel> = std::iter::once(SimdLevel::Scalar)
+            .chain(kernels.iter().copied())
+            .collect();
         for ty in LEGACY {
             for cols in [96usize, 576, 1056] {
                 let data = random_weights(ty, rows, cols, &mut rng);
@@ -523,10 +543,10 @@ mod tests {
                 quantize_acts_impl(&mut a1, &tok, 1, cols, ty, false).unwrap();
                 let mut scalar = vec![0f32; rows];
                 matmul_level(&w, &a1, &mut scalar, SimdLevel::Scalar).unwrap();
-                for level in SimdLevel::available() {
+                for &level in &levels {
                     let mut alone = vec![0f32; rows];
                     matmul_level(&w, &a1, &mut alone, level).unwrap();
-                    if level == SimdLevel::Avx512Vnni || level == SimdLevel::Scalar {
+                    if level == SimdLevel::Avx512Vnni {
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&alone), bits(&scalar), "{} {cols}", ty.name());
                     }
@@ -594,6 +614,142 @@ mod tests {
                 }
             }
         }
+    }
+
+    const KQUANTS: [GgmlType; 3] = [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+
+    /// Random K-quant rows: random bits everywhere except sane f16 super-block scales
+    /// (`d`, `dmin` for Q4_K/Q5_K, `d` for Q6_K) of magnitude up to 0.05.
+    fn random_kquant_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+        let ts = ty.type_size();
+        let mut data: Vec<u8> = (0..rows * cols / 256 * ts)
+            .map(|_| rng.next() as u8)
+            .collect();
+        let scales: &[usize] = if ty == GgmlType::Q6_K {
+            &[208]
+        } else {
+            &[0, 2]
+        };
+        for blk in data.chunks_exact_mut(ts) {
+            for &off in scales {
+                let v = f16::from_f32(rng.f() * 0.05);
+                blk[off..off + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+        }
+        data
+    }
+
+    /// K-quant weights through the whole matmul entry (Q8_K activation quantization, the
+    /// planner, the per-row loop) against the f32 dot of the dequantized weights with the
+    /// unquantized activations: Q8_K rounds each activation by at most half its block's step,
+    /// so the difference is bounded by `sum_b d_b / 2 * sum |w|` (plus f32 rounding).
+    #[test]
+    fn kquant_matmul_matches_dequantized_f32() {
+        let mut rng = Rng(5);
+        let (rows, cols) = (11, 512);
+        for ty in KQUANTS {
+            let data = random_kquant_weights(ty, rows, cols, &mut rng);
+            let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+            for n in [1usize, 3, 8, 17] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0).collect();
+                let mut out = vec![f32::NAN; n * rows];
+                matmul(&w, &x, n, &mut out);
+                let mut wr = vec![0f32; cols];
+                for r in 0..rows {
+                    dequantize(ty, w.row(r), &mut wr).unwrap();
+                    for t in 0..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let exact: f64 =
+                            wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let mut bound = 0f64;
+                        let mut mag = 0f64;
+                        for (wb, xb) in wr.chunks_exact(256).zip(xt.chunks_exact(256)) {
+                            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                            let wsum: f64 = wb.iter().map(|v| v.abs() as f64).sum();
+                            bound += amax / 127.0 / 2.0 * wsum;
+                            mag += wb
+                                .iter()
+                                .zip(xb)
+                                .map(|(&a, &b)| (a * b).abs() as f64)
+                                .sum::<f64>();
+                        }
+                        let got = out[t * rows + r] as f64;
+                        assert!(
+                            (got - exact).abs() <= bound * 1.001 + 1e-5 * mag,
+                            "{} r={r} t={t} n={n}: {got} vs {exact} (bound {bound})",
+                            ty.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The K-quant matmul at every SIMD kernel against the scalar kernel, both fed the
+    /// activations that `quantize_acts` made, and the Q8_K activations against
+    /// `quantize_row_q8_k` run on each token alone.
+    #[test]
+    fn kquant_matmul_all_kernels_match_scalar() {
+        use crate::quant::kquants::{self, BlockQ8K, QK_K};
+        let mut rng = Rng(6);
+        let kernels = simd::coverage::simd_kernels(&kquants::DOT_KERNELS);
+        for ty in KQUANTS {
+            for &(rows, cols) in &[(1usize, 256usize), (9, 512), (6, 1536)] {
+                let data = random_kquant_weights(ty, rows, cols, &mut rng);
+                let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+                for n in [1usize, 4, 17] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 3.0).collect();
+                    let a = q8::quantize_acts(&x, n, cols, ty);
+                    let nb = cols / QK_K;
+                    for t in 0..n {
+                        let mut want = vec![BlockQ8K::ZERO; nb];
+                        kquants::quantize_row_q8_k(&x[t * cols..(t + 1) * cols], &mut want);
+                        assert_eq!(&a.k[t * nb..(t + 1) * nb], &want[..], "{} t={t}", ty.name());
+                    }
+                    let mut want = vec![0f32; n * rows];
+                    matmul_level(&w, &a, &mut want, SimdLevel::Scalar).unwrap();
+                    // Scale per output: sum over blocks of |block dot| (cancellation-aware).
+                    let mut mag = vec![0f32; n * rows];
+                    let bb = ty.type_size();
+                    for r in 0..rows {
+                        for t in 0..n {
+                            mag[t * rows + r] = (0..nb)
+                                .map(|b| {
+                                    let wb = &w.row(r)[b * bb..(b + 1) * bb];
+                                    let ab = &a.k[t * nb + b..t * nb + b + 1];
+                                    match ty {
+                                        GgmlType::Q4_K => {
+                                            kquants::vec_dot_q4_k(wb, ab, SimdLevel::Scalar)
+                                        }
+                                        GgmlType::Q5_K => {
+                                            kquants::vec_dot_q5_k(wb, ab, SimdLevel::Scalar)
+                                        }
+                                        _ => kquants::vec_dot_q6_k(wb, ab, SimdLevel::Scalar),
+                                    }
+                                    .abs()
+                                })
+                                .sum::<f32>()
+                                + f32::MIN_POSITIVE;
+                        }
+                    }
+                    for &level in &kernels {
+                        let mut got = vec![f32::NAN; n * rows];
+                        matmul_level(&w, &a, &mut got, level).unwrap();
+                        for i in 0..n * rows {
+                            assert!(
+                                (got[i] - want[i]).abs() <= 1e-5 * mag[i],
+                                "{} {rows}x{cols} n={n} {} i={i}: {} vs scalar {}",
+                                ty.name(),
+                                level.name(),
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        simd::coverage::report("K-quant matmul", &kquants::DOT_KERNELS, &kernels);
     }
 
     #[test]

@@ -208,6 +208,10 @@ pub(crate) fn dot_row(
     }
 }
 
+/// Lowest level of each SIMD kernel of the legacy row dot (see `simd::coverage`).
+#[cfg(test)]
+pub(crate) const LEGACY_DOT_KERNELS: [SimdLevel; 2] = [SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+
 /// Legacy row dot at `level`; slices are one row / one token of matching length.
 #[inline]
 fn legacy_dot(ty: GgmlType, row: &[u8], qa: &[i8], ds: &[f32], level: SimdLevel) -> f32 {

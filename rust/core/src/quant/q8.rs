@@ -245,6 +245,10 @@ pub(crate) fn quantize_acts_impl(
     Ok(())
 }
 
+/// Lowest level of each SIMD kernel of [`quantize_blocks`] (see `simd::coverage`).
+#[cfg(test)]
+pub(crate) const QUANTIZE_BLOCKS_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
+
 /// Quantizes consecutive blocks of `x` into `qs`, `d`, `s` with the kernels of `level`.
 /// `ds` receives `(da, sa)` per block.
 pub(crate) fn quantize_blocks(x: &[f32], qs: &mut [i8], ds: &mut [f32], level: SimdLevel) {
@@ -421,12 +425,18 @@ mod tests {
         let nb = x.len() / 32;
         let (mut q0, mut ds0) = (vec![0i8; x.len()], vec![0f32; 2 * nb]);
         quantize_blocks(&x, &mut q0, &mut ds0, SimdLevel::Scalar);
-        for level in SimdLevel::available() {
+        let kernels = simd::coverage::simd_kernels(&QUANTIZE_BLOCKS_KERNELS);
+        for &level in &kernels {
             let (mut q, mut ds) = (vec![0i8; x.len()], vec![0f32; 2 * nb]);
             quantize_blocks(&x, &mut q, &mut ds, level);
             assert_eq!(q, q0, "{}", level.name());
             assert_eq!(ds, ds0);
         }
+        simd::coverage::report(
+            "q8 activation quantization",
+            &QUANTIZE_BLOCKS_KERNELS,
+            &kernels,
+        );
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! Runtime CPU-feature detection, done once. `KVSERVE_SIMD=scalar|avx2|avx512|avx512vnni` forces
-//! a level (capped at what the CPU supports) for tests and comparisons. AMX is never used.
+//! a level (capped at what the CPU supports) for tests and comparisons; any other value is an
+//! error ([`env_level`]) naming the valid ones. AMX is never used.
 
 use std::sync::OnceLock;
+
+use crate::error::{invalid, Result};
 
 /// Kernel families, ordered from least to most capable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -25,29 +28,47 @@ impl SimdLevel {
         }
     }
 
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 4] = [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512,
+        SimdLevel::Avx512Vnni,
+    ];
+
+    /// The level named `s` (one of [`SimdLevel::name`]'s names, any case, surrounding blanks
+    /// ignored).
     pub fn from_name(s: &str) -> Option<SimdLevel> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "scalar" | "none" => Some(SimdLevel::Scalar),
-            "avx2" => Some(SimdLevel::Avx2),
-            "avx512" => Some(SimdLevel::Avx512),
-            "avx512vnni" | "vnni" => Some(SimdLevel::Avx512Vnni),
-            _ => None,
-        }
+        let s = s.trim().to_ascii_lowercase();
+        SimdLevel::ALL.into_iter().find(|l| l.name() == s)
     }
 
     /// Every level this CPU can run, lowest first (for tests comparing kernels).
     pub fn available() -> Vec<SimdLevel> {
         let best = detect();
-        [
-            SimdLevel::Scalar,
-            SimdLevel::Avx2,
-            SimdLevel::Avx512,
-            SimdLevel::Avx512Vnni,
-        ]
-        .into_iter()
-        .filter(|l| *l <= best)
-        .collect()
+        SimdLevel::ALL.into_iter().filter(|l| *l <= best).collect()
     }
+}
+
+/// The level `KVSERVE_SIMD` asks for: `None` when it is unset or blank, an error naming the valid
+/// values when it names no level.
+pub fn env_level() -> Result<Option<SimdLevel>> {
+    parse_env_level(std::env::var_os("KVSERVE_SIMD").as_deref())
+}
+
+fn parse_env_level(value: Option<&std::ffi::OsStr>) -> Result<Option<SimdLevel>> {
+    let Some(raw) = value else { return Ok(None) };
+    let text = raw.to_string_lossy();
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    SimdLevel::from_name(&text).map(Some).ok_or_else(|| {
+        let names: Vec<&str> = SimdLevel::ALL.iter().map(|l| l.name()).collect();
+        invalid(format!(
+            "KVSERVE_SIMD={text:?} is not a SIMD level; valid values: {}",
+            names.join(", ")
+        ))
+    })
 }
 
 /// The best level this CPU supports (detected once, then cached).
@@ -82,16 +103,133 @@ fn detect_uncached() -> SimdLevel {
 }
 
 /// The level used by the dispatching kernels: detected once, lowered by `KVSERVE_SIMD`.
+///
+/// An invalid `KVSERVE_SIMD` cannot be returned as an error from here (kernels call this);
+/// callers that start the engine check [`env_level`] first. Should one not, the first call
+/// writes a one-line warning naming the valid values to stderr and uses the detected level.
 pub fn level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         let best = detect();
-        match std::env::var("KVSERVE_SIMD")
-            .ok()
-            .and_then(|v| SimdLevel::from_name(&v))
-        {
-            Some(forced) => forced.min(best),
-            None => best,
+        match env_level() {
+            Ok(Some(forced)) => forced.min(best),
+            Ok(None) => best,
+            Err(e) => {
+                eprintln!("kvserve: warning: {e}; using {}", best.name());
+                best
+            }
         }
     })
+}
+
+/// Test support: which SIMD kernels a comparison test really exercised on this CPU.
+///
+/// A dispatcher runs one kernel per range of levels (for example the AVX2 kernel at both
+/// `Avx2` and `Avx512`); it lists the lowest level of each of its SIMD kernels next to its
+/// code. Tests compare every kernel this CPU can run with the scalar twin, never a kernel with
+/// itself, report the comparison on one line, and fail when the kernel that this CPU's best
+/// level runs was not among those compared ([`detect`] itself is checked against
+/// `/proc/cpuinfo` below, so a CPU whose features go undetected fails too).
+#[cfg(test)]
+pub(crate) mod coverage {
+    use super::{detect, SimdLevel};
+    use std::io::Write;
+
+    /// One level per distinct SIMD kernel of a dispatcher whose kernels start at `starts`,
+    /// restricted to what this CPU runs: the kernels to compare with the scalar one.
+    pub(crate) fn simd_kernels(starts: &[SimdLevel]) -> Vec<SimdLevel> {
+        let best = detect();
+        starts
+            .iter()
+            .copied()
+            .filter(|&l| l != SimdLevel::Scalar && l <= best)
+            .collect()
+    }
+
+    /// Writes `simd coverage: <what>: scalar vs <kernels> (this CPU: <best>)` to stderr (past the
+    /// test harness's capture, so every run shows it) and asserts that the kernel run at this
+    /// CPU's best level is among `tested`.
+    pub(crate) fn report(what: &str, starts: &[SimdLevel], tested: &[SimdLevel]) {
+        let best = detect();
+        let names: Vec<&str> = tested.iter().map(|l| l.name()).collect();
+        let vs = if names.is_empty() {
+            "no SIMD kernel on this CPU".to_string()
+        } else {
+            names.join(", ")
+        };
+        let line = format!(
+            "simd coverage: {what}: scalar vs {vs} (this CPU: {})\n",
+            best.name()
+        );
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        let top = starts.iter().copied().filter(|&l| l <= best).max();
+        if let Some(top) = top.filter(|&l| l != SimdLevel::Scalar) {
+            assert!(
+                tested.contains(&top),
+                "{what}: the kernel this CPU's best level ({}) runs, from level {}, was not \
+                 compared with scalar",
+                best.name(),
+                top.name()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn level_names_round_trip_and_env_values_are_checked() {
+        for l in SimdLevel::ALL {
+            assert_eq!(SimdLevel::from_name(l.name()), Some(l));
+            assert_eq!(
+                parse_env_level(Some(OsStr::new(&format!(" {} ", l.name().to_uppercase())))),
+                Ok(Some(l))
+            );
+        }
+        assert_eq!(parse_env_level(None), Ok(None));
+        assert_eq!(parse_env_level(Some(OsStr::new(" "))), Ok(None));
+        for bad in ["avx", "sse4", "vnni", "none", "avx512 vnni"] {
+            let e = parse_env_level(Some(OsStr::new(bad)))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+            assert!(
+                e.contains("valid values: scalar, avx2, avx512, avx512vnni"),
+                "{e}"
+            );
+        }
+    }
+
+    /// The level the kernel tests take as "this CPU's best" must be what the CPU really has,
+    /// read independently from the kernel's own flag list; otherwise an undetected feature
+    /// would silently leave its kernels untested.
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    #[test]
+    fn detected_level_matches_proc_cpuinfo() {
+        let info = std::fs::read_to_string("/proc/cpuinfo").expect("read /proc/cpuinfo");
+        let flags: Vec<&str> = info
+            .lines()
+            .find(|l| l.starts_with("flags"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, f)| f.split_whitespace().collect())
+            .expect("/proc/cpuinfo has no flags line");
+        let has = |names: &[&str]| names.iter().all(|n| flags.contains(n));
+        let avx2 = has(&["avx2", "fma", "f16c"]);
+        let avx512 = avx2 && has(&["avx512f", "avx512bw", "avx512vl", "avx512dq"]);
+        let want = if avx512 && has(&["avx512_vnni"]) {
+            SimdLevel::Avx512Vnni
+        } else if avx512 {
+            SimdLevel::Avx512
+        } else if avx2 {
+            SimdLevel::Avx2
+        } else {
+            SimdLevel::Scalar
+        };
+        assert_eq!(detect(), want, "detected level differs from /proc/cpuinfo");
+        let line = format!("simd coverage: this CPU's best level: {}\n", want.name());
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    }
 }

@@ -572,6 +572,16 @@ fn check_golden(tok: &Tokenizer, fx: &Json) -> (usize, usize) {
     let mut failures = Vec::new();
     let mut round_trips = 0;
     let cases = fx.get("cases").arr();
+    // The inputs the corpus must keep covering: whitespace only, and 10,000-character texts.
+    let texts = || cases.iter().map(|c| c.get("text").str());
+    let blank = texts()
+        .filter(|t| !t.is_empty() && t.chars().all(char::is_whitespace))
+        .count();
+    let long = texts().filter(|t| t.chars().count() >= 10_000).count();
+    assert!(
+        blank >= 40 && long >= 3,
+        "fixture lacks cases: {blank} whitespace-only (want 40), {long} of 10k characters (want 3)"
+    );
     for c in cases {
         let text = c.get("text").str();
         let (add, parse) = (c.get("add_special").bool(), c.get("parse_special").bool());
