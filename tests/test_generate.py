@@ -258,7 +258,7 @@ def test_end_of_generation_token_stops(model: Model, vocab: Vocab) -> None:
     ref = g["greedy_tokens"]
     k = ref.index(vocab.eos)
     res = model.generate(g["text"], max_tokens=16)
-    assert res == GenerateResult(vocab.text(ref[:k]), ref[:k], "stop")
+    assert (res.text, res.tokens, res.finish_reason) == (vocab.text(ref[:k]), ref[:k], "stop")
     assert "".join(model.stream(g["text"], max_tokens=16)) == res.text
 
 
@@ -272,7 +272,7 @@ def test_stop_string_spanning_two_tokens(model: Model, vocab: Vocab) -> None:
     stop = first[-1] + second[0]
     assert stop not in first and stop not in second
     res = model.generate(PROMPT, max_tokens=16, stop=["never", stop])
-    assert res == GenerateResult(first[:-1], ref[:2], "stop")
+    assert (res.text, res.tokens, res.finish_reason) == (first[:-1], ref[:2], "stop")
     assert "".join(model.stream(PROMPT, max_tokens=16, stop=stop)) == first[:-1]
 
 
@@ -378,4 +378,10 @@ def test_one_model_shared_by_threads_generating_different_prompts(model: Model) 
         t.start()
     for t in threads:
         t.join()
-    assert results == alone
+
+    # Same outputs; how much of each prompt came from the shared prefix cache may differ.
+    def outputs(rs: list[GenerateResult | None]) -> list[tuple[str, list[int], str, int]]:
+        return [(r.text, r.tokens, r.finish_reason, r.prompt_tokens) for r in rs if r]
+
+    assert outputs(results) == outputs(list(alone))
+    assert all(r is not None for r in results)
