@@ -250,3 +250,15 @@ def test_the_memory_grows_when_idle_and_is_shared_as_is_when_busy(core: _core.Mo
     c = core.new_context(cap * 2)  # nobody uses it: it is replaced by a larger one
     assert c.n_ctx == cap * 2
     assert int(c.stats()["blocks_total"]) * 16 >= cap * 2
+
+
+def test_prefix_cache_off_indexes_nothing(core: _core.Model) -> None:
+    toks = core.tokenize(PROMPT, add_special=True)
+    off = core.new_context(256, prefix_cache=False)
+    _prefill(off, toks)
+    assert off.stats()["prefix_indexed"] == 0
+    on = core.new_context(256)
+    assert on.match_prefix(0, toks) == 0
+    _prefill(on, toks, seq=1)
+    assert on.stats()["prefix_indexed"] == len(toks) // 16
+    assert off.match_prefix(3, toks) == (len(toks) - 1) // 16 * 16  # it still reads the index

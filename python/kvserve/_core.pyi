@@ -52,6 +52,7 @@ class Model:
         kv_type: str = "f16",
         block_size: int = 16,
         kv_memory: int | None = None,
+        prefix_cache: bool = True,
     ) -> Context: ...
     def metadata(self) -> dict[str, object]: ...
     def _inject_worker_panic(self, layer: int | None) -> None:

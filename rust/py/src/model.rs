@@ -173,9 +173,10 @@ impl Model {
             .is_eog(check_token(&self.inner, token)?))
     }
 
-    /// A decoding context. The KV cache holds `n_ctx` tokens, or as many blocks as fit in
-    /// `kv_memory` bytes when given; `kv_type` is "f16" (default), "q8_0" or "f32".
-    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None))]
+    /// A decoding context over the model's shared K/V memory for `kv_type` ("f16" default,
+    /// "q8_0" or "f32"): at most `n_ctx` tokens (or what `kv_memory` bytes hold when the memory
+    /// is made by this call). `prefix_cache=False`: the blocks it fills are not indexed.
+    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None, prefix_cache=true))]
     fn new_context(
         &self,
         py: Python<'_>,
@@ -183,12 +184,14 @@ impl Model {
         kv_type: &str,
         block_size: usize,
         kv_memory: Option<usize>,
+        prefix_cache: bool,
     ) -> PyResult<Context> {
         let o = KvOptions {
             n_ctx,
             kv_memory,
             kv_type: KvType::from_name(kv_type).map_err(to_py)?,
             block_size,
+            prefix_cache,
         };
         let m = Arc::clone(&self.inner);
         let ctx = py

@@ -207,6 +207,7 @@ pub struct PagedCache {
     shared: Arc<SharedKv>,
     table: KvTable,
     n_ctx: usize,
+    prefix_cache: bool,
     lookups: u64,
     hit_tokens: u64,
 }
@@ -225,6 +226,7 @@ impl PagedCache {
         )?;
         Ok(PagedCache {
             n_ctx: n_ctx.min(shared.capacity_tokens()),
+            prefix_cache: true,
             shared,
             table,
             lookups: 0,
@@ -245,6 +247,12 @@ impl PagedCache {
 
     pub fn shared(&self) -> &Arc<SharedKv> {
         &self.shared
+    }
+
+    /// Whether committed batches key their full clean blocks for reuse (default on). Off, this
+    /// context's blocks are never indexed (it can still match what others indexed).
+    pub fn set_prefix_cache(&mut self, on: bool) {
+        self.prefix_cache = on;
     }
 
     pub fn model_id(&self) -> Key {
@@ -321,7 +329,8 @@ impl PagedCache {
 
     /// The batch's K/V are written: indexes the blocks it filled (see the module docs).
     pub fn commit(&mut self, tx: BatchTx) {
-        let keyed = self.table.commit(tx, Some(self.shared.model_id));
+        let id = self.prefix_cache.then_some(self.shared.model_id);
+        let keyed = self.table.commit(tx, id);
         for (b, key, parent) in keyed {
             // Cannot fail: the block is held and its tokens are block_size long.
             let _ = self.shared.index.insert(

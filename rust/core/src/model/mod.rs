@@ -249,6 +249,8 @@ pub struct KvOptions {
     pub kv_memory: Option<usize>,
     pub kv_type: KvType,
     pub block_size: usize,
+    /// Key the blocks this context fills so that later prompts can reuse them (prefix cache).
+    pub prefix_cache: bool,
 }
 
 impl Default for KvOptions {
@@ -258,6 +260,7 @@ impl Default for KvOptions {
             kv_memory: None,
             kv_type: KvType::F16,
             block_size: DEFAULT_BLOCK_SIZE,
+            prefix_cache: true,
         }
     }
 }
@@ -293,7 +296,8 @@ impl Context {
             Some(_) => shared.capacity_tokens(),
             None => o.n_ctx,
         };
-        let cache = PagedCache::new(shared, n_ctx)?;
+        let mut cache = PagedCache::new(shared, n_ctx)?;
+        cache.set_prefix_cache(o.prefix_cache);
         Ok(Context { model, cache })
     }
 
