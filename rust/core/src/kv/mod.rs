@@ -26,6 +26,16 @@ pub mod table;
 #[cfg(all(test, not(loom)))]
 mod tests;
 
+/// `n` copies of `v`, or `OutOfMemory` naming `what` instead of aborting the process (a KV
+/// cache sized by a mistyped `--ctx-size` must not take a server down).
+pub(crate) fn try_vec<T: Clone>(n: usize, v: T, what: &str) -> crate::Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)
+        .map_err(|_| crate::Error::OutOfMemory(format!("cannot allocate {what} ({n} entries)")))?;
+    out.resize(n, v);
+    Ok(out)
+}
+
 pub use cache::{blocks_for_tokens, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE};
 pub use memory::Memory;
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};

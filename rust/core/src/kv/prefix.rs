@@ -32,6 +32,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::pool::{BlockId, BlockPool, NO_KEY};
+use super::try_vec;
 use crate::error::{Error, Result};
 
 /// A 128-bit content key.
@@ -164,14 +165,6 @@ pub struct PrefixIndex {
     inner: Mutex<Inner>,
 }
 
-fn try_vec<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    out.try_reserve_exact(n)
-        .map_err(|_| Error::OutOfMemory(format!("cannot allocate the {what} ({n} entries)")))?;
-    out.resize(n, v);
-    Ok(out)
-}
-
 impl PrefixIndex {
     /// An empty index for a pool of `n_blocks` blocks of `block_size` tokens.
     pub fn new(n_blocks: usize, block_size: usize) -> Result<PrefixIndex> {
@@ -181,9 +174,9 @@ impl PrefixIndex {
         Ok(PrefixIndex {
             inner: Mutex::new(Inner {
                 map: HashMap::new(),
-                key: try_vec(n_blocks, ROOT_KEY, "prefix index")?,
-                parent: try_vec(n_blocks, ROOT_KEY, "prefix index")?,
-                tokens: try_vec(n_tokens, 0u32, "prefix index")?,
+                key: try_vec(n_blocks, ROOT_KEY, "the prefix index")?,
+                parent: try_vec(n_blocks, ROOT_KEY, "the prefix index")?,
+                tokens: try_vec(n_tokens, 0u32, "the prefix index")?,
                 bs: block_size,
             }),
         })

@@ -54,6 +54,7 @@ use std::sync::Arc;
 
 use super::pool::{BlockId, BlockPool, NO_KEY};
 use super::prefix::{block_key, key_tag, Key, PrefixIndex, ROOT_KEY};
+use super::try_vec;
 use crate::error::{Error, Result};
 
 /// A sequence id (`>= 0`; negative ids mean "all sequences" where an operation allows it).
@@ -195,15 +196,6 @@ fn internal(e: String) -> Error {
     Error::InvalidInput(format!("kv bookkeeping: {e}"))
 }
 
-fn try_vec<T: Clone>(n: usize, v: T) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    out.try_reserve_exact(n).map_err(|_| {
-        Error::OutOfMemory(format!("cannot allocate KV block tables for {n} cells"))
-    })?;
-    out.resize(n, v);
-    Ok(out)
-}
-
 fn range(p0: Pos, p1: Pos) -> (Pos, Pos) {
     (p0.max(0), if p1 < 0 { Pos::MAX } else { p1 })
 }
@@ -230,18 +222,18 @@ impl KvTable {
             .checked_mul(block_size)
             .ok_or_else(|| Error::InvalidInput("KV block table too large".into()))?;
         Ok(KvTable {
-            holders: try_vec(pool.total(), 0)?,
-            tokens: try_vec(n, 0)?,
+            holders: try_vec(pool.total(), 0, "KV block tables")?,
+            tokens: try_vec(n, 0, "KV block tables")?,
             pool,
             index,
             bs: block_size,
             seqs: BTreeMap::new(),
-            users: try_vec(n, 0)?,
+            users: try_vec(n, 0, "KV block tables")?,
             live: 0,
             held: 0,
-            pos: try_vec(n, -1)?,
-            rope: try_vec(n, -1)?,
-            origin: try_vec(n, 0)?,
+            pos: try_vec(n, -1, "KV block tables")?,
+            rope: try_vec(n, -1, "KV block tables")?,
+            origin: try_vec(n, 0, "KV block tables")?,
             next_origin: 1,
             pending: Vec::new(),
             pins: Vec::new(),
