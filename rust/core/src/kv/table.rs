@@ -702,31 +702,40 @@ impl KvTable {
             dst: nb,
             n_slots: top as u16,
         });
-        let bs = self.bs;
         self.hold(b, false);
         self.hold(nb, true);
-        let q = self.seqs.get_mut(&s).expect("sequence exists");
+        let mut q = self.seqs.remove(&s).expect("sequence exists");
         let n = q.holds.remove(&b).unwrap_or(0);
         q.holds.insert(nb, n);
         q.view = None;
-        for c in q.cells.iter_mut().filter(|c| c.0 == b) {
-            let (from, to) = (
-                b as usize * bs + c.1 as usize,
-                nb as usize * bs + c.1 as usize,
-            );
-            self.users[from] -= 1;
-            if self.users[from] == 0 {
-                self.live -= 1;
-            }
-            self.users[to] += 1;
-            if self.users[to] == 1 {
-                self.live += 1;
-            }
-            c.0 = nb;
-        }
+        self.move_cells(&mut q, b, nb);
+        self.seqs.insert(s, q);
         // `s` no longer holds `b` (the pin keeps it alive).
         self.pool.release(b).map_err(internal)?;
         Ok(())
+    }
+
+    /// Moves every cell of `q` in block `from` to the same slot of block `to` (cell users
+    /// follow); returns the slots moved. Holds and pool references are the caller's business.
+    fn move_cells(&mut self, q: &mut Seq, from: BlockId, to: BlockId) -> Vec<u16> {
+        let mut moved = Vec::new();
+        for c in q.cells.iter_mut().filter(|c| c.0 == from) {
+            let (i, j) = (
+                from as usize * self.bs + c.1 as usize,
+                to as usize * self.bs + c.1 as usize,
+            );
+            self.users[i] -= 1;
+            if self.users[i] == 0 {
+                self.live -= 1;
+            }
+            self.users[j] += 1;
+            if self.users[j] == 1 {
+                self.live += 1;
+            }
+            c.0 = to;
+            moved.push(c.1);
+        }
+        moved
     }
 
     /// Takes `n` blocks from the pool (free ones first, then evicting the least recently used
@@ -1003,23 +1012,11 @@ impl KvTable {
                         q.holds.insert(b, n);
                         self.hold(b, true);
                         released.push(nb);
-                        for c in q.cells.iter_mut().filter(|c| c.0 == nb) {
-                            let (from, to) = (
-                                nb as usize * bs + c.1 as usize,
-                                b as usize * bs + c.1 as usize,
-                            );
-                            self.users[from] -= 1;
-                            if self.users[from] == 0 {
-                                self.live -= 1;
+                        for sl in self.move_cells(&mut q, nb, b) {
+                            let i = self.idx(b, sl);
+                            if self.pos[i] != self.rope[i] {
+                                self.dirty.push((b, sl));
                             }
-                            self.users[to] += 1;
-                            if self.users[to] == 1 {
-                                self.live += 1;
-                            }
-                            if self.pos[to] != self.rope[to] {
-                                self.dirty.push((b, c.1));
-                            }
-                            c.0 = b;
                         }
                     }
                 }
