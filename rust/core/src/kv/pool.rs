@@ -851,12 +851,16 @@ mod tests {
                 p.release(b).unwrap();
             }
             assert_eq!(p.stats().cached, n as usize);
-            let iters = 2_000_000u64;
+            // At least 2,000 rounds and 0.5 s.
             let t0 = std::time::Instant::now();
-            for i in 0..iters {
-                let b = p.allocate().unwrap();
-                p.set_key(b, n as u64 + i).unwrap();
-                p.release(b).unwrap();
+            let mut iters = 0u64;
+            while iters < 2000 || t0.elapsed().as_secs_f64() < 0.5 {
+                for _ in 0..1000 {
+                    let b = p.allocate().unwrap();
+                    p.set_key(b, n as u64 + iters).unwrap();
+                    p.release(b).unwrap();
+                    iters += 1;
+                }
             }
             let ns = t0.elapsed().as_nanos() as f64 / iters as f64;
             println!(
