@@ -313,6 +313,26 @@ def test_a_second_request_with_the_same_prompt_reuses_its_prefix(
     assert st["prefix_hit_rate"] == st["cached_prompt_tokens"] / st["prompt_tokens"]
 
 
+def test_a_prompt_being_prefilled_is_not_computed_twice(served: Model, oracle: Model) -> None:
+    # Two users send the same long prompt at once; with 32-token prefill chunks the first needs
+    # several steps. The second waits for its blocks and maps them instead of computing them.
+    system = "You are the archivist of a mountain library; answer in one short sentence. " * 3
+    users = [system + "Question: what is kept here?", system + "Question: who visits?"]
+    with Engine(served, parallel=4, ctx_size=512, batch_tokens=32) as eng:
+
+        async def main() -> list[GenerateResult]:
+            return await asyncio.gather(*[eng.agenerate(u, max_tokens=3) for u in users])
+
+        got = asyncio.run(main())
+        st = eng.stats()
+    shared = len(oracle.tokenize(system, add_special=True, parse_special=True)) // 16 * 16
+    assert shared >= 48
+    assert got[0].cached_tokens == 0
+    assert got[1].cached_tokens >= shared
+    assert st["cached_prompt_tokens"] == got[1].cached_tokens
+    assert [g.tokens for g in got] == [sequential(oracle, u, 3).tokens for u in users]
+
+
 def test_priority_orders_admission(served: Model) -> None:
     with Engine(served, parallel=1, ctx_size=256) as eng:
         done: list[str] = []

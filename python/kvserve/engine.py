@@ -10,7 +10,9 @@ One step:
 2. admit waiting requests, highest ``priority`` first and FCFS within a priority, while fewer
    than ``parallel`` run and the pool has room for the prompt (plus a block to grow) beside
    what the running sequences still need; an admitted request first maps the longest cached
-   prefix of its tokens (``match_prefix``), so only the rest is computed;
+   prefix of its tokens (``match_prefix``), so only the rest is computed. A request whose
+   prompt starts with whole blocks that a running request is prefilling right now waits
+   (keeping its place) until they are computed and cached, instead of computing them again;
 3. build ONE batch: one token for every sequence that is generating, then chunks of the
    prompts still being prefilled (highest priority, earliest first) up to ``batch_tokens``
    tokens in all (chunked prefill: a long prompt never stalls the running streams for more
@@ -589,6 +591,7 @@ class Engine:
         room = int(st["blocks_free"]) + int(st["blocks_cached"])
         room -= sum(self._blocks_to_fill(r) for r in self._running.values())
         prefill = sum(len(r.ids) - r.n_done - 1 for r in self._running.values())
+        deferred: list[tuple[tuple[int, int], _Request]] = []
         while self._waiting and len(self._running) < self.parallel:
             if prefill >= self.batch_tokens:
                 break  # no room in this step's batch: admitting now would only hold blocks
@@ -600,6 +603,9 @@ class Engine:
             if self._running and need > room:
                 break  # wait for memory (FCFS: nobody overtakes the head)
             heapq.heappop(self._waiting)
+            if self.prefix_cache and self._computing_shared_prefix(req):
+                deferred.append((key, req))  # its blocks come cached in a step or two
+                continue
             with self._cond:
                 self._n_waiting -= 1
                 req.seq = self._free_seqs.pop()
@@ -613,6 +619,29 @@ class Engine:
                 self._cached_prompt_tokens += req.cached_tokens
             room -= need
             prefill += len(req.ids) - matched - 1
+        for item in deferred:
+            heapq.heappush(self._waiting, item)
+
+    def _computing_shared_prefix(self, req: _Request) -> bool:
+        """Whether a running request is still prefilling whole blocks that ``req``'s prompt
+        starts with (then ``req`` waits and maps them from the prefix index instead of
+        computing them a second time). O(prefilling requests x shared blocks)."""
+        b = self._block
+        ids = req.ids
+        usable = (len(ids) - 1) // b * b  # what match_prefix could map
+        if usable == 0:
+            return False
+        head = ids[:b]
+        for other in self._running.values():
+            if other.n_done >= min(usable, len(other.ids) - 1) or other.ids[:b] != head:
+                continue  # it computed what it had (or nothing shared)
+            shared = b
+            limit = min(usable, len(other.ids) // b * b)
+            while shared < limit and other.ids[shared : shared + b] == ids[shared : shared + b]:
+                shared += b
+            if shared > other.n_done // b * b:
+                return True
+        return False
 
     def _plan(self) -> list[tuple[_Request, int, int, bool]]:
         """This step's batch: (request, first index, token count, wants logits)."""
