@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,12 +59,12 @@ def served(model_path: Path) -> Model:
 
 
 @pytest.fixture(scope="module")
-def engine(served: Model) -> Engine:
+def engine(served: Model) -> Iterator[Engine]:
     with Engine(served, parallel=16, ctx_size=512, batch_tokens=256) as e:
         yield e
 
 
-_ORACLE: dict[tuple[str, int], GenerateResult] = {}
+_ORACLE: dict[tuple[Any, ...], GenerateResult] = {}
 
 
 def sequential(oracle: Model, prompt: str, max_tokens: int, **kw: object) -> GenerateResult:
@@ -103,11 +105,11 @@ def test_async_streams_and_sync_threads_share_batches_and_match_sequential_greed
     async def one_stream(p: str) -> str:
         return "".join([piece async for piece in engine.stream(p, max_tokens=n_tok)])
 
-    async def main() -> tuple[list[str], int]:
+    async def main() -> tuple[list[str], float]:
         threads = [threading.Thread(target=caller, args=(p,)) for p in sync_prompts]
         for t in threads:
             t.start()
-        peak = 0
+        peak = 0.0
 
         async def watch() -> None:
             nonlocal peak
@@ -229,7 +231,7 @@ def test_cancellation_frees_the_blocks(engine: Engine) -> None:
             got.append(piece)
             if len(got) == 2:
                 break
-        await it.aclose()  # type: ignore[attr-defined]
+        await it.aclose()
         # A task cancelled while it runs.
         task = asyncio.ensure_future(
             engine.agenerate(long_prompt + "!", max_tokens=200, ignore_eos=True)

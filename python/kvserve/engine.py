@@ -50,7 +50,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -432,7 +432,7 @@ class Engine:
         stop: Stop = None,
         ignore_eos: bool = False,
         priority: int = 0,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """``async for piece in engine.stream(...)``: text pieces (whole characters) as they
         come; they join to :meth:`generate`'s text. Arguments are checked at the call; the
         request is queued when iteration starts. Closing the iterator early (``break``,
@@ -442,7 +442,7 @@ class Engine:
         )
         return self._stream(req)
 
-    async def _stream(self, req: _Request) -> AsyncIterator[str]:
+    async def _stream(self, req: _Request) -> AsyncGenerator[str, None]:
         sink = _LoopSink(asyncio.get_running_loop(), stream=True)
         assert sink.queue is not None
         req.sink = sink
@@ -459,7 +459,13 @@ class Engine:
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
-        """Counters for monitoring; cheap and safe from any thread (never waits for a step)."""
+        """Counters for monitoring; cheap and safe from any thread (never waits for a step).
+
+        ``kv_*`` describe the model's K/V pool (``kv_blocks_used``: blocks referenced by live
+        sequences; ``kv_blocks_cached``: unreferenced blocks kept for prefix reuse).
+        ``prompt_tokens``/``cached_prompt_tokens`` count admitted requests' prompts and the part
+        reused at admission; ``decode_tok_s`` is tokens generated per second of step time over
+        the last 10 s. ``evictions`` and ``sessions`` stay 0 until sessions exist."""
         st = self._ctx.stats()
         total = int(st["blocks_total"])
         used = int(st["blocks_referenced"])
