@@ -221,6 +221,7 @@ def test_the_pool_bounds_one_sequence(model_path: Path, oracle: Model) -> None:
 
 def test_cancellation_frees_the_blocks(engine: Engine) -> None:
     base = engine.stats()["kv_blocks_used"]
+    generated = engine.stats()["generated_tokens"]
     long_prompt = "In the beginning there was a long road across the hills. " * 6
 
     async def main() -> None:
@@ -232,6 +233,11 @@ def test_cancellation_frees_the_blocks(engine: Engine) -> None:
             if len(got) == 2:
                 break
         await it.aclose()
+        # A stream left by `break` without aclose(): asyncio's finalizer closes it.
+        async for _piece in engine.stream(long_prompt + "?", max_tokens=200, ignore_eos=True):
+            break
+        while engine.stats()["running"] > 0:
+            await asyncio.sleep(0.005)
         # A task cancelled while it runs.
         task = asyncio.ensure_future(
             engine.agenerate(long_prompt + "!", max_tokens=200, ignore_eos=True)
@@ -246,7 +252,7 @@ def test_cancellation_frees_the_blocks(engine: Engine) -> None:
     wait_for(lambda: engine.stats()["running"] == 0)
     st = engine.stats()
     assert (st["kv_blocks_used"], st["waiting"]) == (base, 0)
-    assert st["generated_tokens"] < 400
+    assert st["generated_tokens"] - generated < 200  # none of the three ran to its end
 
 
 @pytest.mark.parametrize(

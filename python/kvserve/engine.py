@@ -137,20 +137,29 @@ class _FutureSink(_Sink):
 def _resolve(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
     if fut.done():
         return
-    if error is None:
-        fut.set_result(value)
-    else:
+    if isinstance(error, asyncio.CancelledError):
+        fut.cancel()  # a cancelled request: nothing to report (and nothing logged)
+    elif error is not None:
         fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+class _End:
+    """The last item of a stream's queue: the request's error, or None when it finished."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
 
 
 class _LoopSink(_Sink):
-    """An async caller: everything is handed to its event loop with ``call_soon_threadsafe``
-    (an asyncio future for the result; a queue of pieces for a stream)."""
+    """An async caller: everything is handed to its event loop with ``call_soon_threadsafe``,
+    either the result to an asyncio future or the pieces and the end to a stream's queue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
         self.loop = loop
         self.result: asyncio.Future[GenerateResult] = loop.create_future()
-        self.queue: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
+        self.queue: asyncio.Queue[str | _End] | None = asyncio.Queue() if stream else None
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -163,14 +172,16 @@ class _LoopSink(_Sink):
             self._call(self.queue.put_nowait, text)
 
     def done(self, result: GenerateResult) -> None:
-        self._call(_resolve, self.result, result, None)
         if self.queue is not None:
-            self._call(self.queue.put_nowait, None)
+            self._call(self.queue.put_nowait, _End(None))
+        else:
+            self._call(_resolve, self.result, result, None)
 
     def fail(self, error: BaseException) -> None:
-        self._call(_resolve, self.result, None, error)
         if self.queue is not None:
-            self._call(self.queue.put_nowait, None)
+            self._call(self.queue.put_nowait, _End(error))
+        else:
+            self._call(_resolve, self.result, None, error)
 
 
 class _Request:
@@ -449,11 +460,12 @@ class Engine:
         self._submit(req)
         try:
             while True:
-                piece = await sink.queue.get()
-                if piece is None:
+                item = await sink.queue.get()
+                if isinstance(item, _End):
+                    if item.error is not None:
+                        raise item.error
                     break
-                yield piece
-            sink.result.result()  # raises the request's error, if any
+                yield item
         finally:
             self._cancel(req)
 
