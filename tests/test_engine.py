@@ -321,6 +321,15 @@ def test_a_second_request_with_the_same_prompt_reuses_its_prefix(
     assert st["prefix_hit_rate"] == st["cached_prompt_tokens"] / st["prompt_tokens"]
 
 
+def test_prefix_cache_off_computes_every_prompt(served: Model, oracle: Model) -> None:
+    p = "Without a cache every request computes its whole prompt from the first token. " * 2
+    with Engine(served, parallel=2, ctx_size=256, prefix_cache=False) as eng:
+        runs = [eng.generate(p, max_tokens=3) for _ in range(2)]
+        st = eng.stats()
+    assert [r.cached_tokens for r in runs] == [0, 0] and st["cached_prompt_tokens"] == 0
+    assert runs[0].tokens == runs[1].tokens == sequential(oracle, p, 3).tokens
+
+
 def test_a_prompt_being_prefilled_is_not_computed_twice(served: Model, oracle: Model) -> None:
     # Two users send the same long prompt at once; with 32-token prefill chunks the first needs
     # several steps. The second waits for its blocks and maps them instead of computing them.
