@@ -7,7 +7,7 @@ Public API::
     print(model.generate("The capital of France is", max_tokens=16).text)
 
 The compiled engine (``kvserve._core``) is imported on first use of :class:`Model`,
-:func:`generate`, :class:`ModelError` or :class:`KvCacheFull`, so pure-Python parts
+:func:`generate`, :class:`Engine`, :class:`ModelError` or :class:`KvCacheFull`, so pure-Python parts
 (:mod:`kvserve.sampling`, :mod:`kvserve.models`) import without it.
 """
 
@@ -20,6 +20,7 @@ from .models import FetchError
 
 if TYPE_CHECKING:
     from ._model import EngineError, GenerateResult, KvCacheFull, Model, ModelError, generate
+    from .engine import Engine
 
 
 def _version() -> str:
@@ -34,6 +35,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "Engine",
     "EngineError",
     "FetchError",
     "GenerateResult",
@@ -48,6 +50,10 @@ _LAZY = {"EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError", 
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Engine":
+        value = importlib.import_module(".engine", __name__).Engine
+        globals()[name] = value
+        return value
     if name in _LAZY:
         value = getattr(importlib.import_module("._model", __name__), name)
         globals()[name] = value
@@ -56,4 +62,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _LAZY)
+    return sorted(set(globals()) | _LAZY | {"Engine"})

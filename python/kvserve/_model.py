@@ -84,6 +84,17 @@ def _stop_list(stop: Stop) -> list[str]:
     return [s for s in stop if s]
 
 
+def prompt_ids(model: Model, prompt: str) -> list[int]:
+    """The prompt's token ids as generation feeds them: the model's BOS rule, special-token
+    text parsed, and an empty prompt started from BOS (a ``ValueError`` without one)."""
+    ids = model.tokenize(prompt, add_special=True, parse_special=True)
+    if not ids:
+        if model.bos is None:
+            raise ValueError("the prompt is empty and the model has no BOS token to start from")
+        ids = [model.bos]
+    return ids
+
+
 class Model:
     """A GGUF model loaded from disk (memory-mapped, read-only).
 
@@ -245,11 +256,7 @@ class _Run:
         self.sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed=seed)
         self.stops = _stop_list(stop)
         self.max_tokens = max_tokens
-        self.prompt_tokens = model.tokenize(prompt, add_special=True, parse_special=True)
-        if not self.prompt_tokens:
-            if model.bos is None:
-                raise ValueError("the prompt is empty and the model has no BOS token to start from")
-            self.prompt_tokens = [model.bos]
+        self.prompt_tokens = prompt_ids(model, prompt)
         n_prompt = len(self.prompt_tokens)
         limit = model.n_ctx_train if model.n_ctx_train > 0 else 4096
         self.n_ctx = n_ctx if n_ctx is not None else min(limit, n_prompt + max(max_tokens, 1))

@@ -1,0 +1,406 @@
+"""Tests for kvserve.Engine (python/kvserve/engine.py): continuous batching behind a sync and an
+asyncio API.
+
+The oracle is plain sequential generation: ``Model.generate`` on a separate ``Model`` of the same
+file (its own K/V memory), one request at a time. Batching, chunked prefill, prefix reuse and
+preemption must not change what a request generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvserve
+from kvserve import Engine, GenerateResult, KvCacheFull, Model
+from kvserve.engine import parse_size
+
+STATS_KEYS = {
+    "kv_blocks_total",
+    "kv_blocks_used",
+    "kv_blocks_cached",
+    "kv_bytes_used",
+    "kv_usage",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "prefix_hit_rate",
+    "generated_tokens",
+    "evictions",
+    "preemptions",
+    "running",
+    "waiting",
+    "sessions",
+    "decode_tok_s",
+}
+
+SUBJECTS = ["cats", "rivers", "bread", "winter", "trains", "music", "gardens", "the moon"]
+
+
+def prompts(n: int, tag: str) -> list[str]:
+    """``n`` distinct short prompts (distinct first blocks too, so each is its own work)."""
+    return [f"{tag} {i}: three facts about {SUBJECTS[i % len(SUBJECTS)]} are" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def oracle(model_path: Path) -> Model:
+    return Model.load(model_path, threads=2)
+
+
+@pytest.fixture(scope="module")
+def served(model_path: Path) -> Model:
+    """The engines' model: a separate Model, so its K/V memory is not the oracle's."""
+    return Model.load(model_path, threads=2)
+
+
+@pytest.fixture(scope="module")
+def engine(served: Model) -> Iterator[Engine]:
+    with Engine(served, parallel=16, ctx_size=512, batch_tokens=256) as e:
+        yield e
+
+
+_ORACLE: dict[tuple[Any, ...], GenerateResult] = {}
+
+
+def sequential(oracle: Model, prompt: str, max_tokens: int, **kw: object) -> GenerateResult:
+    key = (prompt, max_tokens, tuple(sorted(kw.items())))
+    if key not in _ORACLE:
+        _ORACLE[key] = oracle.generate(prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    return _ORACLE[key]
+
+
+def wait_for(cond: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_exported_and_stats_keys(engine: Engine) -> None:
+    assert "Engine" in kvserve.__all__ and kvserve.Engine is Engine
+    st = engine.stats()
+    assert set(st) == STATS_KEYS
+    assert st["kv_blocks_total"] > 0 and 0.0 <= st["kv_usage"] <= 1.0
+
+
+def test_async_streams_and_sync_threads_share_batches_and_match_sequential_greedy(
+    engine: Engine, oracle: Model
+) -> None:
+    n_tok = 6
+    async_prompts = prompts(32, "Stream")
+    sync_prompts = prompts(8, "Thread")
+    want = {p: sequential(oracle, p, n_tok) for p in async_prompts + sync_prompts}
+    assert any(w.finish_reason == "length" for w in want.values())
+
+    sync_out: dict[str, GenerateResult] = {}
+
+    def caller(p: str) -> None:
+        sync_out[p] = engine.generate(p, max_tokens=n_tok)
+
+    async def one_stream(p: str) -> str:
+        return "".join([piece async for piece in engine.stream(p, max_tokens=n_tok)])
+
+    async def main() -> tuple[list[str], float]:
+        threads = [threading.Thread(target=caller, args=(p,)) for p in sync_prompts]
+        for t in threads:
+            t.start()
+        peak = 0.0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, engine.stats()["running"])
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        texts = await asyncio.gather(*[one_stream(p) for p in async_prompts])
+        for t in threads:
+            await asyncio.get_running_loop().run_in_executor(None, t.join)
+        watcher.cancel()
+        return texts, peak
+
+    texts, peak = asyncio.run(main())
+    assert texts == [want[p].text for p in async_prompts]
+    for p in sync_prompts:
+        got, exp = sync_out[p], want[p]
+        assert (got.tokens, got.text, got.finish_reason) == (
+            exp.tokens,
+            exp.text,
+            exp.finish_reason,
+        )
+        assert got.prompt_tokens == exp.prompt_tokens
+    assert peak > 1, "requests never ran together"
+    st = engine.stats()
+    assert (st["running"], st["waiting"], st["kv_blocks_used"]) == (0, 0, 0)
+
+
+def test_agenerate_matches_generate(engine: Engine, oracle: Model) -> None:
+    p = prompts(1, "Async")[0]
+
+    async def main() -> GenerateResult:
+        return await engine.agenerate(p, max_tokens=5)
+
+    got = asyncio.run(main())
+    assert got == sequential(oracle, p, 5)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(
+    engine: Engine, oracle: Model
+) -> None:
+    p = "Once upon a time, in a quiet town,"
+    kw = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "seed": 11}
+    alone = engine.generate(p, max_tokens=10, **kw)  # type: ignore[arg-type]
+    # The same seed in plain sequential generation draws the same tokens.
+    assert alone.tokens == sequential(oracle, p, 10, **kw).tokens
+    others = prompts(6, "Busy")
+
+    async def main() -> list[GenerateResult]:
+        jobs = [
+            engine.agenerate(q, max_tokens=8, temperature=0.8, seed=i) for i, q in enumerate(others)
+        ]
+        jobs.insert(3, engine.agenerate(p, max_tokens=10, **kw))  # type: ignore[arg-type]
+        return await asyncio.gather(*jobs)
+
+    busy = asyncio.run(main())
+    assert busy[3] == alone
+    greedy = engine.generate(p, max_tokens=10)
+    assert alone.tokens != greedy.tokens  # the precondition: sampling took effect
+
+
+def test_min_p_one_keeps_only_the_best_token(engine: Engine, oracle: Model) -> None:
+    # min_p = 1 keeps exactly the tokens as probable as the best one: greedy (no exact ties).
+    p = prompts(1, "MinP")[0]
+    got = engine.generate(p, max_tokens=6, temperature=1.5, min_p=1.0, seed=5)
+    assert got.tokens == sequential(oracle, p, 6).tokens
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_every_request_completes(
+    model_path: Path, oracle: Model
+) -> None:
+    n_tok = 12
+    ps = [f"Story {i}: the {SUBJECTS[i % 8]} and the old lighthouse keeper" for i in range(16)]
+    want = [sequential(oracle, p, n_tok) for p in ps]
+    lengths = [len(oracle.tokenize(p, add_special=True, parse_special=True)) for p in ps]
+    # Every request needs two 16-token blocks at its end: 16 of them need 32 blocks.
+    assert all(n < 16 < n + len(w.tokens) for n, w in zip(lengths, want))
+    per_block = int(oracle.new_context(16).stats()["bytes_per_block"])
+    small = Model.load(model_path, threads=2)  # a fresh model: the pool is made at our size
+    with Engine(small, parallel=16, ctx_size=64, kv_memory=9 * per_block) as eng:
+        assert eng.stats()["kv_blocks_total"] == 9
+
+        async def main() -> list[GenerateResult]:
+            return await asyncio.gather(*[eng.agenerate(p, max_tokens=n_tok) for p in ps])
+
+        got = asyncio.run(main())
+        st = eng.stats()
+    assert [(g.tokens, g.text, g.finish_reason) for g in got] == [
+        (w.tokens, w.text, w.finish_reason) for w in want
+    ]
+    assert st["preemptions"] > 0
+    assert (st["running"], st["waiting"], st["kv_blocks_used"]) == (0, 0, 0)
+
+
+def test_the_pool_bounds_one_sequence(model_path: Path, oracle: Model) -> None:
+    per_block = int(oracle.new_context(16).stats()["bytes_per_block"])
+    small = Model.load(model_path, threads=2)
+    with Engine(small, parallel=2, ctx_size=4096, kv_memory=2 * per_block) as eng:
+        # The prompt is longer than the 32 tokens the pool holds: rejected up front.
+        with pytest.raises(ValueError, match="32 tokens"):
+            eng.generate("word " * 40, max_tokens=4)
+        # A prompt that fits but whose output would outgrow the pool ends at the pool's limit.
+        r = eng.generate("Count: one two three four five six", max_tokens=40, ignore_eos=True)
+        assert r.finish_reason == "context"
+        assert r.prompt_tokens + len(r.tokens) == 33
+    assert issubclass(KvCacheFull, RuntimeError)
+
+
+def test_cancellation_frees_the_blocks(engine: Engine) -> None:
+    base = engine.stats()["kv_blocks_used"]
+    generated = engine.stats()["generated_tokens"]
+    long_prompt = "In the beginning there was a long road across the hills. " * 6
+
+    async def main() -> None:
+        # An async stream closed early.
+        it = engine.stream(long_prompt, max_tokens=200, ignore_eos=True)
+        got = []
+        async for piece in it:
+            got.append(piece)
+            if len(got) == 2:
+                break
+        await it.aclose()
+        # A stream left by `break` without aclose(): asyncio's finalizer closes it.
+        async for _piece in engine.stream(long_prompt + "?", max_tokens=200, ignore_eos=True):
+            break
+        while engine.stats()["running"] > 0:
+            await asyncio.sleep(0.005)
+        # A task cancelled while it runs.
+        task = asyncio.ensure_future(
+            engine.agenerate(long_prompt + "!", max_tokens=200, ignore_eos=True)
+        )
+        while engine.stats()["running"] == 0 or engine.stats()["kv_blocks_used"] <= base:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_for(lambda: engine.stats()["running"] == 0)
+    st = engine.stats()
+    assert (st["kv_blocks_used"], st["waiting"]) == (base, 0)
+    assert st["generated_tokens"] - generated < 200  # none of the three ran to its end
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"min_p": 2.0}, r"min_p must be in \[0, 1\]"),
+        ({"prompt": "word " * 600}, "ctx_size=512"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_is_queued(
+    engine: Engine, kw: dict[str, object], match: str
+) -> None:
+    before = engine.stats()
+    args = {"prompt": "Hello", "max_tokens": 4, **kw}
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=match):
+        engine.stream(**args)  # type: ignore[arg-type]  # at the call, not at iteration
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match=match):
+            await engine.agenerate(**args)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    after = engine.stats()
+    assert (after["prompt_tokens"], after["waiting"]) == (before["prompt_tokens"], 0)
+
+
+def test_bad_engine_arguments(served: Model) -> None:
+    for kw, match in (
+        ({"parallel": 0}, "parallel must be >= 1"),
+        ({"ctx_size": 0}, "ctx_size must be >= 1"),
+        ({"batch_tokens": 0}, "batch_tokens must be >= 1"),
+        ({"kv_memory": "lots"}, "kv_memory must be"),
+        ({"kv_memory": -1}, "kv_memory must be > 0"),
+        ({"threads": 2}, "threads applies only"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Engine(served, **kw)  # type: ignore[arg-type]
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("1.5G") == 3 * 1024**3 // 2
+    assert parse_size("3MB") == 3_000_000
+    assert parse_size("100") == 100 and parse_size(4096) == 4096
+
+
+def test_a_second_request_with_the_same_prompt_reuses_its_prefix(
+    engine: Engine, oracle: Model
+) -> None:
+    p = "A long shared system prompt: you are a careful assistant who answers briefly. " * 3
+    n = len(oracle.tokenize(p, add_special=True, parse_special=True))
+    first = engine.generate(p, max_tokens=4)
+    second = engine.generate(p, max_tokens=4)
+    assert first.cached_tokens == 0 and first.prompt_tokens == n
+    assert second.cached_tokens == (n - 1) // 16 * 16 > 0
+    assert second.tokens == first.tokens == sequential(oracle, p, 4).tokens
+    st = engine.stats()
+    assert st["cached_prompt_tokens"] >= second.cached_tokens
+    assert st["prefix_hit_rate"] == st["cached_prompt_tokens"] / st["prompt_tokens"]
+
+
+def test_prefix_cache_off_computes_every_prompt(served: Model, oracle: Model) -> None:
+    p = "Without a cache every request computes its whole prompt from the first token. " * 2
+    with Engine(served, parallel=2, ctx_size=256, prefix_cache=False) as eng:
+        runs = [eng.generate(p, max_tokens=3) for _ in range(2)]
+        st = eng.stats()
+    assert [r.cached_tokens for r in runs] == [0, 0] and st["cached_prompt_tokens"] == 0
+    assert runs[0].tokens == runs[1].tokens == sequential(oracle, p, 3).tokens
+
+
+def test_a_prompt_being_prefilled_is_not_computed_twice(served: Model, oracle: Model) -> None:
+    # Two users send the same long prompt at once; with 32-token prefill chunks the first needs
+    # several steps. The second waits for its blocks and maps them instead of computing them.
+    system = "You are the archivist of a mountain library; answer in one short sentence. " * 3
+    users = [system + "Question: what is kept here?", system + "Question: who visits?"]
+    with Engine(served, parallel=4, ctx_size=512, batch_tokens=32) as eng:
+
+        async def main() -> list[GenerateResult]:
+            return await asyncio.gather(*[eng.agenerate(u, max_tokens=3) for u in users])
+
+        got = asyncio.run(main())
+        st = eng.stats()
+    shared = len(oracle.tokenize(system, add_special=True, parse_special=True)) // 16 * 16
+    assert shared >= 48
+    assert got[0].cached_tokens == 0
+    assert got[1].cached_tokens >= shared
+    assert st["cached_prompt_tokens"] == got[1].cached_tokens
+    assert [g.tokens for g in got] == [sequential(oracle, u, 3).tokens for u in users]
+
+
+def test_priority_orders_admission(served: Model) -> None:
+    with Engine(served, parallel=1, ctx_size=256) as eng:
+        done: list[str] = []
+
+        async def run(name: str, prompt: str, n: int, priority: int) -> None:
+            await eng.agenerate(prompt, max_tokens=n, ignore_eos=True, priority=priority)
+            done.append(name)
+
+        async def main() -> None:
+            first = asyncio.ensure_future(run("first", "Tell me a story", 12, 0))
+            while eng.stats()["running"] == 0:
+                await asyncio.sleep(0.005)
+            low = asyncio.ensure_future(run("low", "Low priority", 2, 0))
+            high = asyncio.ensure_future(run("high", "High priority", 2, 5))
+            while eng.stats()["waiting"] < 2:
+                await asyncio.sleep(0.001)
+            await asyncio.gather(first, low, high)
+
+        asyncio.run(main())
+    assert done == ["first", "high", "low"]
+
+
+def test_the_event_loop_keeps_ticking_during_a_long_prefill(served: Model) -> None:
+    prompt = "The history of the northern railway is long and full of detail. " * 50
+    with Engine(served, parallel=4, ctx_size=2048, batch_tokens=256) as eng:
+
+        async def main() -> tuple[float, GenerateResult]:
+            gaps: list[float] = []
+            stop = False
+
+            async def tick() -> None:
+                last = time.monotonic()
+                while not stop:
+                    await asyncio.sleep(0.005)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = asyncio.ensure_future(tick())
+            result = await eng.agenerate(prompt, max_tokens=2)
+            stop = True
+            await ticker
+            return max(gaps), result
+
+        worst, result = asyncio.run(main())
+    assert result.prompt_tokens > 500
+    assert worst < 0.1, f"the event loop stalled for {worst * 1000:.0f} ms"
+
+
+def test_closed_engine_rejects_requests(served: Model) -> None:
+    eng = Engine(served, parallel=2, ctx_size=64)
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate("Hello", max_tokens=2)
