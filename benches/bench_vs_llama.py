@@ -11,13 +11,21 @@ takes the median tokens/s of each engine over the rounds, and prints a markdown 
 machine, load average, both commands, llama.cpp ppP/tgN, kvserve ppP/tgN, ratios).
 ``--write`` appends the table to BENCHMARKS.md at the repository root.
 
-llama-bench is looked up in $LLAMA_CPP_BIN_DIR (or --llama-bin-dir), default: the build dir
-described in benches/README.md. The kvserve command is $KVSERVE_BIN if set, else ``kvserve`` on
-PATH, else ``python -m kvserve``. The kvserve CLI must print a JSON object with
-``prefill_tok_s`` and ``decode_tok_s`` (the last JSON object on stdout is used).
+llama-bench is looked up in --llama-bin-dir, else $LLAMA_CPP_BIN_DIR, else the output of
+``scripts/build_llama_cpp.sh`` run with its default directory
+(``llama-build/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin`` under the repository root).
+The table records which ISA options that build was configured with (its CMakeCache.txt). The
+kvserve command is $KVSERVE_BIN if set, else ``kvserve`` on PATH, else ``python -m kvserve``; it
+must print a JSON object with ``prefill_tok_s`` and ``decode_tok_s`` (the last JSON object on
+stdout is used). The model is --model, else $KVSERVE_TEST_MODEL, else the default model as
+``kvserve pull --quiet`` finds it (in the cache, or downloaded).
+
+The commands recorded in the table use placeholders, not this machine's paths: ``MODEL`` for the
+model file (its name is in the heading), ``$LLAMA_CPP_BIN_DIR/`` for the llama.cpp binaries and
+``kvserve`` for the kvserve command.
 
 Example:
-  python benches/bench_vs_llama.py --model /work/models/SmolLM2-135M-Instruct.Q4_1.gguf --write
+  python benches/bench_vs_llama.py --rounds 3 --write
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -34,8 +43,15 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_LLAMA_BIN_DIR = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+# Where scripts/build_llama_cpp.sh puts the binaries when run without a directory argument.
+DEFAULT_LLAMA_BIN_DIR = str(
+    REPO_ROOT / "llama-build" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
+)
+# The x86 ISA options of ggml that scripts/build_llama_cpp.sh sets (in its order).
+ISA_OPTIONS = (
+    "SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI",
+    "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16",
+)  # fmt: skip
 
 
 class BenchError(RuntimeError):
@@ -77,6 +93,57 @@ def run(cmd: list[str], timeout: float) -> str:
         tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
         raise BenchError(f"exit {p.returncode}: {shlex.join(cmd)}\n" + "\n".join(tail))
     return p.stdout
+
+
+def default_llama_bin_dir() -> str:
+    return os.environ.get("LLAMA_CPP_BIN_DIR") or DEFAULT_LLAMA_BIN_DIR
+
+
+def default_model() -> str | None:
+    """$KVSERVE_TEST_MODEL, else the default model's path from ``kvserve pull --quiet``."""
+    env = os.environ.get("KVSERVE_TEST_MODEL")
+    if env:
+        return env
+    try:
+        out = run(kvserve_base() + ["pull", "--quiet"], timeout=600)
+    except BenchError as e:
+        print(f"cannot find the default model with kvserve pull: {e}", file=sys.stderr)
+        return None
+    lines = out.strip().splitlines()
+    return lines[-1].strip() if lines else None
+
+
+def llama_build_flags(bin_dir: str) -> str:
+    """The ISA options the llama.cpp build in ``bin_dir`` was configured with (CMakeCache.txt)."""
+    cache = Path(bin_dir).parent / "CMakeCache.txt"
+    try:
+        text = cache.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "build flags unknown (no CMakeCache.txt beside the binaries)"
+    vals = dict(re.findall(r"^(GGML_[A-Z0-9_]+):BOOL=(\S+)$", text, flags=re.M))
+    on = [o for o in ISA_OPTIONS if vals.get(f"GGML_{o}", "").upper() in ("ON", "TRUE", "1")]
+    native = vals.get("GGML_NATIVE", "?")
+    amx = "AMX on" if any(o.startswith("AMX") for o in on) else "AMX off"
+    isa = ", ".join(o for o in on if not o.startswith("AMX")) or "none"
+    return f"GGML_NATIVE={native}, ISA on: {isa}; {amx}"
+
+
+def display_cmd(cmd: list[str], args, n_exe: int) -> str:
+    """``cmd`` with this machine's paths replaced by placeholders, for the recorded table:
+    the first ``n_exe`` words (the program) become ``$LLAMA_CPP_BIN_DIR/NAME`` or ``kvserve``,
+    and the model path becomes ``MODEL``."""
+    exe = cmd[0]
+    if Path(exe).parent == Path(args.llama_bin_dir):
+        head = [f"$LLAMA_CPP_BIN_DIR/{Path(exe).name}"]
+    else:
+        head = ["kvserve"]
+    rest = ["MODEL" if w == args.model else w for w in cmd[n_exe:]]
+    return " ".join(head + [shlex.quote(w) for w in rest])
+
+
+def scrub(text: str, args) -> str:
+    """``text`` with the model path and the llama.cpp bin dir replaced by placeholders."""
+    return text.replace(args.model, "MODEL").replace(args.llama_bin_dir, "$LLAMA_CPP_BIN_DIR")
 
 
 def llama_cmd(args) -> list[str]:
@@ -145,22 +212,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--model", help="GGUF file (default: $KVSERVE_TEST_MODEL or the default model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp)")
     ap.add_argument("-n", type=int, default=128, help="generated tokens (tg)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench -r per round")
     ap.add_argument(
-        "--llama-bin-dir", default=os.environ.get("LLAMA_CPP_BIN_DIR", DEFAULT_LLAMA_BIN_DIR)
+        "--llama-bin-dir",
+        default=default_llama_bin_dir(),
+        help="llama.cpp binaries (default: $LLAMA_CPP_BIN_DIR or scripts/build_llama_cpp.sh's)",
     )
     ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-bench")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per command")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
     args = ap.parse_args()
 
-    if not os.path.exists(args.model):
+    args.model = args.model or default_model()
+    if not args.model or not os.path.exists(args.model):
         print(f"error: model not found: {args.model}", file=sys.stderr)
+        return 2
+    if not (Path(args.llama_bin_dir) / "llama-bench").exists():
+        print(
+            f"error: no llama-bench in {args.llama_bin_dir}: build it with "
+            "scripts/build_llama_cpp.sh, or set LLAMA_CPP_BIN_DIR",
+            file=sys.stderr,
+        )
         return 2
     lcmd, kcmd = llama_cmd(args), kvserve_cmd(args)
     load_before = loadavg()
@@ -199,8 +276,10 @@ def main() -> int:
         "",
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
         f"- medians of {args.rounds} interleaved rounds (tokens/s)",
-        f"- llama.cpp ({commit}): `{shlex.join(lcmd)}`",
-        f"- kvserve: `{shlex.join(kcmd)}`" + (" (skipped)" if args.skip_kvserve else ""),
+        f"- llama.cpp ({commit}; {llama_build_flags(args.llama_bin_dir)}): "
+        f"`{display_cmd(lcmd, args, 1)}`",
+        f"- kvserve: `{display_cmd(kcmd, args, len(kvserve_base()))}`"
+        + (" (skipped)" if args.skip_kvserve else ""),
         "",
         f"| engine | pp{p} tok/s | tg{n} tok/s |",
         "|---|---:|---:|",
@@ -213,7 +292,7 @@ def main() -> int:
         "",
     ]
     if errors:
-        lines += ["errors:", ""] + [f"- {e.splitlines()[0]}" for e in errors] + [""]
+        lines += ["errors:", ""] + [f"- {scrub(e.splitlines()[0], args)}" for e in errors] + [""]
     table = "\n".join(lines)
     print(table)
     if args.write:
