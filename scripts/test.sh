@@ -9,9 +9,10 @@
 # 2. rebuilds and reinstalls the package from this checkout (`pip install --no-build-isolation .`)
 #    so that the Python tests run the code in the tree, not whatever an earlier `pip install .`
 #    installed (a developer who edited rust/ or python/ since gets their edits tested). Cargo's
-#    target dir is warm after `pip install .`, so this is incremental: measured here (2 cores)
-#    about 20 s when nothing changed, about 1.5 min after a change to rust/core (one crate
-#    recompiled); pass --no-rebuild to skip it;
+#    target/ is warm after `pip install .` (the isolated build shares it), so this is
+#    incremental: measured on the 2-core development machine, 1-2 s when nothing changed and
+#    16 s after an edit to rust/core (up to ~1.5 min while the machine is busy with other
+#    builds); pass --no-rebuild to skip it;
 # 3. finds the two test models: KVSERVE_TEST_MODEL (the default model, SmolLM2-135M-Instruct Q4_1)
 #    and KVSERVE_TEST_GEMMA (Gemma 3 270M, for the tokenizer golden tests), each from the
 #    environment when set, else `python -m kvserve pull [NAME] --quiet` (the cache when the model
