@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_llama import (  # noqa: E402
     REPO_ROOT,
     BenchError,
+    append_section,
     default_llama_bin_dir,
     default_model,
     display_cmd,
@@ -149,28 +150,6 @@ def parse_kvserve(out: str) -> dict[int, tuple[float, float]]:
         raise BenchError(
             "kvserve bench did not print {'batches': [{batch, prefill_tok_s, decode_tok_s}]}"
         ) from e
-
-
-def append_section(path: Path, table: str) -> None:
-    """Append ``table`` at the end of the HEADING section of ``path`` (created if missing)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    lines = text.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == HEADING)
-    except StopIteration:
-        body = text.rstrip("\n") + "\n\n" + HEADING + "\n\n"
-        body += "Appended by `python benches/bench_batched_vs_llama.py --write`.\n\n"
-        path.write_text(body + table + "\n", encoding="utf-8")
-        return
-    end = next(
-        (i for i in range(start + 1, len(lines)) if re.match(r"^#{1,2} ", lines[i])), len(lines)
-    )
-    before = "\n".join(lines[:end]).rstrip("\n")
-    after = "\n".join(lines[end:])
-    new = before + "\n\n" + table.rstrip("\n") + "\n"
-    if after:
-        new += "\n" + after + "\n"
-    path.write_text(new, encoding="utf-8")
 
 
 def main() -> int:
@@ -296,7 +275,7 @@ def main() -> int:
     print(table)
     if args.write:
         path = REPO_ROOT / "BENCHMARKS.md"
-        append_section(path, table)
+        append_section(path, HEADING, table, "python benches/bench_batched_vs_llama.py --write")
         print(f"appended to {path} under {HEADING!r}", file=sys.stderr)
     return 1 if errors else 0
 

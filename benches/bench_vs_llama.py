@@ -9,7 +9,8 @@ runs on a "warmer" or quieter machine):
 
 takes the median tokens/s of each engine over the rounds, and prints a markdown table (date,
 machine, load average, both commands, llama.cpp ppP/tgN, kvserve ppP/tgN, ratios).
-``--write`` appends the table to BENCHMARKS.md at the repository root.
+``--write`` appends the table to BENCHMARKS.md at the repository root, at the end of the section
+"Prefill and decode, one sequence (issue #2)".
 
 llama-bench is looked up in --llama-bin-dir, else $LLAMA_CPP_BIN_DIR, else the output of
 ``scripts/build_llama_cpp.sh`` run with its default directory
@@ -47,6 +48,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LLAMA_BIN_DIR = str(
     REPO_ROOT / "llama-build" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
 )
+# --write appends the table at the end of this section of BENCHMARKS.md.
+HEADING = "## Prefill and decode, one sequence (issue #2)"
 # The x86 ISA options of ggml that scripts/build_llama_cpp.sh sets (in its order).
 ISA_OPTIONS = (
     "SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI",
@@ -200,6 +203,29 @@ def parse_kvserve(out: str) -> tuple[float, float]:
         ) from e
 
 
+def append_section(path: Path, heading: str, table: str, command: str) -> None:
+    """Append ``table`` at the end of the ``heading`` section of ``path``; a missing section is
+    added at the end (saying it is appended by ``command``), a missing file is created."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
+    lines = text.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == heading)
+    except StopIteration:
+        body = text.rstrip("\n") + "\n\n" + heading + "\n\n"
+        body += f"Appended by `{command}`.\n\n"
+        path.write_text(body + table + "\n", encoding="utf-8")
+        return
+    end = next(
+        (i for i in range(start + 1, len(lines)) if re.match(r"^#{1,2} ", lines[i])), len(lines)
+    )
+    before = "\n".join(lines[:end]).rstrip("\n")
+    after = "\n".join(lines[end:])
+    new = before + "\n\n" + table.rstrip("\n") + "\n"
+    if after:
+        new += "\n" + after + "\n"
+    path.write_text(new, encoding="utf-8")
+
+
 def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
@@ -297,13 +323,8 @@ def main() -> int:
     print(table)
     if args.write:
         path = REPO_ROOT / "BENCHMARKS.md"
-        new = not path.exists()
-        with open(path, "a", encoding="utf-8") as f:
-            if new:
-                f.write("# Benchmarks: kvserve vs llama.cpp\n\n")
-                f.write("Appended by `python benches/bench_vs_llama.py --write`.\n\n")
-            f.write(table + "\n")
-        print(f"appended to {path}", file=sys.stderr)
+        append_section(path, HEADING, table, "python benches/bench_vs_llama.py --write")
+        print(f"appended to {path} under {HEADING!r}", file=sys.stderr)
     return 1 if errors else 0
 
 
