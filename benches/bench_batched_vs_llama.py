@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_llama import (  # noqa: E402
     REPO_ROOT,
     BenchError,
+    add_idle_args,
     append_section,
     default_llama_bin_dir,
     default_model,
@@ -57,6 +58,7 @@ from bench_vs_llama import (  # noqa: E402
     ratio,
     run,
     scrub,
+    wait_for_idle,
 )
 
 HEADING = "## Batched decode (issue #3)"
@@ -171,6 +173,7 @@ def main() -> int:
     ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-batched-bench")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per command")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
+    add_idle_args(ap)
     args = ap.parse_args()
 
     args.model = args.model or default_model()
@@ -196,11 +199,14 @@ def main() -> int:
         eng: {b: ([], []) for b in args.batch} for eng in ("llama", "kvserve")
     }
     errors: list[str] = []
+    busy: list[str] = []  # CPU busy % just before each measurement
     for r in range(args.rounds):
         order = ["llama", "kvserve"] if r % 2 == 0 else ["kvserve", "llama"]
         for eng in order:
             if eng == "kvserve" and args.skip_kvserve:
                 continue
+            busy.append(f"{wait_for_idle(args.wait_idle, args.wait_max):.0f}")
+            print(f"round {r + 1} {eng}: CPUs {busy[-1]}% busy before", file=sys.stderr)
             try:
                 if eng == "llama":
                     res = parse_llama(run(lcmd, args.timeout), args.p, args.n)
@@ -236,7 +242,9 @@ def main() -> int:
         "",
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
         f"- medians of {args.rounds} interleaved rounds (tokens/s summed over the B sequences; "
-        "prompts not shared)",
+        "prompts not shared); CPUs busy before each measurement, in run order: "
+        f"{', '.join(busy)} %"
+        + (f" (waited for < {args.wait_idle:.0f}%)" if args.wait_idle > 0 else ""),
         f"- llama.cpp ({commit}; {llama_build_flags(args.llama_bin_dir)}): "
         f"`{display_cmd(lcmd, args, 1)}`",
         f"- kvserve: `{display_cmd(kcmd, args, len(kvserve_base()))}`"

@@ -41,6 +41,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +84,51 @@ def loadavg() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
+
+
+def cpu_busy(seconds: float = 2.0) -> float:
+    """Percent of all CPUs busy over ``seconds`` (from /proc/stat; 0 where it is missing)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        return sum(vals), idle
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 100.0 * (1.0 - (i1 - i0) / max(t1 - t0, 1))
+
+
+def wait_for_idle(max_busy: float, max_wait: float) -> float:
+    """With ``max_busy`` > 0, wait (up to ``max_wait`` seconds) until the other processes on
+    the machine keep less than ``max_busy`` percent of the CPUs busy; return the last reading."""
+    busy = cpu_busy()
+    if max_busy <= 0:
+        return busy
+    deadline = time.monotonic() + max_wait
+    while busy >= max_busy and time.monotonic() < deadline:
+        time.sleep(3)
+        busy = cpu_busy()
+    return busy
+
+
+def add_idle_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="before each measurement wait until the CPUs are less than PCT%% busy "
+        "(a shared machine); 0: do not wait (default)",
+    )
+    ap.add_argument(
+        "--wait-max", type=float, default=600, help="seconds to wait for --wait-idle at most"
+    )
 
 
 def run(cmd: list[str], timeout: float) -> str:
@@ -252,6 +298,7 @@ def main() -> int:
     ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-bench")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per command")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
+    add_idle_args(ap)
     args = ap.parse_args()
 
     args.model = args.model or default_model()
@@ -268,24 +315,27 @@ def main() -> int:
     lcmd, kcmd = llama_cmd(args), kvserve_cmd(args)
     load_before = loadavg()
     l_pp, l_tg, k_pp, k_tg = [], [], [], []
+    busy: list[str] = []  # CPU busy % just before each measurement
     commit = "?"
     errors: list[str] = []
     for r in range(args.rounds):
         order = ["llama", "kvserve"] if r % 2 == 0 else ["kvserve", "llama"]
         for eng in order:
+            if eng == "kvserve" and args.skip_kvserve:
+                continue
+            b = wait_for_idle(args.wait_idle, args.wait_max)
+            busy.append(f"{b:.0f}")
             try:
                 if eng == "llama":
                     pp, tg, commit = parse_llama(run(lcmd, args.timeout), args.p, args.n)
                     l_pp.append(pp)
                     l_tg.append(tg)
-                elif not args.skip_kvserve:
+                else:
                     pp, tg = parse_kvserve(run(kcmd, args.timeout))
                     k_pp.append(pp)
                     k_tg.append(tg)
-                else:
-                    continue
-                print(f"round {r + 1} {eng:8s} pp{args.p} {pp:8.1f}  tg{args.n} {tg:7.1f} tok/s",
-                      file=sys.stderr)  # fmt: skip
+                print(f"round {r + 1} {eng:8s} pp{args.p} {pp:8.1f}  tg{args.n} {tg:7.1f} tok/s"
+                      f"  (CPUs {b:.0f}% busy before)", file=sys.stderr)  # fmt: skip
             except BenchError as e:
                 errors.append(f"{eng}: {e}")
                 print(f"round {r + 1} {eng}: FAILED: {e}", file=sys.stderr)
@@ -301,7 +351,9 @@ def main() -> int:
         f"### {now}: {os.path.basename(args.model)}, {args.threads} threads",
         "",
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
-        f"- medians of {args.rounds} interleaved rounds (tokens/s)",
+        f"- medians of {args.rounds} interleaved rounds (tokens/s); CPUs busy before each "
+        f"measurement, in run order: {', '.join(busy)} %"
+        + (f" (waited for < {args.wait_idle:.0f}%)" if args.wait_idle > 0 else ""),
         f"- llama.cpp ({commit}; {llama_build_flags(args.llama_bin_dir)}): "
         f"`{display_cmd(lcmd, args, 1)}`",
         f"- kvserve: `{display_cmd(kcmd, args, len(kvserve_base()))}`"
