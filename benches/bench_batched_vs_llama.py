@@ -16,13 +16,16 @@ S_PP and S_TG columns, ``speed_pp``/``speed_tg`` in its jsonl; kvserve's ``prefi
 load average, both commands and the raw samples. ``--write`` appends it to BENCHMARKS.md under
 the heading "Batched decode (issue #3)".
 
-llama-batched-bench is looked up in $LLAMA_CPP_BIN_DIR (or --llama-bin-dir), default: the build
-dir described in benches/README.md. The kvserve command is $KVSERVE_BIN if set, else ``kvserve``
-on PATH, else ``python -m kvserve``; it must print ``{"batches": [{"batch": B, "prefill_tok_s":
-.., "decode_tok_s": ..}, ..]}`` (the last such JSON object on stdout is used).
+llama-batched-bench is looked up in --llama-bin-dir, else $LLAMA_CPP_BIN_DIR, else the output
+of ``scripts/build_llama_cpp.sh`` run with its default directory (as in bench_vs_llama.py); the
+table records that build's ISA options. The kvserve command is $KVSERVE_BIN if set, else
+``kvserve`` on PATH, else ``python -m kvserve``; it must print ``{"batches": [{"batch": B,
+"prefill_tok_s": .., "decode_tok_s": ..}, ..]}`` (the last such JSON object on stdout is used).
+The model is --model, else $KVSERVE_TEST_MODEL, else the default model (``kvserve pull``). The
+recorded commands use the placeholders ``MODEL``, ``$LLAMA_CPP_BIN_DIR/`` and ``kvserve``.
 
 Example:
-  python benches/bench_batched_vs_llama.py --model /work/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  python benches/bench_batched_vs_llama.py --rounds 3 --write
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import datetime as _dt
 import json
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -41,22 +43,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_vs_llama import (  # noqa: E402
-    DEFAULT_LLAMA_BIN_DIR,
-    DEFAULT_MODEL,
     REPO_ROOT,
     BenchError,
+    add_idle_args,
+    append_section,
+    default_llama_bin_dir,
+    default_model,
+    display_cmd,
     fmt,
     kvserve_base,
+    llama_build_flags,
     loadavg,
     machine_desc,
     ratio,
     run,
+    scrub,
+    wait_for_idle,
 )
 
 HEADING = "## Batched decode (issue #3)"
-# Decode tok/s of llama.cpp at B = 1, 4, 16, 32 quoted in issue #3 (for context only; compare
-# against the medians of the same run).
-ISSUE_REFERENCE_TG = {1: 91.0, 4: 172.0, 16: 237.0, 32: 244.0}
+# Decode tok/s of llama.cpp at B = 1, 4, 16, 32 quoted in issue #6, measured with a build that has
+# AVX-512/VNNI (for context only; compare against the medians of the same run).
+ISSUE_REFERENCE = "issue #6"
+ISSUE_REFERENCE_TG = {1: 157.0, 4: 200.0, 16: 318.0, 32: 332.0}
 TARGET_B, TARGET_RATIO = 32, 1.5
 
 
@@ -145,33 +154,11 @@ def parse_kvserve(out: str) -> dict[int, tuple[float, float]]:
         ) from e
 
 
-def append_section(path: Path, table: str) -> None:
-    """Append ``table`` at the end of the HEADING section of ``path`` (created if missing)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    lines = text.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == HEADING)
-    except StopIteration:
-        body = text.rstrip("\n") + "\n\n" + HEADING + "\n\n"
-        body += "Appended by `python benches/bench_batched_vs_llama.py --write`.\n\n"
-        path.write_text(body + table + "\n", encoding="utf-8")
-        return
-    end = next(
-        (i for i in range(start + 1, len(lines)) if re.match(r"^#{1,2} ", lines[i])), len(lines)
-    )
-    before = "\n".join(lines[:end]).rstrip("\n")
-    after = "\n".join(lines[end:])
-    new = before + "\n\n" + table.rstrip("\n") + "\n"
-    if after:
-        new += "\n" + after + "\n"
-    path.write_text(new, encoding="utf-8")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--model", help="GGUF file (default: $KVSERVE_TEST_MODEL or the default model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=parse_batches, default=[1, 4, 16, 32], help="B1,B2,..")
     ap.add_argument("-p", type=int, default=128, help="prompt tokens per sequence")
@@ -179,15 +166,26 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=8192, help="llama-batched-bench -c (total KV)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
-        "--llama-bin-dir", default=os.environ.get("LLAMA_CPP_BIN_DIR", DEFAULT_LLAMA_BIN_DIR)
+        "--llama-bin-dir",
+        default=default_llama_bin_dir(),
+        help="llama.cpp binaries (default: $LLAMA_CPP_BIN_DIR or scripts/build_llama_cpp.sh's)",
     )
     ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-batched-bench")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per command")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
+    add_idle_args(ap)
     args = ap.parse_args()
 
-    if not os.path.exists(args.model):
+    args.model = args.model or default_model()
+    if not args.model or not os.path.exists(args.model):
         print(f"error: model not found: {args.model}", file=sys.stderr)
+        return 2
+    if not llama_exe(args).exists():
+        print(
+            f"error: no llama-batched-bench in {args.llama_bin_dir}: build it with "
+            "scripts/build_llama_cpp.sh, or set LLAMA_CPP_BIN_DIR",
+            file=sys.stderr,
+        )
         return 2
     need = max(args.batch) * (args.p + args.n)
     if need > args.ctx:
@@ -201,11 +199,14 @@ def main() -> int:
         eng: {b: ([], []) for b in args.batch} for eng in ("llama", "kvserve")
     }
     errors: list[str] = []
+    busy: list[str] = []  # CPU busy % just before each measurement
     for r in range(args.rounds):
         order = ["llama", "kvserve"] if r % 2 == 0 else ["kvserve", "llama"]
         for eng in order:
             if eng == "kvserve" and args.skip_kvserve:
                 continue
+            busy.append(f"{wait_for_idle(args.wait_idle, args.wait_max):.0f}")
+            print(f"round {r + 1} {eng}: CPUs {busy[-1]}% busy before", file=sys.stderr)
             try:
                 if eng == "llama":
                     res = parse_llama(run(lcmd, args.timeout), args.p, args.n)
@@ -241,11 +242,15 @@ def main() -> int:
         "",
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
         f"- medians of {args.rounds} interleaved rounds (tokens/s summed over the B sequences; "
-        "prompts not shared)",
-        f"- llama.cpp ({commit}): `{shlex.join(lcmd)}`",
-        f"- kvserve: `{shlex.join(kcmd)}`" + (" (skipped)" if args.skip_kvserve else ""),
-        f"- issue #3 reference: llama.cpp tg {ref} tok/s at B = {ref_bs}; target kvserve tg >= "
-        f"{TARGET_RATIO}x llama.cpp at B = {TARGET_B}",
+        "prompts not shared); CPUs busy before each measurement, in run order: "
+        f"{', '.join(busy)} %"
+        + (f" (waited for < {args.wait_idle:.0f}%)" if args.wait_idle > 0 else ""),
+        f"- llama.cpp ({commit}; {llama_build_flags(args.llama_bin_dir)}): "
+        f"`{display_cmd(lcmd, args, 1)}`",
+        f"- kvserve: `{display_cmd(kcmd, args, len(kvserve_base()))}`"
+        + (" (skipped)" if args.skip_kvserve else ""),
+        f"- {ISSUE_REFERENCE} reference (AVX-512 build): llama.cpp tg {ref} tok/s at "
+        f"B = {ref_bs}; issue #3 target: kvserve tg >= {TARGET_RATIO}x llama.cpp at B = {TARGET_B}",
         "",
         "| B | llama.cpp pp | llama.cpp tg | kvserve pp | kvserve tg | pp ratio | tg ratio |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -273,12 +278,12 @@ def main() -> int:
         )
     lines.append("")
     if errors:
-        lines += ["errors:", ""] + [f"- {e.splitlines()[0]}" for e in errors] + [""]
+        lines += ["errors:", ""] + [f"- {scrub(e.splitlines()[0], args)}" for e in errors] + [""]
     table = "\n".join(lines)
     print(table)
     if args.write:
         path = REPO_ROOT / "BENCHMARKS.md"
-        append_section(path, table)
+        append_section(path, HEADING, table, "python benches/bench_batched_vs_llama.py --write")
         print(f"appended to {path} under {HEADING!r}", file=sys.stderr)
     return 1 if errors else 0
 

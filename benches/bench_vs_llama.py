@@ -9,15 +9,24 @@ runs on a "warmer" or quieter machine):
 
 takes the median tokens/s of each engine over the rounds, and prints a markdown table (date,
 machine, load average, both commands, llama.cpp ppP/tgN, kvserve ppP/tgN, ratios).
-``--write`` appends the table to BENCHMARKS.md at the repository root.
+``--write`` appends the table to BENCHMARKS.md at the repository root, at the end of the section
+"Prefill and decode, one sequence (issue #2)".
 
-llama-bench is looked up in $LLAMA_CPP_BIN_DIR (or --llama-bin-dir), default: the build dir
-described in benches/README.md. The kvserve command is $KVSERVE_BIN if set, else ``kvserve`` on
-PATH, else ``python -m kvserve``. The kvserve CLI must print a JSON object with
-``prefill_tok_s`` and ``decode_tok_s`` (the last JSON object on stdout is used).
+llama-bench is looked up in --llama-bin-dir, else $LLAMA_CPP_BIN_DIR, else the output of
+``scripts/build_llama_cpp.sh`` run with its default directory
+(``llama-build/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin`` under the repository root).
+The table records which ISA options that build was configured with (its CMakeCache.txt). The
+kvserve command is $KVSERVE_BIN if set, else ``kvserve`` on PATH, else ``python -m kvserve``; it
+must print a JSON object with ``prefill_tok_s`` and ``decode_tok_s`` (the last JSON object on
+stdout is used). The model is --model, else $KVSERVE_TEST_MODEL, else the default model as
+``kvserve pull --quiet`` finds it (in the cache, or downloaded).
+
+The commands recorded in the table use placeholders, not this machine's paths: ``MODEL`` for the
+model file (its name is in the heading), ``$LLAMA_CPP_BIN_DIR/`` for the llama.cpp binaries and
+``kvserve`` for the kvserve command.
 
 Example:
-  python benches/bench_vs_llama.py --model /work/models/SmolLM2-135M-Instruct.Q4_1.gguf --write
+  python benches/bench_vs_llama.py --rounds 3 --write
 """
 
 from __future__ import annotations
@@ -26,16 +35,27 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_LLAMA_BIN_DIR = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+# Where scripts/build_llama_cpp.sh puts the binaries when run without a directory argument.
+DEFAULT_LLAMA_BIN_DIR = str(
+    REPO_ROOT / "llama-build" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
+)
+# --write appends the table at the end of this section of BENCHMARKS.md.
+HEADING = "## Prefill and decode, one sequence (issue #2)"
+# The x86 ISA options of ggml that scripts/build_llama_cpp.sh sets (in its order).
+ISA_OPTIONS = (
+    "SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI",
+    "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16",
+)  # fmt: skip
 
 
 class BenchError(RuntimeError):
@@ -66,6 +86,51 @@ def loadavg() -> str:
         return "n/a"
 
 
+def cpu_busy(seconds: float = 2.0) -> float:
+    """Percent of all CPUs busy over ``seconds`` (from /proc/stat; 0 where it is missing)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        return sum(vals), idle
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 100.0 * (1.0 - (i1 - i0) / max(t1 - t0, 1))
+
+
+def wait_for_idle(max_busy: float, max_wait: float) -> float:
+    """With ``max_busy`` > 0, wait (up to ``max_wait`` seconds) until the other processes on
+    the machine keep less than ``max_busy`` percent of the CPUs busy; return the last reading."""
+    busy = cpu_busy()
+    if max_busy <= 0:
+        return busy
+    deadline = time.monotonic() + max_wait
+    while busy >= max_busy and time.monotonic() < deadline:
+        time.sleep(3)
+        busy = cpu_busy()
+    return busy
+
+
+def add_idle_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="before each measurement wait until the CPUs are less than PCT%% busy "
+        "(a shared machine); 0: do not wait (default)",
+    )
+    ap.add_argument(
+        "--wait-max", type=float, default=600, help="seconds to wait for --wait-idle at most"
+    )
+
+
 def run(cmd: list[str], timeout: float) -> str:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -77,6 +142,57 @@ def run(cmd: list[str], timeout: float) -> str:
         tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
         raise BenchError(f"exit {p.returncode}: {shlex.join(cmd)}\n" + "\n".join(tail))
     return p.stdout
+
+
+def default_llama_bin_dir() -> str:
+    return os.environ.get("LLAMA_CPP_BIN_DIR") or DEFAULT_LLAMA_BIN_DIR
+
+
+def default_model() -> str | None:
+    """$KVSERVE_TEST_MODEL, else the default model's path from ``kvserve pull --quiet``."""
+    env = os.environ.get("KVSERVE_TEST_MODEL")
+    if env:
+        return env
+    try:
+        out = run(kvserve_base() + ["pull", "--quiet"], timeout=600)
+    except BenchError as e:
+        print(f"cannot find the default model with kvserve pull: {e}", file=sys.stderr)
+        return None
+    lines = out.strip().splitlines()
+    return lines[-1].strip() if lines else None
+
+
+def llama_build_flags(bin_dir: str) -> str:
+    """The ISA options the llama.cpp build in ``bin_dir`` was configured with (CMakeCache.txt)."""
+    cache = Path(bin_dir).parent / "CMakeCache.txt"
+    try:
+        text = cache.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "build flags unknown (no CMakeCache.txt beside the binaries)"
+    vals = dict(re.findall(r"^(GGML_[A-Z0-9_]+):BOOL=(\S+)$", text, flags=re.M))
+    on = [o for o in ISA_OPTIONS if vals.get(f"GGML_{o}", "").upper() in ("ON", "TRUE", "1")]
+    native = vals.get("GGML_NATIVE", "?")
+    amx = "AMX on" if any(o.startswith("AMX") for o in on) else "AMX off"
+    isa = ", ".join(o for o in on if not o.startswith("AMX")) or "none"
+    return f"GGML_NATIVE={native}, ISA on: {isa}; {amx}"
+
+
+def display_cmd(cmd: list[str], args, n_exe: int) -> str:
+    """``cmd`` with this machine's paths replaced by placeholders, for the recorded table:
+    the first ``n_exe`` words (the program) become ``$LLAMA_CPP_BIN_DIR/NAME`` or ``kvserve``,
+    and the model path becomes ``MODEL``."""
+    exe = cmd[0]
+    if Path(exe).parent == Path(args.llama_bin_dir):
+        head = [f"$LLAMA_CPP_BIN_DIR/{Path(exe).name}"]
+    else:
+        head = ["kvserve"]
+    rest = ["MODEL" if w == args.model else w for w in cmd[n_exe:]]
+    return " ".join(head + [shlex.quote(w) for w in rest])
+
+
+def scrub(text: str, args) -> str:
+    """``text`` with the model path and the llama.cpp bin dir replaced by placeholders."""
+    return text.replace(args.model, "MODEL").replace(args.llama_bin_dir, "$LLAMA_CPP_BIN_DIR")
 
 
 def llama_cmd(args) -> list[str]:
@@ -133,6 +249,29 @@ def parse_kvserve(out: str) -> tuple[float, float]:
         ) from e
 
 
+def append_section(path: Path, heading: str, table: str, command: str) -> None:
+    """Append ``table`` at the end of the ``heading`` section of ``path``; a missing section is
+    added at the end (saying it is appended by ``command``), a missing file is created."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
+    lines = text.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == heading)
+    except StopIteration:
+        body = text.rstrip("\n") + "\n\n" + heading + "\n\n"
+        body += f"Appended by `{command}`.\n\n"
+        path.write_text(body + table + "\n", encoding="utf-8")
+        return
+    end = next(
+        (i for i in range(start + 1, len(lines)) if re.match(r"^#{1,2} ", lines[i])), len(lines)
+    )
+    before = "\n".join(lines[:end]).rstrip("\n")
+    after = "\n".join(lines[end:])
+    new = before + "\n\n" + table.rstrip("\n") + "\n"
+    if after:
+        new += "\n" + after + "\n"
+    path.write_text(new, encoding="utf-8")
+
+
 def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
@@ -145,44 +284,58 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--model", help="GGUF file (default: $KVSERVE_TEST_MODEL or the default model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp)")
     ap.add_argument("-n", type=int, default=128, help="generated tokens (tg)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench -r per round")
     ap.add_argument(
-        "--llama-bin-dir", default=os.environ.get("LLAMA_CPP_BIN_DIR", DEFAULT_LLAMA_BIN_DIR)
+        "--llama-bin-dir",
+        default=default_llama_bin_dir(),
+        help="llama.cpp binaries (default: $LLAMA_CPP_BIN_DIR or scripts/build_llama_cpp.sh's)",
     )
     ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-bench")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per command")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
+    add_idle_args(ap)
     args = ap.parse_args()
 
-    if not os.path.exists(args.model):
+    args.model = args.model or default_model()
+    if not args.model or not os.path.exists(args.model):
         print(f"error: model not found: {args.model}", file=sys.stderr)
+        return 2
+    if not (Path(args.llama_bin_dir) / "llama-bench").exists():
+        print(
+            f"error: no llama-bench in {args.llama_bin_dir}: build it with "
+            "scripts/build_llama_cpp.sh, or set LLAMA_CPP_BIN_DIR",
+            file=sys.stderr,
+        )
         return 2
     lcmd, kcmd = llama_cmd(args), kvserve_cmd(args)
     load_before = loadavg()
     l_pp, l_tg, k_pp, k_tg = [], [], [], []
+    busy: list[str] = []  # CPU busy % just before each measurement
     commit = "?"
     errors: list[str] = []
     for r in range(args.rounds):
         order = ["llama", "kvserve"] if r % 2 == 0 else ["kvserve", "llama"]
         for eng in order:
+            if eng == "kvserve" and args.skip_kvserve:
+                continue
+            b = wait_for_idle(args.wait_idle, args.wait_max)
+            busy.append(f"{b:.0f}")
             try:
                 if eng == "llama":
                     pp, tg, commit = parse_llama(run(lcmd, args.timeout), args.p, args.n)
                     l_pp.append(pp)
                     l_tg.append(tg)
-                elif not args.skip_kvserve:
+                else:
                     pp, tg = parse_kvserve(run(kcmd, args.timeout))
                     k_pp.append(pp)
                     k_tg.append(tg)
-                else:
-                    continue
-                print(f"round {r + 1} {eng:8s} pp{args.p} {pp:8.1f}  tg{args.n} {tg:7.1f} tok/s",
-                      file=sys.stderr)  # fmt: skip
+                print(f"round {r + 1} {eng:8s} pp{args.p} {pp:8.1f}  tg{args.n} {tg:7.1f} tok/s"
+                      f"  (CPUs {b:.0f}% busy before)", file=sys.stderr)  # fmt: skip
             except BenchError as e:
                 errors.append(f"{eng}: {e}")
                 print(f"round {r + 1} {eng}: FAILED: {e}", file=sys.stderr)
@@ -198,9 +351,13 @@ def main() -> int:
         f"### {now}: {os.path.basename(args.model)}, {args.threads} threads",
         "",
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
-        f"- medians of {args.rounds} interleaved rounds (tokens/s)",
-        f"- llama.cpp ({commit}): `{shlex.join(lcmd)}`",
-        f"- kvserve: `{shlex.join(kcmd)}`" + (" (skipped)" if args.skip_kvserve else ""),
+        f"- medians of {args.rounds} interleaved rounds (tokens/s); CPUs busy before each "
+        f"measurement, in run order: {', '.join(busy)} %"
+        + (f" (waited for < {args.wait_idle:.0f}%)" if args.wait_idle > 0 else ""),
+        f"- llama.cpp ({commit}; {llama_build_flags(args.llama_bin_dir)}): "
+        f"`{display_cmd(lcmd, args, 1)}`",
+        f"- kvserve: `{display_cmd(kcmd, args, len(kvserve_base()))}`"
+        + (" (skipped)" if args.skip_kvserve else ""),
         "",
         f"| engine | pp{p} tok/s | tg{n} tok/s |",
         "|---|---:|---:|",
@@ -213,18 +370,13 @@ def main() -> int:
         "",
     ]
     if errors:
-        lines += ["errors:", ""] + [f"- {e.splitlines()[0]}" for e in errors] + [""]
+        lines += ["errors:", ""] + [f"- {scrub(e.splitlines()[0], args)}" for e in errors] + [""]
     table = "\n".join(lines)
     print(table)
     if args.write:
         path = REPO_ROOT / "BENCHMARKS.md"
-        new = not path.exists()
-        with open(path, "a", encoding="utf-8") as f:
-            if new:
-                f.write("# Benchmarks: kvserve vs llama.cpp\n\n")
-                f.write("Appended by `python benches/bench_vs_llama.py --write`.\n\n")
-            f.write(table + "\n")
-        print(f"appended to {path}", file=sys.stderr)
+        append_section(path, HEADING, table, "python benches/bench_vs_llama.py --write")
+        print(f"appended to {path} under {HEADING!r}", file=sys.stderr)
     return 1 if errors else 0
 
 

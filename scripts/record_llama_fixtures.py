@@ -23,16 +23,14 @@ tolerances from that measurement.
 
 How to reproduce (exactly what produced tests/fixtures/llama_smollm2.json):
 
-  # 1. build llama.cpp as shared libraries (see benches/README.md for the cmake line:
-  #    GGML_NATIVE=OFF, AVX-512 + VNNI on, AMX off), from the tree vendored in the
-  #    llama-cpp-python 0.3.36 sdist: vendor/llama.cpp -> build/bin/libllama.so
-  # 2. install the Python binding without building llama.cpp again:
-  cd llama_cpp_python-0.3.36
-  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip install --no-deps .
-  pip install typing-extensions diskcache jinja2 numpy
-  # 3. run this script, pointing the binding at the cmake-built libllama.so:
-  LLAMA_CPP_LIB_PATH=<llama_cpp_python-0.3.36>/vendor/llama.cpp/build/bin \
-      python scripts/record_llama_fixtures.py --model <SmolLM2-135M-Instruct.Q4_1.gguf> \
+  # 1. build llama.cpp (the tree vendored in the llama-cpp-python 0.3.36 sdist) as shared
+  #    libraries, GGML_NATIVE=OFF with every ISA of this CPU but AMX, and install the Python
+  #    binding without building llama.cpp again (CMAKE_ARGS="-DLLAMA_BUILD=OFF
+  #    -DLLAVA_BUILD=OFF" pip install --no-deps . in the sdist, plus its runtime deps):
+  scripts/build_llama_cpp.sh [LLAMA_DIR]     # default LLAMA_DIR: llama-build/ in the repo
+  source <LLAMA_DIR>/env.sh                  # exports LLAMA_CPP_LIB_PATH (and LLAMA_CPP_BIN_DIR)
+  # 2. run this script; the binding loads the cmake-built libllama.so from LLAMA_CPP_LIB_PATH:
+  python scripts/record_llama_fixtures.py --model <SmolLM2-135M-Instruct.Q4_1.gguf> \
       --flash-attn off --calibrate
 
 --model defaults to $KVSERVE_TEST_MODEL. --llama-src (default: two levels above

@@ -21,7 +21,8 @@ rejects them, while llama.cpp, given their surrogate-escaped bytes, tokenizes th
 With --cross-check-cli the script also runs the `llama-tokenize` binary on every
 case and fails if its ids differ from the library's.
 
-Usage:
+Usage (scripts/build_llama_cpp.sh builds llama.cpp and the binding; `source <LLAMA_DIR>/env.sh`
+then sets LLAMA_CPP_LIB_PATH, and LLAMA_CPP_BIN_DIR for --cross-check-cli):
   LLAMA_CPP_LIB_PATH=<llama.cpp>/build/bin python scripts/record_tokenizer_fixtures.py \
       --smollm2 <SmolLM2-135M-Instruct.Q4_1.gguf> \
       --gemma3 <gemma-3-270m-q4_k_m.gguf> --pre-variants \
