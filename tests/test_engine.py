@@ -404,3 +404,12 @@ def test_closed_engine_rejects_requests(served: Model) -> None:
     eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate("Hello", max_tokens=2)
+
+
+def test_an_unknown_option_is_a_type_error_everywhere(engine: Engine, served: Model) -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument.*temprature"):
+        engine.generate("Hello", max_tokens=2, temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="temprature"):
+        engine.stream("Hello", temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="temprature"):
+        served.generate("Hello", 2, temprature=0.5)  # type: ignore[call-arg]

@@ -24,9 +24,10 @@ from typing import Union
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Unpack
 
 from . import models
-from .sampling import Sampler, SamplingParams
+from .options import SamplingOptions, resolve
 from .textstream import TextStream
 
 try:
@@ -44,7 +45,6 @@ ModelError = _core.ModelError
 __all__ = ["EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"]
 
 StrPath = Union[str, "os.PathLike[str]"]
-Stop = Union[str, Sequence[str], None]
 
 # The values KVSERVE_SIMD accepts (the engine's SIMD levels, lowest first).
 SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vnni")
@@ -74,14 +74,6 @@ def _check_simd_env() -> None:
         raise ValueError(
             f"KVSERVE_SIMD={raw!r} is not a SIMD level; valid values: {', '.join(SIMD_LEVELS)}"
         )
-
-
-def _stop_list(stop: Stop) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    return [s for s in stop if s]
 
 
 def prompt_ids(model: Model, prompt: str) -> list[int]:
@@ -187,16 +179,14 @@ class Model:
         self,
         prompt: str,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Stop = None,
+        *,
         n_ctx: int | None = None,
         kv_type: str = "f16",
+        **options: Unpack[SamplingOptions],
     ) -> GenerateResult:
-        """Complete ``prompt``; see the module docs for when generation ends."""
-        run = _Run(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx, kv_type)
+        """Complete ``prompt``; see the module docs for when generation ends and
+        :class:`kvserve.options.SamplingOptions` for ``options``."""
+        run = _Run(self, prompt, max_tokens, n_ctx, kv_type, options)
         text = "".join(run)
         return GenerateResult(
             text=text,
@@ -210,18 +200,13 @@ class Model:
         self,
         prompt: str,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Stop = None,
+        *,
         n_ctx: int | None = None,
         kv_type: str = "f16",
+        **options: Unpack[SamplingOptions],
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces (complete characters) as they come."""
-        yield from _Run(
-            self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, n_ctx, kv_type
-        )
+        yield from _Run(self, prompt, max_tokens, n_ctx, kv_type, options)
 
 
 def _last_row(logits: _core.Logits) -> npt.NDArray[np.float32]:
@@ -239,13 +224,9 @@ class _Run:
         model: Model,
         prompt: str,
         max_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int | None,
-        stop: Stop,
         n_ctx: int | None,
-        kv_type: str = "f16",
+        kv_type: str,
+        options: SamplingOptions,
     ) -> None:
         self.kv_type = kv_type
         if max_tokens < 0:
@@ -253,8 +234,10 @@ class _Run:
         if n_ctx is not None and n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.model = model
-        self.sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed=seed)
-        self.stops = _stop_list(stop)
+        opts = resolve(options)
+        self.sampler = opts.sampler
+        self.stops = opts.stops
+        self.ignore_eos = opts.ignore_eos
         self.max_tokens = max_tokens
         self.prompt_tokens = prompt_ids(model, prompt)
         n_prompt = len(self.prompt_tokens)
@@ -283,7 +266,7 @@ class _Run:
         is_eog = self.model.is_eog
         while True:
             tok = self.sampler(_last_row(logits))
-            if is_eog(tok):
+            if is_eog(tok) and not self.ignore_eos:
                 self.finish_reason = FINISH_STOP
                 return
             self.tokens.append(tok)
@@ -324,14 +307,10 @@ def generate(
     *,
     model: Model | StrPath | None = None,
     max_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    stop: Stop = None,
+    **options: Unpack[SamplingOptions],
 ) -> GenerateResult:
     """Complete ``prompt`` with ``model`` (a :class:`Model`, a path, or None for the default
-    model, which is loaded once and kept)."""
+    model, which is loaded once and kept); ``options`` as :meth:`Model.generate`."""
     global _default_model
     if model is None:
         with _default_lock:
@@ -342,12 +321,4 @@ def generate(
         m = model
     else:
         m = Model(model)
-    return m.generate(
-        prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop=stop,
-    )
+    return m.generate(prompt, max_tokens, **options)

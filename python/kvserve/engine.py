@@ -45,7 +45,6 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
-import math
 import re
 import threading
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from typing_extensions import Unpack
 
 from . import models
 from ._model import (
@@ -64,12 +64,11 @@ from ._model import (
     GenerateResult,
     KvCacheFull,
     Model,
-    Stop,
     StrPath,
-    _stop_list,
     prompt_ids,
 )
-from .sampling import Sampler, SamplingParams
+from .options import SamplingOptions, resolve
+from .sampling import Sampler
 from .textstream import TextStream
 
 __all__ = ["Engine", "parse_size"]
@@ -192,7 +191,6 @@ class _Request:
         ids: list[int],
         max_tokens: int,
         sampler: Sampler,
-        min_p: float,
         stops: list[str],
         ignore_eos: bool,
         priority: int,
@@ -201,7 +199,6 @@ class _Request:
         self.n_prompt = len(ids)
         self.max_tokens = max_tokens
         self.sampler = sampler
-        self.min_p = min_p
         self.stops = stops
         self.ignore_eos = ignore_eos
         self.priority = priority
@@ -334,33 +331,18 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
     def _request(
-        self,
-        prompt: str,
-        max_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        min_p: float,
-        seed: int | None,
-        stop: Stop,
-        ignore_eos: bool,
-        priority: int,
+        self, prompt: str, max_tokens: int, priority: int, options: SamplingOptions
     ) -> _Request:
         """Validates everything and builds the request (nothing is queued yet)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not (0.0 <= min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-        params = SamplingParams(temperature, top_k, top_p)  # ValueError naming the argument
+        opts = resolve(options)  # TypeError / ValueError naming the argument
         ids = prompt_ids(self.model, prompt)
         if len(ids) > self._seq_limit:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
             )
-        return _Request(
-            ids, max_tokens, Sampler(params, seed=seed), min_p, _stop_list(stop), ignore_eos,
-            priority,
-        )  # fmt: skip
+        return _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, priority)
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -382,21 +364,14 @@ class Engine:
         self,
         prompt: str,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: Stop = None,
-        ignore_eos: bool = False,
+        *,
         priority: int = 0,
+        **options: Unpack[SamplingOptions],
     ) -> GenerateResult:
-        """Complete ``prompt`` (blocking; any thread). Arguments as :meth:`Model.generate`,
-        plus ``min_p`` (keep tokens at least ``min_p`` times as probable as the best one),
-        ``ignore_eos`` and ``priority`` (higher is admitted first and preempted last)."""
-        req = self._request(
-            prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, priority
-        )
+        """Complete ``prompt`` (blocking; any thread). ``options``: see
+        :class:`kvserve.options.SamplingOptions`; ``priority``: higher is admitted first and
+        preempted last."""
+        req = self._request(prompt, max_tokens, priority, options)
         sink = _FutureSink()
         req.sink = sink
         self._submit(req)
@@ -410,19 +385,12 @@ class Engine:
         self,
         prompt: str,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: Stop = None,
-        ignore_eos: bool = False,
+        *,
         priority: int = 0,
+        **options: Unpack[SamplingOptions],
     ) -> GenerateResult:
         """:meth:`generate` for asyncio; cancelling the task cancels the request."""
-        req = self._request(
-            prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, priority
-        )
+        req = self._request(prompt, max_tokens, priority, options)
         sink = _LoopSink(asyncio.get_running_loop(), stream=False)
         req.sink = sink
         self._submit(req)
@@ -435,22 +403,15 @@ class Engine:
         self,
         prompt: str,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: Stop = None,
-        ignore_eos: bool = False,
+        *,
         priority: int = 0,
+        **options: Unpack[SamplingOptions],
     ) -> AsyncGenerator[str, None]:
         """``async for piece in engine.stream(...)``: text pieces (whole characters) as they
         come; they join to :meth:`generate`'s text. Arguments are checked at the call; the
         request is queued when iteration starts. Closing the iterator early (``break``,
         ``aclose()``) or cancelling its task cancels the request."""
-        req = self._request(
-            prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, ignore_eos, priority
-        )
+        req = self._request(prompt, max_tokens, priority, options)
         return self._stream(req)
 
     async def _stream(self, req: _Request) -> AsyncGenerator[str, None]:
@@ -740,12 +701,7 @@ class Engine:
         for i, req in enumerate(reqs):
             if req.greedy:
                 continue
-            row = rows[i]
-            if req.min_p > 0.0:
-                # p_j >= min_p * p_max after temperature T  <=>  x_j >= x_max + T * ln(min_p)
-                cut = row.max() + req.sampler.params.temperature * math.log(req.min_p)
-                row = np.where(row >= cut, row, -np.inf)
-            picked[i] = req.sampler(row)
+            picked[i] = req.sampler(rows[i])
         return picked
 
     def _deliver(self, req: _Request, tok: int) -> int:

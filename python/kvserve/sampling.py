@@ -1,4 +1,4 @@
-"""Token samplers over logits: greedy, temperature, top-k and top-p (nucleus).
+"""Token samplers over logits: greedy, temperature, top-k, top-p (nucleus) and min-p.
 
 Every function works on the last axis, so a ``(n_vocab,)`` row and an ``(n_rows, n_vocab)``
 batch are handled alike, and nothing here modifies its input (logits may be a read-only,
@@ -6,11 +6,13 @@ zero-copy view of the engine's buffer).
 
 Guarantees:
 - ``temperature == 0`` is greedy: the index of the largest logit (the first one on ties).
-- Filters run in this order: temperature, then top-k, then top-p. A token that a filter removes
-  has probability exactly 0 and is never drawn; at least one token always survives.
+- Filters run in this order: temperature, then top-k, then top-p, then min-p (vLLM's order). A
+  token that a filter removes has probability exactly 0 and is never drawn; at least one token
+  always survives.
 - top-k keeps every token whose logit is at least the k-th largest (ties at the boundary are
   kept). top-p keeps the smallest set of most probable tokens whose probability mass reaches
-  ``top_p`` (again keeping ties at the boundary).
+  ``top_p`` (again keeping ties at the boundary). min-p keeps the tokens at least ``min_p``
+  times as probable as the most probable one.
 - With the same seed, the same logits give the same tokens.
 """
 
@@ -94,6 +96,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -102,6 +105,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def is_greedy(self) -> bool:
@@ -109,7 +114,7 @@ class SamplingParams:
 
 
 def probabilities(logits: npt.ArrayLike, params: SamplingParams) -> npt.NDArray[np.float64]:
-    """The distribution that :func:`sample` draws from (after temperature, top-k, top-p).
+    """The distribution that :func:`sample` draws from (after temperature, top-k, top-p, min-p).
 
     For greedy params this is one-hot on the argmax.
     """
@@ -123,6 +128,10 @@ def probabilities(logits: npt.ArrayLike, params: SamplingParams) -> npt.NDArray[
     probs = softmax(scaled)
     if params.top_p < 1.0:
         probs = np.where(top_p_mask(probs, params.top_p), probs, 0.0)
+        probs /= np.sum(probs, axis=-1, keepdims=True)
+    if params.min_p > 0.0:
+        cut = params.min_p * np.max(probs, axis=-1, keepdims=True)
+        probs = np.where(probs >= cut, probs, 0.0)
         probs /= np.sum(probs, axis=-1, keepdims=True)
     return probs
 

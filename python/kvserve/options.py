@@ -1,0 +1,80 @@
+"""The per-request generation options shared by :meth:`kvserve.Model.generate` and every
+:class:`kvserve.Engine` call (``generate``, ``agenerate``, ``stream`` and the chat variants).
+
+They are declared once, as a ``TypedDict`` that the public methods take as keyword arguments
+(``**options: Unpack[SamplingOptions]``), and checked once, by :func:`resolve`, so a new option is
+added in one place and every entry point accepts it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from typing_extensions import TypedDict
+
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["SamplingOptions", "Resolved", "resolve", "stop_list"]
+
+Stop = Union[str, Sequence[str], None]
+
+
+class SamplingOptions(TypedDict, total=False):
+    """How tokens are picked and when generation stops (all optional keywords).
+
+    - ``temperature`` (0 = greedy, exactly argmax), ``top_k`` (0 = off), ``top_p`` in (0, 1],
+      ``min_p`` in [0, 1] (keep tokens at least ``min_p`` times as probable as the best one);
+    - ``seed``: the request's own random generator (same seed, same tokens, whatever else is
+      batched with it);
+    - ``stop``: strings that end generation (matched across token boundaries, never emitted);
+    - ``ignore_eos``: keep generating past end-of-generation tokens.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    stop: Stop
+    ignore_eos: bool
+
+
+_KEYS = frozenset(SamplingOptions.__annotations__)
+
+
+@dataclass
+class Resolved:
+    """Validated options: a ready sampler plus the stop rules."""
+
+    sampler: Sampler
+    stops: list[str]
+    ignore_eos: bool
+
+
+def stop_list(stop: Stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    return [s for s in stop if s]
+
+
+def resolve(options: SamplingOptions) -> Resolved:
+    """Checks ``options`` (an unknown name is a ``TypeError``, a bad value a ``ValueError``
+    naming the argument and its limit) and builds the sampler."""
+    unknown = set(options) - _KEYS
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    params = SamplingParams(  # ValueError naming the argument
+        temperature=options.get("temperature", 0.0),
+        top_k=options.get("top_k", 0),
+        top_p=options.get("top_p", 1.0),
+        min_p=options.get("min_p", 0.0),
+    )
+    return Resolved(
+        sampler=Sampler(params, seed=options.get("seed")),
+        stops=stop_list(options.get("stop")),
+        ignore_eos=options.get("ignore_eos", False),
+    )
