@@ -67,7 +67,7 @@ from ._model import (
     StrPath,
     prompt_ids,
 )
-from .options import SamplingOptions, resolve
+from .options import RequestOptions, resolve
 from .sampling import Sampler
 from .textstream import TextStream
 
@@ -330,19 +330,17 @@ class Engine:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(
-        self, prompt: str, max_tokens: int, priority: int, options: SamplingOptions
-    ) -> _Request:
+    def _request(self, prompt: str, max_tokens: int, options: RequestOptions) -> _Request:
         """Validates everything and builds the request (nothing is queued yet)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        opts = resolve(options)  # TypeError / ValueError naming the argument
+        opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
         ids = prompt_ids(self.model, prompt)
         if len(ids) > self._seq_limit:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
             )
-        return _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, priority)
+        return _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, opts.priority)
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -364,14 +362,11 @@ class Engine:
         self,
         prompt: str,
         max_tokens: int = 128,
-        *,
-        priority: int = 0,
-        **options: Unpack[SamplingOptions],
+        **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """Complete ``prompt`` (blocking; any thread). ``options``: see
-        :class:`kvserve.options.SamplingOptions`; ``priority``: higher is admitted first and
-        preempted last."""
-        req = self._request(prompt, max_tokens, priority, options)
+        :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``)."""
+        req = self._request(prompt, max_tokens, options)
         sink = _FutureSink()
         req.sink = sink
         self._submit(req)
@@ -385,12 +380,10 @@ class Engine:
         self,
         prompt: str,
         max_tokens: int = 128,
-        *,
-        priority: int = 0,
-        **options: Unpack[SamplingOptions],
+        **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """:meth:`generate` for asyncio; cancelling the task cancels the request."""
-        req = self._request(prompt, max_tokens, priority, options)
+        req = self._request(prompt, max_tokens, options)
         sink = _LoopSink(asyncio.get_running_loop(), stream=False)
         req.sink = sink
         self._submit(req)
@@ -403,15 +396,13 @@ class Engine:
         self,
         prompt: str,
         max_tokens: int = 128,
-        *,
-        priority: int = 0,
-        **options: Unpack[SamplingOptions],
+        **options: Unpack[RequestOptions],
     ) -> AsyncGenerator[str, None]:
         """``async for piece in engine.stream(...)``: text pieces (whole characters) as they
         come; they join to :meth:`generate`'s text. Arguments are checked at the call; the
         request is queued when iteration starts. Closing the iterator early (``break``,
         ``aclose()``) or cancelling its task cancels the request."""
-        req = self._request(prompt, max_tokens, priority, options)
+        req = self._request(prompt, max_tokens, options)
         return self._stream(req)
 
     async def _stream(self, req: _Request) -> AsyncGenerator[str, None]:

@@ -16,7 +16,7 @@ from typing_extensions import TypedDict
 
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["SamplingOptions", "Resolved", "resolve", "stop_list"]
+__all__ = ["RequestOptions", "SamplingOptions", "Resolved", "resolve", "stop_list"]
 
 Stop = Union[str, Sequence[str], None]
 
@@ -41,7 +41,17 @@ class SamplingOptions(TypedDict, total=False):
     ignore_eos: bool
 
 
+class RequestOptions(SamplingOptions, total=False):
+    """What an :class:`kvserve.Engine` call takes beyond :class:`SamplingOptions`.
+
+    - ``priority``: higher is admitted first and preempted last (FCFS within a priority).
+    """
+
+    priority: int
+
+
 _KEYS = frozenset(SamplingOptions.__annotations__)
+_REQUEST_KEYS = _KEYS | frozenset(RequestOptions.__annotations__)
 
 
 @dataclass
@@ -51,6 +61,7 @@ class Resolved:
     sampler: Sampler
     stops: list[str]
     ignore_eos: bool
+    priority: int
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -61,10 +72,11 @@ def stop_list(stop: Stop) -> list[str]:
     return [s for s in stop if s]
 
 
-def resolve(options: SamplingOptions) -> Resolved:
+def resolve(options: RequestOptions, *, engine: bool = False) -> Resolved:
     """Checks ``options`` (an unknown name is a ``TypeError``, a bad value a ``ValueError``
-    naming the argument and its limit) and builds the sampler."""
-    unknown = set(options) - _KEYS
+    naming the argument and its limit) and builds the sampler. ``engine``: the
+    :class:`RequestOptions` of an Engine call are allowed too."""
+    unknown = set(options) - (_REQUEST_KEYS if engine else _KEYS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     params = SamplingParams(  # ValueError naming the argument
@@ -77,4 +89,5 @@ def resolve(options: SamplingOptions) -> Resolved:
         sampler=Sampler(params, seed=options.get("seed")),
         stops=stop_list(options.get("stop")),
         ignore_eos=options.get("ignore_eos", False),
+        priority=options.get("priority", 0),
     )
