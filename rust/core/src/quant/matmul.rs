@@ -271,16 +271,20 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 for r in i * chunk..(i * chunk + PREFETCH_ROWS).min(end) {
                     prefetch(w.row(r));
                 }
+                let mut vals = [0f32; super::DOT_ROW_TOKENS];
                 for r in i * chunk..end {
                     let row = w.row(r);
                     if r + PREFETCH_ROWS < end {
                         prefetch(w.row(r + PREFETCH_ROWS));
                     }
-                    for t in 0..n {
-                        let v = super::dot_row(w.ty, row, a, t, self.level);
-                        // SAFETY: r < rows and t < n: inside `out` (length n * rows, checked
-                        // when planning); row r belongs to this task only.
-                        unsafe { self.out.write(t * rows + r, v) };
+                    for t0 in (0..n).step_by(vals.len()) {
+                        let v = &mut vals[..(n - t0).min(super::DOT_ROW_TOKENS)];
+                        super::dot_row_tokens(w.ty, row, a, t0, self.level, v);
+                        for (k, &x) in v.iter().enumerate() {
+                            // SAFETY: r < rows and t0 + k < n: inside `out` (length n * rows,
+                            // checked when planning); row r belongs to this task only.
+                            unsafe { self.out.write((t0 + k) * rows + r, x) };
+                        }
                     }
                 }
             }

@@ -217,7 +217,6 @@ pub(crate) const DOT_ROW_TOKENS: usize = 4;
 /// block once for all of them (`avx2::dot_row_tokens`, same bits as `dot_row` per token);
 /// elsewhere one `dot_row` per token.
 #[inline]
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn dot_row_tokens(
     ty: GgmlType,
     row: &[u8],

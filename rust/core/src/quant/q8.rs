@@ -24,11 +24,9 @@ pub(crate) const NARROW4: usize = 4;
 pub(crate) const NARROW8: usize = 8;
 /// The narrow packings are built from this many tokens on (one token takes the per-row
 /// kernel, which streams a row once for it anyway).
-#[allow(dead_code)] // dispatched by the next commit
 pub(crate) const NARROW_MIN_TOKENS: usize = 2;
 /// The wide packing is built from this many tokens on (up to 8 tokens fit a narrow tile,
 /// which wastes fewer lanes on them). All paths give bit-identical results.
-#[allow(dead_code)] // dispatched by the next commit
 pub(crate) const PACK_MIN_TOKENS: usize = NARROW8 + 1;
 
 /// Which interleaved copy of Q8 activations is built next to the token-major one, and so
@@ -36,7 +34,6 @@ pub(crate) const PACK_MIN_TOKENS: usize = NARROW8 + 1;
 /// lanes (16-byte lines, 2 to 4 tokens), narrow with 8 lanes (32-byte lines, 5 to 8 tokens) or
 /// wide (groups of 16, 64-byte lines, from `PACK_MIN_TOKENS` tokens).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) enum Pack {
     None,
     Narrow4,
@@ -45,11 +42,14 @@ pub(crate) enum Pack {
 }
 
 impl Pack {
-    /// The packing the engine builds for `n_tokens` tokens at `level` (the narrow ones are
-    /// not chosen yet: only built when asked for).
+    /// The packing the engine builds for `n_tokens` tokens at `level`.
     pub(crate) fn for_tokens(n_tokens: usize, level: SimdLevel) -> Pack {
-        if level < SimdLevel::Avx512Vnni || n_tokens < 4 {
+        if level < SimdLevel::Avx512Vnni || n_tokens < NARROW_MIN_TOKENS {
             Pack::None
+        } else if n_tokens <= NARROW4 {
+            Pack::Narrow4
+        } else if n_tokens < PACK_MIN_TOKENS {
+            Pack::Narrow8
         } else {
             Pack::Wide
         }
@@ -524,6 +524,22 @@ mod tests {
             quantize_acts_impl(&mut a, &x, lanes + 1, cols, GgmlType::Q4_0, pack).unwrap();
             assert_eq!(a.pack, Pack::None);
         }
+        let level = SimdLevel::Avx512Vnni;
+        let want = [
+            Pack::None,
+            Pack::None,
+            Pack::Narrow4,
+            Pack::Narrow4,
+            Pack::Narrow4,
+        ];
+        for (n, &p) in want.iter().enumerate() {
+            assert_eq!(Pack::for_tokens(n, level), p, "n={n}");
+        }
+        for n in 5..=8 {
+            assert_eq!(Pack::for_tokens(n, level), Pack::Narrow8);
+        }
+        assert_eq!(Pack::for_tokens(9, level), Pack::Wide);
+        assert_eq!(Pack::for_tokens(4, SimdLevel::Avx512), Pack::None);
     }
 
     #[test]
