@@ -4,13 +4,13 @@
 //! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
 //!   every token while it is hot in L1 (one token, non-VNNI CPUs, K-quant and float weights;
 //!   legacy weights at the AVX2 levels unpack each block once for up to 4 tokens);
-//! - narrow tile (legacy weights, AVX-512 VNNI, 2 to 8 tokens packed narrow by
+//! - narrow tile (legacy weights, AVX-512 VNNI, 2 to 32 tokens packed narrow by
 //!   `quantize_acts`): row chunks as above; inside, 4 rows x all tokens per kernel call with
-//!   each weight block unpacked once for every token (`tile4`: 2 rows x 4 tokens per 256-bit
-//!   vector for up to 4 tokens, `tile8`: 1 row x 8 tokens for up to 8); rows ahead are
-//!   prefetched as in the per-row path, so a step of a few sequences streams the weights once;
-//! - wide tile (legacy weights, AVX-512 VNNI, activations packed for `PACK_MIN_TOKENS` (9)
-//!   tokens or more): tasks own a range of rows (and of 16-token groups when rows are few);
+//!   each weight block unpacked once per group of tokens (`tile4`: 2 rows x 4 tokens per
+//!   256-bit vector for up to 4 tokens, `tile8`: 1 row x 8 tokens, once per group of 8, for 5
+//!   to 32); rows ahead are prefetched into L2, so a decode step streams the weights once;
+//! - wide tile (legacy weights, AVX-512 VNNI, activations packed for `PACK_MIN_TOKENS` (33)
+//!   tokens or more, i.e. prefill): tasks own a range of rows (and of 16-token groups when rows are few);
 //!   inside, 4 rows x 32 tokens are computed per kernel call with weights unpacked once per
 //!   block and activations of the token groups staying in L1 across rows.
 //!
@@ -112,7 +112,7 @@ const PREFETCH_ROWS: usize = 8;
 #[cfg(test)]
 pub(crate) const TILE_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
 
-/// Lowest level of the narrow tile kernels (legacy weights, 2 to 8 tokens packed narrow).
+/// Lowest level of the narrow tile kernels (legacy weights, 2 to 32 tokens packed narrow).
 #[cfg(test)]
 pub(crate) const NARROW_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
 
@@ -389,7 +389,8 @@ mod narrow {
         }
     }
 
-    /// Rows `r..r + 4` (or `r + 1`) with the 8-lane kernel.
+    /// Rows `r..r + 4` (or `r + 1`) with the 8-lane kernel, one call per group of 8 tokens
+    /// (the rows stay in L1 across the groups).
     #[inline]
     unsafe fn call8<const T: u8, const R: usize>(
         w: &QMatrix,
@@ -398,31 +399,37 @@ mod narrow {
         r: usize,
     ) {
         let nb = w.cols / 32;
-        let rows: [*const u8; R] = std::array::from_fn(|i| w.row(r + i).as_ptr());
-        let mut res = [[0f32; NARROW_LANES]; R];
-        // The slices prove the packed buffers cover `nb` blocks (panics otherwise): 8 lines
-        // of 32 bytes per block are 4 `Line`s.
-        let lines = &a.packed[..nb * 4];
-        let pd = &a.pd[..nb * NARROW_LANES];
-        let ps = &a.ps[..nb * NARROW_LANES];
-        // SAFETY: the caller only takes this path at level Avx512Vnni (detected); each row slice
-        // has `nb` blocks of type T (QMatrix invariant); the packed slices above cover them and
-        // `Line`s are 64-byte aligned.
-        unsafe {
-            tile8::<T, R>(
-                &rows,
-                nb,
-                lines.as_ptr().cast(),
-                pd.as_ptr(),
-                ps.as_ptr(),
-                &mut res,
-            )
-        };
         let n = a.n_tokens;
-        for (i, lanes) in res.iter().enumerate() {
-            for (t, &v) in lanes.iter().enumerate().take(n) {
-                // SAFETY: t < n and r + i < rows: inside `out`; the caller owns these rows.
-                unsafe { out.write(t * w.rows + r + i, v) };
+        let rows: [*const u8; R] = std::array::from_fn(|i| w.row(r + i).as_ptr());
+        for g in 0..n.div_ceil(NARROW_LANES) {
+            let mut res = [[0f32; NARROW_LANES]; R];
+            // The slices prove the packed buffers cover group g's `nb` blocks (panics
+            // otherwise): 8 lines of 32 bytes per block are 4 `Line`s.
+            let lines = &a.packed[g * nb * 4..(g + 1) * nb * 4];
+            let pd = &a.pd[g * nb * NARROW_LANES..(g + 1) * nb * NARROW_LANES];
+            let ps = &a.ps[g * nb * NARROW_LANES..(g + 1) * nb * NARROW_LANES];
+            // SAFETY: the caller only takes this path at level Avx512Vnni (detected); each row
+            // slice has `nb` blocks of type T (QMatrix invariant); the packed slices above
+            // cover them and `Line`s are 64-byte aligned.
+            unsafe {
+                tile8::<T, R>(
+                    &rows,
+                    nb,
+                    lines.as_ptr().cast(),
+                    pd.as_ptr(),
+                    ps.as_ptr(),
+                    &mut res,
+                )
+            };
+            for (i, lanes) in res.iter().enumerate() {
+                for (lane, &v) in lanes.iter().enumerate() {
+                    let t = g * NARROW_LANES + lane;
+                    if t < n {
+                        // SAFETY: t < n and r + i < rows: inside `out`; the caller owns
+                        // these rows.
+                        unsafe { out.write(t * w.rows + r + i, v) };
+                    }
+                }
             }
         }
     }
@@ -814,10 +821,10 @@ mod tests {
     }
 
     /// The decode kernels for a few tokens against their scalar twin, bit for bit, at every
-    /// shape they take apart: 1 to 8 tokens, row counts that leave a 4-row kernel call, a pair
+    /// shape they take apart: 1 to 8 tokens (and 9 to 32 in groups of 8 for `tile8`), row counts that leave a 4-row kernel call, a pair
     /// or a single row over, rows of fewer and more than 8 blocks (partly filled slots), every
     /// legacy weight type.
-    /// - AVX-512 VNNI: the 4-lane (`tile4`, 1..=4 tokens) and 8-lane (`tile8`, 1..=8 tokens)
+    /// - AVX-512 VNNI: the 4-lane (`tile4`, 1..=4 tokens) and 8-lane (`tile8`, 1..=32 tokens)
     ///   narrow tiles through the matmul entry, against `legacy::vec_dot_scalar` (their twin:
     ///   the canonical order they follow);
     /// - AVX2 (also run at the AVX-512 level): `dot_row_tokens`, 1 to 4 tokens per call,
@@ -840,7 +847,7 @@ mod tests {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
                 let nb = cols / 32;
-                for n in 1..=8usize {
+                for n in (1..=8usize).chain([9, 16, 17, 32]) {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0).collect();
                     let mut plain = QuantizedActs::new();
                     quantize_acts_impl(&mut plain, &x, n, cols, ty, Pack::None).unwrap();
