@@ -149,6 +149,38 @@ def test_agenerate_matches_generate(engine: Engine, oracle: Model) -> None:
     assert got == sequential(oracle, p, 5)
 
 
+def test_events_stream_pieces_then_the_result(engine: Engine, oracle: Model) -> None:
+    """``events`` yields the text pieces, then the GenerateResult (what generate returns);
+    a prompt of token ids is fed as it is."""
+    p = prompts(1, "Events")[0]
+    want = sequential(oracle, p, 6)
+    ids = oracle.tokenize(p, add_special=True, parse_special=True)
+
+    async def main(prompt: str | list[int]) -> list[str | GenerateResult]:
+        return [item async for item in engine.events(prompt, max_tokens=6)]
+
+    for prompt in (p, ids):
+        *pieces, result = asyncio.run(main(prompt))
+        assert all(isinstance(x, str) and x for x in pieces)
+        assert "".join(pieces) == want.text  # type: ignore[arg-type]
+        assert isinstance(result, GenerateResult)
+        assert (result.text, result.tokens, result.finish_reason, result.prompt_tokens) == (
+            want.text,
+            want.tokens,
+            want.finish_reason,
+            want.prompt_tokens,
+        )
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [([], "no tokens"), ([1, -1], "prompt token 1 is -1"), ([10**9], "prompt token 0 is")],
+)
+def test_events_check_token_id_prompts(engine: Engine, ids: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        engine.events(ids, max_tokens=2)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(
     engine: Engine, oracle: Model
 ) -> None:

@@ -49,9 +49,9 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from typing_extensions import Unpack
@@ -145,10 +145,12 @@ def _resolve(fut: asyncio.Future[Any], value: Any, error: BaseException | None) 
 
 
 class _End:
-    """The last item of a stream's queue: the request's error, or None when it finished."""
+    """The last item of a stream's queue: the request's error (None when it finished) and its
+    result."""
 
-    def __init__(self, error: BaseException | None) -> None:
+    def __init__(self, error: BaseException | None, result: GenerateResult | None = None) -> None:
         self.error = error
+        self.result = result
 
 
 class _LoopSink(_Sink):
@@ -172,7 +174,7 @@ class _LoopSink(_Sink):
 
     def done(self, result: GenerateResult) -> None:
         if self.queue is not None:
-            self._call(self.queue.put_nowait, _End(None))
+            self._call(self.queue.put_nowait, _End(None, result))
         else:
             self._call(_resolve, self.result, result, None)
 
@@ -330,17 +332,31 @@ class Engine:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, prompt: str, max_tokens: int, options: RequestOptions) -> _Request:
-        """Validates everything and builds the request (nothing is queued yet)."""
+    def _request(
+        self, prompt: str | Sequence[int], max_tokens: int, options: RequestOptions
+    ) -> _Request:
+        """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
+        text or the token ids to feed as they are."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
-        ids = prompt_ids(self.model, prompt)
+        ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else self._ids(prompt)
         if len(ids) > self._seq_limit:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
             )
         return _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, opts.priority)
+
+    def _ids(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` checked as a prompt of token ids (a ``ValueError`` naming the bad one)."""
+        ids = list(tokens)
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        n_vocab = self.model.n_vocab
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, not a token id in [0, {n_vocab})")
+        return ids
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -403,9 +419,24 @@ class Engine:
         request is queued when iteration starts. Closing the iterator early (``break``,
         ``aclose()``) or cancelling its task cancels the request."""
         req = self._request(prompt, max_tokens, options)
-        return self._stream(req)
+        return cast("AsyncGenerator[str, None]", self._stream(req))  # only str without results
 
-    async def _stream(self, req: _Request) -> AsyncGenerator[str, None]:
+    def events(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str | GenerateResult, None]:
+        """:meth:`stream` that ends with the request's :class:`GenerateResult` (finish reason,
+        token counts, tokens): text pieces (``str``) as they come, then the result as the last
+        item. ``prompt`` is text, or token ids fed as they are (no BOS added; each checked
+        against the vocabulary). This is what a server needs to stream and then report usage."""
+        req = self._request(prompt, max_tokens, options)
+        return self._stream(req, with_result=True)
+
+    async def _stream(
+        self, req: _Request, with_result: bool = False
+    ) -> AsyncGenerator[str | GenerateResult, None]:
         sink = _LoopSink(asyncio.get_running_loop(), stream=True)
         assert sink.queue is not None
         req.sink = sink
@@ -416,6 +447,8 @@ class Engine:
                 if isinstance(item, _End):
                     if item.error is not None:
                         raise item.error
+                    if with_result and item.result is not None:
+                        yield item.result
                     break
                 yield item
         finally:
