@@ -1,7 +1,8 @@
 """The ``kvserve`` command line (also ``python -m kvserve``).
 
-Subcommands: ``pull``, ``tokenize``, ``complete``, ``bench``, ``info``. Without ``--model`` the
-default model is used (downloaded and cached on first use).
+Subcommands: ``serve``, ``pull``, ``tokenize``, ``complete``, ``bench``, ``info``. Without
+``--model`` the default model is used (downloaded and cached on first use). Every ``serve`` flag
+also reads a ``KVSERVE_*`` environment variable (the flag wins), shown by ``serve --help``.
 
 Guarantees: every expected failure (missing or malformed model file, download error, bad
 argument value, full context) prints exactly one line ``kvserve: error: <message>`` on stderr
@@ -167,6 +168,124 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ------------------------------------------------------------------------------------
+def _size(text: str) -> int:
+    from .engine import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 2GiB or 512MiB, got {text!r}"
+        ) from None
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _nonneg_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return value
+
+
+# (flags, metavar, environment variable, type, default, help) of `kvserve serve`. A flag's value
+# wins over its environment twin, which wins over the default (a string default is parsed).
+_SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, str]] = [
+    (("-m", "--model"), "PATH", "KVSERVE_MODEL", str, None,
+     "GGUF model file or registered model name (default: the default model, downloaded on"
+     " first use)"),
+    (("--host",), "ADDR", "KVSERVE_HOST", str, "127.0.0.1", "address to listen on"),
+    (("--port",), "N", "KVSERVE_PORT", _port, 8080, "port to listen on (0: any free port)"),
+    (("-t", "--threads"), "N", "KVSERVE_THREADS", _positive_int, None,
+     "worker threads (default: the number of physical cores)"),
+    (("-np", "--parallel"), "N", "KVSERVE_PARALLEL", _positive_int, 16,
+     "sequences decoded at once"),
+    (("-c", "--ctx-size"), "N", "KVSERVE_CTX_SIZE", _positive_int, 4096,
+     "most tokens (prompt + output) of one sequence"),
+    (("--kv-memory",), "SIZE", "KVSERVE_KV_MEMORY", _size, None,
+     "K/V pool size such as 2GiB (default: room for parallel x ctx-size tokens)"),
+    (("--kv-type",), "{f16,q8_0,f32}", "KVSERVE_KV_TYPE", _choice("f16", "q8_0", "f32"), "f16",
+     "K/V element type (q8_0: half the memory of f16)"),
+    (("--batch-tokens",), "N", "KVSERVE_BATCH_TOKENS", _positive_int, 512,
+     "prompt tokens computed per step (chunked prefill)"),
+    (("--max-queue",), "N", "KVSERVE_MAX_QUEUE", _nonneg_int, 256,
+     "sequences that may wait beyond --parallel; past that 503 with Retry-After"),
+    (("--api-key",), "KEY", "KVSERVE_API_KEY", str, None,
+     "require 'Authorization: Bearer KEY' on every route but /health"),
+    (("--api-key-file",), "PATH", "KVSERVE_API_KEY_FILE", str, None,
+     "read the API key from the first line of this file"),
+    (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, "8MiB",
+     "largest request body (413 beyond it)"),
+    (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
+     "log lines as text, or one JSON object per line"),
+]  # fmt: skip
+
+
+def _dest(flags: tuple[str, ...]) -> str:
+    return flags[-1].lstrip("-").replace("-", "_")
+
+
+def _serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Each serve flag's value: the flag, else its environment variable, else the default."""
+    settings: dict[str, Any] = {}
+    for flags, _metavar, env, parse, default, _help in _SERVE_FLAGS:
+        value = getattr(args, _dest(flags))
+        raw = os.environ.get(env, "").strip()
+        if value is None and raw:
+            try:
+                value = parse(raw)
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise ValueError(f"{env}: {e}") from None
+        if value is None:
+            value = parse(default) if isinstance(default, str) else default
+        settings[_dest(flags)] = value
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from . import models
+    from .server import ServerConfig, serve
+
+    s = _serve_settings(args)
+    if s["api_key"] is not None and s["api_key_file"] is not None:
+        raise ValueError("give the API key with --api-key or with --api-key-file, not both")
+    api_key = s["api_key"]
+    if s["api_key_file"] is not None:
+        with open(s["api_key_file"], encoding="utf-8") as f:
+            api_key = f.readline().strip()
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty")
+    model = s["model"]
+    if model is None or (model in REGISTRY and not os.path.exists(model)):
+        model = str(models.pull(model))  # progress bar on a terminal; cached after the first
+    serve(
+        ServerConfig(
+            model=model,
+            host=s["host"],
+            port=s["port"],
+            threads=s["threads"],
+            parallel=s["parallel"],
+            ctx_size=s["ctx_size"],
+            kv_memory=s["kv_memory"],
+            kv_type=s["kv_type"],
+            batch_tokens=s["batch_tokens"],
+            max_queue=s["max_queue"],
+            api_key=api_key,
+            log_format=s["log_format"],
+            max_body=s["max_body"],
+        )
+    )
+    return 0
+
+
 def _summarize(value: object) -> object:
     """A metadata value made short enough to print: long arrays become their length."""
     if isinstance(value, (list, tuple)) and len(value) > 8:
@@ -237,6 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
                 help="worker threads (default: $KVSERVE_THREADS or the number of physical cores)",
             )
         p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API (the main job)",
+        description="Serve a model to many clients over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, "
+        "/apply-template, /health, /metrics). Each flag can also be set by the environment "
+        "variable in brackets; the flag wins.",
+    )
+    for flags, metavar, env, parse, default, text in _SERVE_FLAGS:
+        shown = "" if default is None else f"; default: {default}"
+        p.add_argument(
+            *flags, dest=_dest(flags), metavar=metavar, type=parse, help=f"{text} [{env}{shown}]"
+        )
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="download and cache a registered model; print its path")
     p.add_argument(

@@ -1,0 +1,709 @@
+"""`kvserve serve`: a live server on a loopback port, driven by the official `openai` client
+and by raw HTTP (httpx).
+
+Oracles: `Model.generate` in this process (the single-sequence path, no engine, no HTTP) for
+greedy text, finish reasons and token counts; `Model.tokenize`/`detokenize` for the token
+routes; the KV contract (whole 16-token blocks of a computed prompt are reused) for
+`cached_tokens`; prometheus-client's own parser for `/metrics`; the per-choice seed rule
+(`seed + j`) checked against single requests.
+
+Two servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured
+by flags; one configured by `KVSERVE_*` environment variables with an API key, one sequence
+at a time and a one-sequence queue); one runs in this process (uvicorn in a thread) to
+watch `/health` while the model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve import Engine, Model
+from kvserve.cli import main as cli_main
+from kvserve.server import ServerConfig, create_app
+
+CTX = 256
+PARALLEL = 4
+MAX_BODY = 64 * 1024
+PROMPT = "The capital of France is"
+STORY = "Once upon a time, in a small village by the sea, there lived"
+
+
+class Server:
+    """A `kvserve serve` subprocess; its log (JSON lines) goes to a file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self.out = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve", "serve", "--port", "0", "--log-format", "json"]
+            + args,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = self._wait_for_port()
+        self._wait_healthy()
+
+    def _wait_for_port(self) -> str:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"kvserve serve exited with {self.proc.returncode}:\n{self.text()}")
+            m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.text())
+            if m:
+                return m.group(1)
+            time.sleep(0.1)
+        pytest.fail(f"kvserve serve did not start listening:\n{self.text()}")
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if httpx.get(f"{self.url}/health").status_code == 200:
+                return
+            time.sleep(0.1)
+        pytest.fail(f"kvserve serve never became healthy:\n{self.text()}")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text().splitlines() if line.startswith("{")]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+
+
+def _metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """`/metrics` parsed by prometheus-client: {sample name: value} for unlabelled samples,
+    {sample name: {labels as tuple of pairs: value}} for labelled ones."""
+    r = httpx.get(f"{url}/metrics", headers=headers)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.labels:
+                key = tuple(sorted(s.labels.items()))
+                out.setdefault(s.name, {})[key] = s.value
+            else:
+                out[s.name] = s.value
+    return out
+
+
+def _wait_idle(url: str, headers: dict[str, str] | None = None, timeout: float = 20) -> dict:
+    """Waits until no sequence runs or waits and no K/V block is referenced; the metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url, headers)
+        used = m["kvserve_kv_blocks"][(("state", "used"),)]
+        if used == 0 and m["kvserve_running"] == 0 and m["kvserve_queue_depth"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server did not go idle: used={used} running={m['kvserve_running']}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = Server(
+        [
+            "--model", str(model_path), "--threads", "2", "--parallel", str(PARALLEL),
+            "--ctx-size", str(CTX), "--kv-memory", "16MiB", "--max-queue", "64",
+            "--max-body", str(MAX_BODY),
+        ],
+        log,
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(model_path: Path) -> Model:
+    return Model(model_path, threads=1)
+
+
+# -- completions ------------------------------------------------------------------------------
+
+
+def test_greedy_completion_is_model_generate(client: openai.OpenAI, model: Model) -> None:
+    for prompt, n in ((PROMPT, 16), (STORY, 24)):
+        want = model.generate(prompt, max_tokens=n)
+        got = client.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0)
+        assert got.object == "text_completion"
+        assert got.id.startswith("cmpl-")
+        (choice,) = got.choices
+        assert choice.text == want.text
+        assert choice.finish_reason == want.finish_reason
+        assert got.usage is not None
+        assert got.usage.prompt_tokens == want.prompt_tokens
+        assert got.usage.completion_tokens == len(want.tokens)
+        assert got.usage.total_tokens == want.prompt_tokens + len(want.tokens)
+        assert got.model == model.path.name.removesuffix(".gguf")
+
+
+def test_stream_gives_the_same_text_as_non_stream(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=20)
+    chunks = list(
+        client.completions.create(
+            model="any",
+            prompt=STORY,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == want.finish_reason and all(f is None for f in finals[:-1])
+    assert len(finals) > 2  # streamed in pieces, not one block
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (want.prompt_tokens, len(want.tokens))
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_ends_with_done(server: Server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    json.loads(lines[-2][len("data: ") :])  # the rest are JSON chunks
+
+
+def test_max_tokens_and_length(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=3)
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=3)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, "length")
+    assert got.usage is not None and got.usage.completion_tokens == 3
+
+
+def test_default_max_tokens_is_16(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=16, ignore_eos=True)
+    got = client.completions.create(model="m", prompt=STORY, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.text
+    assert got.usage is not None and got.usage.completion_tokens == 16
+
+
+def test_stop(client: openai.OpenAI, model: Model) -> None:
+    full = model.generate(STORY, max_tokens=24).text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[2]
+    cut = full[: full.index(stop)]
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=24, stop=[stop, "\x00"])
+    assert got.choices[0].text == cut
+    assert got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="m", prompt=STORY, max_tokens=24, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_seed_and_n(client: openai.OpenAI) -> None:
+    """A sampled request with a seed repeats; with n > 1, choice j is what a single request
+    with seed + j gives."""
+
+    def one(seed: int) -> str:
+        r = client.completions.create(
+            model="m",
+            prompt=STORY,
+            max_tokens=12,
+            temperature=1.2,
+            seed=seed,
+            extra_body={"top_k": 40, "min_p": 0.01},
+        )
+        return r.choices[0].text
+
+    a = one(7)
+    assert one(7) == a
+    singles = [a, one(8), one(9)]
+    assert len(set(singles)) > 1, singles  # different seeds draw differently
+    many = client.completions.create(
+        model="m",
+        prompt=STORY,
+        max_tokens=12,
+        temperature=1.2,
+        seed=7,
+        n=3,
+        extra_body={"top_k": 40, "min_p": 0.01},
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == singles
+
+
+def test_n_greedy_shares_the_prompt(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=8)
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=8, n=3)
+    assert [c.text for c in got.choices] == [want.text] * 3
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == want.prompt_tokens  # counted once
+    assert got.usage.completion_tokens == 3 * len(want.tokens)
+
+
+def test_prompt_forms(client: openai.OpenAI, model: Model) -> None:
+    """Token ids are fed as they are; a list of prompts gets n choices each, in order."""
+    ids = model.tokenize(PROMPT, add_special=True, parse_special=True)
+    want = model.generate(PROMPT, max_tokens=6).text
+    story = model.generate(STORY, max_tokens=6).text
+    by_ids = client.completions.create(model="m", prompt=ids, max_tokens=6)
+    assert by_ids.choices[0].text == want
+    many = client.completions.create(model="m", prompt=[PROMPT, STORY], max_tokens=6, n=2)
+    assert [c.text for c in many.choices] == [want, want, story, story]
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    lists = client.completions.create(model="m", prompt=[ids, ids], max_tokens=6)
+    assert [c.text for c in lists.choices] == [want, want]
+
+
+def test_cached_tokens(client: openai.OpenAI, model: Model) -> None:
+    """The second time, the whole 16-token blocks of the prompt (all but its last token) are
+    reused: (n_prompt - 1) // 16 * 16 cached tokens (docs/KV_SEMANTICS.md)."""
+    prompt = "A long and winding prompt about nothing in particular. " * 5 + "Unique tail 91."
+    n_prompt = len(model.tokenize(prompt, add_special=True, parse_special=True))
+    assert n_prompt > 40
+    client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
+
+
+# -- the other routes -------------------------------------------------------------------------
+
+
+def test_models(client: openai.OpenAI, model: Model) -> None:
+    (m,) = client.models.list().data
+    assert m.id == model.path.name.removesuffix(".gguf")
+    assert m.object == "model"
+
+
+def test_tokenize_detokenize(server: Server, model: Model) -> None:
+    text = "Hello, world! <|im_start|> ünïcödé"
+    r = httpx.post(f"{server.url}/tokenize", json={"content": text})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == model.tokenize(text, add_special=False, parse_special=True)
+    r = httpx.post(f"{server.url}/tokenize", json={"content": text, "add_special": True})
+    ids = model.tokenize(text, add_special=True, parse_special=True)
+    assert r.json()["tokens"] == ids
+    r = httpx.post(f"{server.url}/tokenize", json={"content": "Hi there", "with_pieces": True})
+    pieces = r.json()["tokens"]
+    want = model.tokenize("Hi there", add_special=False, parse_special=True)
+    assert [p["id"] for p in pieces] == want
+    assert "".join(p["piece"] for p in pieces) == "Hi there"
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json()["content"] == model.detokenize(ids)
+
+
+def test_health(server: Server) -> None:
+    r = httpx.get(f"{server.url}/health")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+
+
+def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
+    """An app that loads its engine at startup answers /health 503 (and other routes 503
+    with an error body) until the engine is ready."""
+    import uvicorn
+
+    release = threading.Event()
+    engines: list[Engine] = []
+
+    def load() -> Engine:
+        release.wait(60)
+        engines.append(Engine(model_path, threads=1, parallel=1, ctx_size=64))
+        return engines[0]
+
+    app = create_app(ServerConfig(), load=load)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.get(f"{url}/health")
+        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        r = httpx.get(f"{url}/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "1"
+        release.set()
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine never became ready"
+            time.sleep(0.02)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        release.set()
+        srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+    assert engines and engines[0]._closed  # the app closed the engine it loaded
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+_BAD: list[tuple[str, Any, int, str | None, str]] = [
+    # (route, body (bytes: sent raw), status, param, a word of the message)
+    ("/v1/completions", b'{"prompt": "x", ', 400, None, "JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "object"),
+    ("/v1/completions", b"", 400, None, "JSON"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "must be one of"),
+    ("/v1/completions", {"prompt": ["a", 1]}, 400, "prompt", "must be one of"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "greater"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_k": -1}, 400, "top_k", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "min_p": 2}, 400, "min_p", "[0, 1]"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "greater"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "n", "less"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "greater"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", "must be one of"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "not permitted"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt", "token id"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt", "token id"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "array"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "role"),
+    ("/tokenize", {"text": "x"}, 400, "content", "required"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token id"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "integer"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param", "word"), _BAD)
+def test_bad_requests_get_openai_errors(
+    server: Server, route: str, body: Any, status: int, param: str | None, word: str
+) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(f"{server.url}{route}", content=body)
+    else:
+        r = httpx.post(f"{server.url}{route}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert word in error["message"], error
+
+
+def test_prompt_too_long_names_both_numbers(server: Server, model: Model) -> None:
+    prompt = "word " * (CTX + 20)
+    n = len(model.tokenize(prompt, add_special=True, parse_special=True))
+    assert n > CTX
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert str(n) in error["message"] and str(CTX) in error["message"], error
+
+
+def test_body_too_large_is_413(server: Server) -> None:
+    big = json.dumps({"prompt": "x" * MAX_BODY})
+    r = httpx.post(f"{server.url}/v1/completions", content=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "body_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks())
+    assert r.status_code == 413
+
+
+def test_unknown_route_and_method(server: Server) -> None:
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_bad_input_leaves_the_server_serving(client: openai.OpenAI, model: Model) -> None:
+    """After every error case above (the module runs them first), the server still answers
+    correctly."""
+    want = model.generate(PROMPT, max_tokens=5).text
+    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=5).choices[0].text == want
+
+
+def test_openai_client_raises_on_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", temperature=-1)
+    assert info.value.status_code == 400
+    assert info.value.param == "temperature"  # type: ignore[attr-defined]
+
+
+# -- disconnects, load, metrics ---------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_cancels(server: Server) -> None:
+    """A client that goes away mid-stream has its request cancelled: the engine stops
+    generating for it and its blocks are released (KV back to the idle baseline)."""
+    before = _wait_idle(server.url)
+    body = {"prompt": STORY, "max_tokens": CTX - 40, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()  # kept: dropping it would close the connection
+        assert next(line for line in lines if line).startswith("data: ")
+        assert _metrics(server.url)["kvserve_running"] == 1
+    # the response is closed: the connection is gone
+    after = _wait_idle(server.url)
+    generated = after["kvserve_generated_tokens_total"] - before["kvserve_generated_tokens_total"]
+    assert generated < (CTX - 40) / 2, generated  # stopped long before max_tokens
+
+
+def test_disconnect_while_waiting_for_a_non_stream_answer(server: Server) -> None:
+    before = _wait_idle(server.url)
+    body = {"prompt": STORY, "max_tokens": CTX - 40, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    after = _wait_idle(server.url)
+    generated = after["kvserve_generated_tokens_total"] - before["kvserve_generated_tokens_total"]
+    assert generated < (CTX - 40) / 2, generated
+    requests = after["kvserve_requests_total"]
+    assert requests[(("route", "/v1/completions"), ("status", "499"))] >= 1
+
+
+def test_32_concurrent_streams(server: Server, model: Model) -> None:
+    """32 streaming clients at once (PARALLEL decode, the rest queue): every stream completes
+    with the greedy text, and the K/V pool is back to its idle baseline afterwards."""
+    want = {p: model.generate(p, max_tokens=6).text for p in (PROMPT, STORY)}
+
+    async def one(http: httpx.AsyncClient, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 6, "stream": True}
+        text = []
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)
+
+    async def run() -> list[tuple[str, str]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            prompts = [PROMPT if i % 2 else STORY for i in range(32)]
+            texts = await asyncio.wait_for(
+                asyncio.gather(*(one(http, p) for p in prompts)), timeout=240
+            )
+            return list(zip(prompts, texts))
+
+    for prompt, text in asyncio.run(run()):
+        assert text == want[prompt]
+    _wait_idle(server.url)
+
+
+def test_metrics(server: Server, client: openai.OpenAI) -> None:
+    before = _wait_idle(server.url)
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=8, stream=False)
+    after = _wait_idle(server.url)
+    assert got.usage is not None
+
+    def delta(name: str) -> float:
+        return float(after[name] - before[name])
+
+    assert delta("kvserve_generated_tokens_total") == got.usage.completion_tokens
+    assert delta("kvserve_prompt_tokens_total") == got.usage.prompt_tokens
+    assert got.usage.prompt_tokens_details is not None
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert delta("kvserve_cached_prompt_tokens_total") == cached
+    assert delta("kvserve_time_to_first_token_seconds_count") == 1
+    assert delta("kvserve_inter_token_latency_seconds_count") >= 1
+    assert delta("kvserve_request_duration_seconds_count") == 1
+    key = (("route", "/v1/completions"), ("status", "200"))
+    assert after["kvserve_requests_total"][key] - before["kvserve_requests_total"].get(key, 0) == 1
+    blocks = after["kvserve_kv_blocks"]
+    total = after["kvserve_kv_blocks_total"]
+    assert sum(blocks.values()) == total > 0
+    assert blocks[(("state", "used"),)] == 0 and after["kvserve_kv_usage_ratio"] == 0
+    hit = after["kvserve_prefix_hit_rate"]
+    assert hit == pytest.approx(
+        after["kvserve_cached_prompt_tokens_total"] / after["kvserve_prompt_tokens_total"]
+    )
+    for name in ("kvserve_evictions_total", "kvserve_preemptions_total", "kvserve_sessions"):
+        assert name in after
+
+
+def test_access_log(server: Server) -> None:
+    body = {"prompt": STORY, "max_tokens": 5, "user": "alice"}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    rid = r.headers["x-request-id"]
+    assert r.json()["id"] == f"cmpl-{rid}"
+    usage = r.json()["usage"]
+    deadline = time.monotonic() + 10
+    while True:
+        entries = [e for e in server.records() if e.get("id") == rid]
+        if entries or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    (entry,) = entries
+    assert entry["logger"] == "kvserve.access"
+    assert entry["status"] == 200 and entry["route"] == "/v1/completions"
+    assert entry["user"] == "alice"
+    assert entry["prompt_tokens"] == usage["prompt_tokens"]
+    assert entry["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert entry["completion_tokens"] == usage["completion_tokens"]
+    assert 0 < entry["ttft_ms"] <= entry["total_ms"]
+
+
+# -- a server configured by the environment: API key, queue limit ------------------------------
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def locked(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("locked")
+    (tmp / "key").write_text(KEY + "\n")
+    env = {
+        "KVSERVE_MODEL": str(model_path),
+        "KVSERVE_THREADS": "1",
+        "KVSERVE_PARALLEL": "1",
+        "KVSERVE_MAX_QUEUE": "1",
+        "KVSERVE_CTX_SIZE": str(CTX),
+        "KVSERVE_KV_MEMORY": "8MiB",
+        "KVSERVE_API_KEY_FILE": str(tmp / "key"),
+    }
+    srv = Server([], tmp / "server.log", env)
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_api_key(locked: Server) -> None:
+    url = locked.url
+    assert httpx.get(f"{url}/health").status_code == 200  # /health needs no key
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, route in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("GET", "/metrics"),
+        ):
+            r = httpx.request(method, f"{url}{route}", headers=headers, json={"prompt": "x"})
+            assert r.status_code == 401, (headers, route)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert good.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_queue_overflow_is_503(locked: Server) -> None:
+    """--parallel 1 and --max-queue 1: one request runs, one waits, the third gets 503 with
+    Retry-After; once they are gone, requests are served again."""
+    url = locked.url
+    long = {"prompt": STORY, "max_tokens": CTX - 40, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60, headers=AUTH) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=long) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # kept: dropping it would close the connection
+            assert next(line for line in lines if line).startswith("data: ")
+            with http.stream("POST", f"{url}/v1/completions", json=long) as waiting:
+                assert waiting.status_code == 200
+                r = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                assert r.status_code == 503
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "queue_full"
+                assert _metrics(url, AUTH)["kvserve_queue_depth"] == 1
+        _wait_idle(url, AUTH)
+        r = http.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, env in (
+        ("--model", "KVSERVE_MODEL"),
+        ("--host", "KVSERVE_HOST; default: 127.0.0.1"),
+        ("--port", "KVSERVE_PORT; default: 8080"),
+        ("--threads", "KVSERVE_THREADS"),
+        ("--parallel", "KVSERVE_PARALLEL"),
+        ("--ctx-size", "KVSERVE_CTX_SIZE"),
+        ("--kv-memory", "KVSERVE_KV_MEMORY"),
+        ("--kv-type", "KVSERVE_KV_TYPE"),
+        ("--batch-tokens", "KVSERVE_BATCH_TOKENS"),
+        ("--max-queue", "KVSERVE_MAX_QUEUE"),
+        ("--api-key", "KVSERVE_API_KEY"),
+        ("--api-key-file", "KVSERVE_API_KEY_FILE"),
+        ("--log-format", "KVSERVE_LOG_FORMAT"),
+    ):
+        assert flag in out and f"[{env}" in out, (flag, env)
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        ({"KVSERVE_PORT": "http"}, [], "KVSERVE_PORT: expected an integer >= 0"),
+        ({"KVSERVE_PARALLEL": "0"}, [], "KVSERVE_PARALLEL: expected a positive integer"),
+        ({"KVSERVE_KV_MEMORY": "lots"}, [], "KVSERVE_KV_MEMORY: expected a size"),
+        ({"KVSERVE_LOG_FORMAT": "xml"}, [], "KVSERVE_LOG_FORMAT: expected one of text, json"),
+        ({}, ["--api-key", "a", "--api-key-file", "f"], "not both"),
+        ({}, ["--kv-type", "q4"], "expected one of f16, q8_0, f32"),
+    ],
+)
+def test_serve_bad_settings_are_one_line_errors(
+    env: dict[str, str],
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    status: int | str | None
+    try:
+        status = cli_main(["serve", *args])
+    except SystemExit as e:  # argparse's errors exit (with the same one-line contract)
+        status = e.code
+    assert status == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvserve: error: ") and message in err, err
