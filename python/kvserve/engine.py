@@ -49,9 +49,9 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from typing_extensions import Unpack
@@ -70,6 +70,9 @@ from ._model import (
 from .options import RequestOptions, resolve
 from .sampling import Sampler
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .chat import Message
 
 __all__ = ["Engine", "parse_size"]
 
@@ -330,12 +333,15 @@ class Engine:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, prompt: str, max_tokens: int, options: RequestOptions) -> _Request:
-        """Validates everything and builds the request (nothing is queued yet)."""
+    def _request(
+        self, prompt: str | list[int], max_tokens: int, options: RequestOptions
+    ) -> _Request:
+        """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
+        text or the token ids to feed (a chat prompt)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
-        ids = prompt_ids(self.model, prompt)
+        ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else prompt
         if len(ids) > self._seq_limit:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
@@ -366,7 +372,9 @@ class Engine:
     ) -> GenerateResult:
         """Complete ``prompt`` (blocking; any thread). ``options``: see
         :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``)."""
-        req = self._request(prompt, max_tokens, options)
+        return self._wait(self._request(prompt, max_tokens, options))
+
+    def _wait(self, req: _Request) -> GenerateResult:
         sink = _FutureSink()
         req.sink = sink
         self._submit(req)
@@ -383,7 +391,9 @@ class Engine:
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """:meth:`generate` for asyncio; cancelling the task cancels the request."""
-        req = self._request(prompt, max_tokens, options)
+        return await self._await(self._request(prompt, max_tokens, options))
+
+    async def _await(self, req: _Request) -> GenerateResult:
         sink = _LoopSink(asyncio.get_running_loop(), stream=False)
         req.sink = sink
         self._submit(req)
@@ -420,6 +430,39 @@ class Engine:
                 yield item
         finally:
             self._cancel(req)
+
+    # -- chat --------------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (blocking; any thread): the model's chat template with the
+        generation prompt (:meth:`Model.tokenize_chat`), then as :meth:`generate`. Bad messages
+        and template errors raise ``ValueError`` at the call, before anything is queued."""
+        return self._wait(self._request(self.model.tokenize_chat(messages), max_tokens, options))
+
+    async def achat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """:meth:`chat` for asyncio; cancelling the task cancels the request."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return await self._await(req)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str, None]:
+        """:meth:`stream` for a chat: the reply's text pieces; arguments and messages are
+        checked at the call."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return self._stream(req)
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
