@@ -61,7 +61,7 @@ def spy_rows(engine: Engine) -> list[np.ndarray]:
         rows.append(batch[0].astype(np.float64))
         return sample(reqs, batch)
 
-    engine._sample = spy  # type: ignore[method-assign]
+    engine._sample = spy  # type: ignore[method-assign,assignment]
     return rows
 
 
