@@ -218,6 +218,16 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _bool(text: str) -> bool:
+    """An environment variable's boolean: 1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+
 def _port(text: str) -> int:
     value = _nonneg_int(text)
     if value > 65535:
@@ -231,6 +241,8 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
     (("-m", "--model"), "PATH", "KVSERVE_MODEL", str, None,
      "GGUF model file or registered model name (default: the default model, downloaded on"
      " first use)"),
+    (("--chat-template-file",), "PATH", "KVSERVE_CHAT_TEMPLATE_FILE", str, None,
+     "a Jinja chat template to use instead of the model's"),
     (("--host",), "ADDR", "KVSERVE_HOST", str, "127.0.0.1", "address to listen on"),
     (("--port",), "N", "KVSERVE_PORT", _port, 8080, "port to listen on (0: any free port)"),
     (("-t", "--threads"), "N", "KVSERVE_THREADS", _positive_int, None,
@@ -245,6 +257,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "K/V element type (q8_0: half the memory of f16)"),
     (("--batch-tokens",), "N", "KVSERVE_BATCH_TOKENS", _positive_int, 512,
      "prompt tokens computed per step (chunked prefill)"),
+    (("--context-shift",), "", "KVSERVE_CONTEXT_SHIFT", _bool, False,
+     "when a sequence fills --ctx-size, drop the older half of its tokens (after n_keep) and"
+     " go on, as llama.cpp's --context-shift (a request's context_shift field overrides it)"),
     (("--max-queue",), "N", "KVSERVE_MAX_QUEUE", _nonneg_int, 256,
      "sequences that may wait beyond --parallel; past that 503 with Retry-After"),
     (("--api-key",), "KEY", "KVSERVE_API_KEY", str, None,
@@ -292,12 +307,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key = f.readline().strip()
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty")
+    template = None
+    if s["chat_template_file"] is not None:
+        with open(s["chat_template_file"], encoding="utf-8") as f:
+            template = f.read()
     model = s["model"]
     if model is None or (model in REGISTRY and not os.path.exists(model)):
         model = str(models.pull(model))  # progress bar on a terminal; cached after the first
     serve(
         ServerConfig(
             model=model,
+            chat_template=template,
             host=s["host"],
             port=s["port"],
             threads=s["threads"],
@@ -306,6 +326,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_memory=s["kv_memory"],
             kv_type=s["kv_type"],
             batch_tokens=s["batch_tokens"],
+            context_shift=s["context_shift"],
             max_queue=s["max_queue"],
             api_key=api_key,
             log_format=s["log_format"],
@@ -396,9 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flags, metavar, env, parse, default, text in _SERVE_FLAGS:
         shown = "" if default is None else f"; default: {default}"
-        p.add_argument(
-            *flags, dest=_dest(flags), metavar=metavar, type=parse, help=f"{text} [{env}{shown}]"
-        )
+        if parse is _bool:  # a switch: present = on; its variable takes 1/0, true/false, ...
+            p.add_argument(
+                *flags, dest=_dest(flags), action="store_const", const=True, help=f"{text} [{env}]"
+            )
+        else:
+            p.add_argument(
+                *flags,
+                dest=_dest(flags),
+                metavar=metavar,
+                type=parse,
+                help=f"{text} [{env}{shown}]",
+            )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="download and cache a registered model; print its path")

@@ -34,7 +34,14 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from .._model import FINISH_CONTEXT, FINISH_LENGTH, EngineError, GenerateResult, KvCacheFull
+from .._model import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    EngineError,
+    GenerateResult,
+    KvCacheFull,
+    Model,
+)
 from ..engine import Engine
 from ..options import RequestOptions
 from .config import ServerConfig
@@ -54,20 +61,25 @@ log = logging.getLogger("kvserve.server")
 
 Prompt = Union[str, list[int]]
 
-# HTTP field -> engine option (kvserve.options.RequestOptions). A field whose option the
-# engine does not have is refused with a 400 naming it, never silently ignored.
+# HTTP field -> engine option (kvserve.options.RequestOptions); a new engine option is one line
+# here and one field in schemas.py. A field whose option the engine does not have is refused
+# with a 400 naming it, never silently ignored.
 _OPTION_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
+    "typical_p": "typical_p",
     "seed": "seed",
     "stop": "stop",
     "ignore_eos": "ignore_eos",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repeat_penalty",
+    "repeat_last_n": "penalty_last_n",
     "logit_bias": "logit_bias",
+    "context_shift": "context_shift",
+    "n_keep": "n_keep",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
@@ -89,8 +101,8 @@ def _bad_value(error: Exception, prompt_param: str) -> ApiError:
     message = str(error)
     if _PROMPT_TOO_LONG.match(message):
         return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
-    first = message.split(" ", 1)[0]
-    param = _HTTP_NAME.get(first, first if first == "max_tokens" else None)
+    first = message.split(" ", 1)[0]  # the engine's messages start with the option's name
+    param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs") else None)
     if message.startswith("prompt token"):
         param = prompt_param
     return ApiError(400, message, param=param, code="invalid_value")
@@ -434,13 +446,19 @@ def create_app(
     """The ASGI app. With ``engine`` it serves that engine (and never closes it); otherwise it
     builds one at startup in a worker thread with ``load`` (default: ``Engine(config.model,
     **config.engine_kwargs())``), answering ``/health`` with 503 until it is ready, and closes
-    it at shutdown. ``on_load_error`` is called when loading fails (``serve`` stops then)."""
+    it at shutdown. ``on_load_error`` is called when loading fails (``serve`` stops then).
+    ``config.model`` is then a GGUF path, a registered name or None (the default model)."""
     config = config or ServerConfig()
     server = _Server(config, engine)
     owns_engine = engine is None
 
     def default_load() -> Engine:
-        return Engine(config.model, **config.engine_kwargs())
+        if config.chat_template is None:
+            return Engine(config.model, **config.engine_kwargs())
+        kwargs = config.engine_kwargs()
+        model = Model.load(config.model, kwargs.pop("threads"), chat_template=config.chat_template)
+        model.chat_template  # noqa: B018 - a template that does not compile fails the load
+        return Engine(model, **kwargs)
 
     loader = load or default_load
 

@@ -16,12 +16,15 @@ class ServerConfig:
     """``model``: a GGUF path or a registered model name (None: the default model).
     ``parallel``: sequences decoded at once; ``max_queue``: sequences that may wait beyond
     them (a request past that gets 503 with ``Retry-After``). ``ctx_size``, ``kv_memory``,
-    ``kv_type``, ``batch_tokens``, ``threads``: as :class:`kvserve.Engine` takes them.
+    ``kv_type``, ``batch_tokens``, ``threads``, ``context_shift`` (the default of the
+    per-request option): as :class:`kvserve.Engine` takes them.
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
     ``max_body``: the largest request body in bytes (413 beyond). ``model_id``: the id that
-    ``/v1/models`` and responses report (default: the model file's name without ``.gguf``)."""
+    ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
+    ``chat_template``: a Jinja chat template (its source) to use instead of the model's."""
 
     model: str | None = None
+    chat_template: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
     threads: int | None = None
@@ -30,6 +33,7 @@ class ServerConfig:
     kv_memory: int | str | None = None
     kv_type: str = "f16"
     batch_tokens: int = 512
+    context_shift: bool = False
     max_queue: int = 256
     api_key: str | None = None
     log_format: str = "text"
@@ -45,4 +49,5 @@ class ServerConfig:
             "kv_memory": self.kv_memory,
             "kv_type": self.kv_type,
             "batch_tokens": self.batch_tokens,
+            "context_shift": self.context_shift,
         }

@@ -54,12 +54,15 @@ class _Generation(_Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     ignore_eos: bool = False
-    # Sampling options the engine may not implement yet: accepted here, refused with a 400
-    # naming the field when the engine does not know them (see app._options).
+    typical_p: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    repeat_last_n: Optional[int] = None
     logit_bias: Optional[dict[str, float]] = None
+    # Context shift (llama.cpp's): None = the server's --context-shift.
+    context_shift: Optional[bool] = None
+    n_keep: Optional[int] = None
 
 
 class CompletionRequest(_Generation):
@@ -90,7 +93,7 @@ class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # OpenAI's limit
 
 
 class TokenizeRequest(_Body):
