@@ -532,6 +532,9 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt", "token id"),
     ("/v1/completions", {"prompt": [-1]}, 400, "prompt", "token id"),
+    ("/v1/completions", {"prompt": [[]]}, 400, "prompt", "no tokens"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, "JSON"),
+    ("/v1/completions", b"[" * 50_000, 400, None, "JSON"),  # nesting past the parser's limit
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "array"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "role"),

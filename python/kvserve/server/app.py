@@ -103,7 +103,7 @@ def _bad_value(error: Exception, prompt_param: str) -> ApiError:
         return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
     first = message.split(" ", 1)[0]  # the engine's messages start with the option's name
     param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs") else None)
-    if message.startswith("prompt token"):
+    if message.startswith(("prompt token", "the prompt")):
         param = prompt_param
     return ApiError(400, message, param=param, code="invalid_value")
 
