@@ -681,6 +681,52 @@ def test_disconnect_while_waiting_for_a_non_stream_answer(server: Server) -> Non
     assert requests[(("route", "/v1/completions"), ("status", "499"))] >= 1
 
 
+def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -> None:
+    """A streaming client that disconnects while the response has not even started (its
+    socket blocks the first write) gives its sequences back to the admission count, and no
+    request stays in the engine. Driven at the ASGI level, in this process."""
+    with Engine(model_path, threads=1, parallel=1, ctx_size=64, kv_memory="4MiB") as engine:
+        app = create_app(ServerConfig(max_queue=0), engine=engine)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 30, "stream": True}).encode()
+
+        async def one() -> None:
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await asyncio.sleep(0.05)
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                await asyncio.Event().wait()  # a client that never reads
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/v1/completions",
+                "raw_path": b"/v1/completions",
+                "query_string": b"",
+                "root_path": "",
+                "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1),
+                "server": ("127.0.0.1", 2),
+            }
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)  # type: ignore[arg-type]
+
+        for _ in range(3):  # with parallel 1 and no queue, a leaked sequence blocks the next
+            asyncio.run(one())
+        deadline = time.monotonic() + 10
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.02)
+        state = app.app.state.server  # type: ignore[attr-defined]
+        assert state.in_flight == 0
+
+
 def test_32_concurrent_streams(server: Server, model: Model) -> None:
     """32 streaming clients at once (PARALLEL decode, the rest queue): every stream completes
     with the greedy text, and the K/V pool is back to its idle baseline afterwards."""

@@ -195,6 +195,8 @@ class _Job:
         server.in_flight += count
 
     def release(self) -> None:
+        """Gives the request's sequences back to the admission count and fills in the access
+        log; idempotent (called when the merged stream ends and when the response ends)."""
         if not self.released:
             self.released = True
             self.server.in_flight -= len(self.gens)
@@ -292,6 +294,7 @@ class _Job:
             if not done.done():
                 done.cancel()
             await asyncio.gather(done, gone, return_exceptions=True)
+            self.release()  # also when consume() never started
         if done.cancelled():
             return False
         done.result()
@@ -749,7 +752,7 @@ def _stream(
         if access is not None:
             access["disconnected"] = True
 
-    return EventStream(events(), on_disconnect=disconnected)
+    return EventStream(events(), on_disconnect=disconnected, on_close=job.release)
 
 
 _Body = TypeVar("_Body", bound=BaseModel)

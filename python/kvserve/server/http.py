@@ -219,12 +219,15 @@ class EventStream(StreamingResponse):
     """``text/event-stream`` from an async generator of encoded events. It watches for the
     client's disconnect the whole time (not only when a write fails): when the client goes
     away the generator is closed at once (its ``finally`` cancels the generation, so the
-    engine frees its blocks at the next step) and ``on_disconnect`` is called."""
+    engine frees its blocks at the next step) and ``on_disconnect`` is called. ``on_close`` is
+    called in every case once the response is over, even if the generator never started (a
+    client gone before the first byte)."""
 
     def __init__(
         self,
         events: AsyncGenerator[bytes, None],
         on_disconnect: Callable[[], None] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(
             events,
@@ -233,6 +236,7 @@ class EventStream(StreamingResponse):
         )
         self.events = events
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
@@ -245,6 +249,8 @@ class EventStream(StreamingResponse):
                 task.cancel()
             results = await asyncio.gather(streaming, watching, return_exceptions=True)
             await self.events.aclose()
+            if self.on_close is not None:  # also when the generator never started
+                self.on_close()
         if gone and self.on_disconnect is not None:
             self.on_disconnect()
         error = results[0]
