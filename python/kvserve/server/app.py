@@ -478,7 +478,14 @@ def create_app(
                     if on_load_error is not None:
                         on_load_error(e)
                 else:
-                    log.info("model loaded: %s", server.model_id)
+                    engine, st = server.engine, server.engine.stats()
+                    log.info(
+                        "model loaded: %s (parallel=%d, ctx_size=%d, K/V pool of %d blocks)",
+                        server.model_id,
+                        engine.parallel,
+                        engine.ctx_size,
+                        st["kv_blocks_total"],
+                    )
 
             loading = asyncio.ensure_future(load_engine())
         try:
