@@ -298,7 +298,7 @@ def test_cached_tokens(client: openai.OpenAI, model: Model) -> None:
 
 # -- chat -------------------------------------------------------------------------------------
 
-CHAT = [
+CHAT: list[Any] = [  # Any: the openai client types messages as TypedDicts
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
@@ -306,7 +306,7 @@ CHAT = [
 
 def test_greedy_chat_is_model_chat(client: openai.OpenAI, model: Model) -> None:
     want = model.chat(CHAT, max_tokens=20)
-    got = client.chat.completions.create(model="m", messages=CHAT, max_tokens=20)  # type: ignore[arg-type]
+    got = client.chat.completions.create(model="m", messages=CHAT, max_tokens=20)
     assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
     (choice,) = got.choices
     assert choice.message.role == "assistant"
@@ -322,7 +322,7 @@ def test_greedy_chat_is_model_chat(client: openai.OpenAI, model: Model) -> None:
     ]
     got = client.chat.completions.create(
         model="m",
-        messages=parts,  # type: ignore[arg-type]
+        messages=parts,
         max_tokens=2,
         max_completion_tokens=20,
     )
@@ -334,7 +334,7 @@ def test_chat_stream_gives_the_same_text(client: openai.OpenAI, model: Model) ->
     chunks = list(
         client.chat.completions.create(
             model="m",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             max_tokens=20,
             stream=True,
             stream_options={"include_usage": True},
@@ -359,10 +359,10 @@ def test_chat_default_max_tokens_runs_to_the_end(client: openai.OpenAI, model: M
         < CTX - 30
     ):
         system += " Be kind."
-    messages = [{"role": "system", "content": system}, user]
+    messages: list[Any] = [{"role": "system", "content": system}, user]
     want = model.chat(messages, max_tokens=CTX, n_ctx=CTX)
     assert len(want.tokens) > 16
-    got = client.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
+    got = client.chat.completions.create(model="m", messages=messages)
     assert got.choices[0].message.content == want.text
     assert got.usage is not None and got.usage.completion_tokens == len(want.tokens)
 
@@ -377,21 +377,25 @@ def test_a_second_turn_reuses_the_first(client: openai.OpenAI, model: Model) -> 
     """Without sessions, the next turn of a chat finds the previous turn's prompt and reply in
     the prefix index: the whole blocks both share, up to what the first turn computed (its
     prompt and all generated tokens but the last) and all but the new prompt's last token."""
-    first = [
+    first: list[Any] = [
         {"role": "system", "content": "You answer in one short sentence. " * 4},
         {"role": "user", "content": "Name a large animal."},
     ]
-    r1 = client.chat.completions.create(model="m", messages=first, max_tokens=24)  # type: ignore[arg-type]
+    r1 = client.chat.completions.create(model="m", messages=first, max_tokens=24)
     reply = r1.choices[0].message.content or ""
     assert r1.usage is not None
     ids1 = model.tokenize_chat(first)
     done1 = ids1 + model.chat(first, max_tokens=24).tokens
-    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    second: list[Any] = [
+        *first,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Why?"},
+    ]
     ids2 = model.tokenize_chat(second)
     common = next((i for i, (a, b) in enumerate(zip(done1, ids2)) if a != b), len(ids2))
     want = min(common, len(done1) - 1, len(ids2) - 1) // 16 * 16
     assert want >= len(ids1) // 16 * 16  # at least the first prompt's whole blocks
-    r2 = client.chat.completions.create(model="m", messages=second, max_tokens=4)  # type: ignore[arg-type]
+    r2 = client.chat.completions.create(model="m", messages=second, max_tokens=4)
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
     assert r2.usage.prompt_tokens == len(ids2)
     assert r2.usage.prompt_tokens_details.cached_tokens == want
@@ -692,13 +696,13 @@ def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -
         async def one() -> None:
             messages = [{"type": "http.request", "body": body, "more_body": False}]
 
-            async def receive() -> dict[str, Any]:
+            async def receive() -> Any:
                 if messages:
                     return messages.pop()
                 await asyncio.sleep(0.05)
                 return {"type": "http.disconnect"}
 
-            async def send(message: dict[str, Any]) -> None:
+            async def send(message: Any) -> None:
                 await asyncio.Event().wait()  # a client that never reads
 
             scope = {
@@ -715,7 +719,7 @@ def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -
                 "client": ("127.0.0.1", 1),
                 "server": ("127.0.0.1", 2),
             }
-            await asyncio.wait_for(app(scope, receive, send), timeout=30)  # type: ignore[arg-type]
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)
 
         for _ in range(3):  # with parallel 1 and no queue, a leaked sequence blocks the next
             asyncio.run(one())
