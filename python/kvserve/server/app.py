@@ -608,7 +608,7 @@ def create_app(
                     400, f"{field} is not supported", param=field, code="unsupported_parameter"
                 )
         options = _logprobs_option(_options(body), body.logprobs)
-        _note_user(request, body.user)
+        _common_checks(request, body)
         job = _Job(
             server, request, _prompts(body.prompt), body.n, body.max_tokens or 16, options, "prompt"
         )
@@ -656,7 +656,7 @@ def create_app(
             )
         if body.logprobs:
             options = _logprobs_option(options, body.top_logprobs or 0)
-        _note_user(request, body.user)
+        _common_checks(request, body)
         ids = _chat_ids(engine, _messages(body))
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.ctx_size
         job = _Job(server, request, [ids], body.n, max_tokens, options, "messages")
@@ -716,11 +716,19 @@ async def _collect(job: _Job) -> bool:
         raise _runtime_error(e) from None
 
 
-def _note_user(request: Request, user: str | None) -> None:
-    if user is not None:
+def _common_checks(request: Request, body: CompletionRequest | ChatRequest) -> None:
+    """What both generation routes check and log alike."""
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            400,
+            "stream_options is only allowed with stream: true",
+            param="stream_options",
+            code="invalid_value",
+        )
+    if body.user is not None:
         access = request.scope.get(ACCESS)
         if access is not None:
-            access["user"] = user
+            access["user"] = body.user
 
 
 def _stream(
