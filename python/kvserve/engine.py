@@ -66,9 +66,10 @@ from ._model import (
     Model,
     StrPath,
     prompt_ids,
+    token_logprob,
 )
 from .options import RequestOptions, resolve
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprob
 from .textstream import TextStream
 
 __all__ = ["Engine", "parse_size"]
@@ -194,8 +195,9 @@ class _Request:
         stops: list[str],
         ignore_eos: bool,
         priority: int,
+        logprobs: int | None = None,
     ) -> None:
-        self.ids = ids  # prompt, then the generated tokens
+        self.ids = ids  # prompt, then the generated tokens (the penalties' history)
         self.n_prompt = len(ids)
         self.max_tokens = max_tokens
         self.sampler = sampler
@@ -211,14 +213,20 @@ class _Request:
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
         self.text = TextStream(stops)
         self.pieces: list[str] = []
+        # logprobs: alternatives per token (None: not asked); one entry per delivered token,
+        # appended as each is delivered (``pending_logprob``: the entry of the token just picked).
+        self.n_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        self.pending_logprob: TokenLogprob | None = None
 
     @property
     def n_generated(self) -> int:
         return len(self.ids) - self.n_prompt
 
     @property
-    def greedy(self) -> bool:
-        return self.sampler.params.is_greedy
+    def argmax_only(self) -> bool:
+        """Greedy without bias or penalties: the token is the argmax of the raw logits."""
+        return self.sampler.params.is_plain_greedy
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -334,13 +342,22 @@ class Engine:
         """Validates everything and builds the request (nothing is queued yet)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
+        # TypeError / ValueError naming the argument
+        opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
         ids = prompt_ids(self.model, prompt)
         if len(ids) > self._seq_limit:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
             )
-        return _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, opts.priority)
+        return _Request(
+            ids,
+            max_tokens,
+            opts.sampler,
+            opts.stops,
+            opts.ignore_eos,
+            opts.priority,
+            logprobs=opts.logprobs,
+        )
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -538,6 +555,7 @@ class Engine:
                 finish_reason=reason,
                 prompt_tokens=req.n_prompt,
                 cached_tokens=max(req.cached_tokens, 0),
+                logprobs=req.logprobs,
             )
         )
 
@@ -680,19 +698,22 @@ class Engine:
             self._recent.popleft()
 
     def _sample(self, reqs: list[_Request], rows: np.ndarray) -> list[int]:
-        """One token per row: greedy rows with one argmax over all of them (sampling.greedy's
-        rule, the first maximum, without its float64 copy); sampled rows each with the request's
-        own generator."""
+        """One token per row: plain greedy rows (no bias, no penalties) with one argmax over all
+        of them (sampling.greedy's rule, the first maximum, without its float64 copy); the
+        others each with the request's own sampler (bias and penalties over its tokens, then
+        greedy or its own generator). A request that asked for logprobs gets the picked
+        token's entry, from the raw row, in ``pending_logprob``."""
         picked = [0] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.greedy]
-        if greedy:
-            best = np.argmax(rows[greedy] if len(greedy) < len(reqs) else rows, axis=-1)
-            for i, tok in zip(greedy, best.tolist()):
+        plain = [i for i, r in enumerate(reqs) if r.argmax_only]
+        if plain:
+            best = np.argmax(rows[plain] if len(plain) < len(reqs) else rows, axis=-1)
+            for i, tok in zip(plain, best.tolist()):
                 picked[i] = tok
         for i, req in enumerate(reqs):
-            if req.greedy:
-                continue
-            picked[i] = req.sampler(rows[i])
+            if not req.argmax_only:
+                picked[i] = req.sampler(rows[i], req.ids)
+            if req.n_logprobs is not None:
+                req.pending_logprob = token_logprob(self.model, rows[i], picked[i], req.n_logprobs)
         return picked
 
     def _deliver(self, req: _Request, tok: int) -> int:
@@ -702,6 +723,9 @@ class Engine:
             self._finish(req, FINISH_STOP)
             return 0
         req.ids.append(tok)
+        if req.logprobs is not None and req.pending_logprob is not None:
+            req.logprobs.append(req.pending_logprob)
+            req.pending_logprob = None
         out = req.text.push(self._piece(tok))
         if out:
             req.pieces.append(out)
