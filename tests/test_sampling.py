@@ -101,6 +101,17 @@ def test_top_k_mask_matches_reference(rng: np.random.Generator, k: int) -> None:
         np.testing.assert_array_equal(g, want)
 
 
+@pytest.mark.parametrize("scale", [1.0, 10.0, 40.0])
+@pytest.mark.parametrize("k", [1, 3, 40, 299])
+def test_top_k_mask_of_one_row_matches_reference(
+    rng: np.random.Generator, scale: float, k: int
+) -> None:
+    # One row looks for the k largest near the maximum first: spread rows (scale 40) make it
+    # widen its window or partition the whole row.
+    for row in rng.normal(size=(3, 300)) * scale:
+        np.testing.assert_array_equal(top_k_mask(row, k), ref_top_k(row, k))
+
+
 def test_top_k_keeps_ties_at_boundary() -> None:
     x = np.array([1.0, 3.0, 2.0, 2.0, 0.0])
     assert top_k_mask(x, 2).tolist() == [False, True, True, True, False]
@@ -371,6 +382,15 @@ def test_seeded_draws_are_the_reference_draws(options: dict[str, object]) -> Non
     assert len(set(drawn)) > (1 if params.is_greedy else 10)
 
 
+def test_large_logits_do_not_overflow() -> None:
+    x = np.array([1000.0, 999.0, 0.0, -1000.0])
+    for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_p=0.9)):
+        p = probabilities(x, params)
+        np.testing.assert_allclose(p, ref_distribution(x, temperature=0.5, top_p=params.top_p))
+        assert Sampler(params, seed=0)(x) in (0, 1)
+        np.testing.assert_allclose(probabilities(np.stack([x, x]), params), [p, p])
+
+
 def test_all_options_do_not_modify_readonly_input() -> None:
     x = np.arange(100, dtype=np.float32) / 10
     x.flags.writeable = False
@@ -380,9 +400,16 @@ def test_all_options_do_not_modify_readonly_input() -> None:
     assert x.tolist() == (np.arange(100, dtype=np.float32) / 10).tolist()
 
 
-@pytest.mark.parametrize("n", [0, 1, 5, 20])
+@pytest.mark.parametrize("n", [0, 1, 5, 20, 25])
 def test_token_logprobs_match_log_softmax(rng: np.random.Generator, n: int) -> None:
-    row = (rng.normal(size=5000) * 3).astype(np.float32)
+    flat = (rng.normal(size=5000) * 3).astype(np.float32)
+    peaked = flat.copy()
+    peaked[[7, 4000]] = [60.0, 45.0]  # only these two lie within 16 of the maximum
+    for row in (flat, peaked):
+        check_token_logprobs(row, n)
+
+
+def check_token_logprobs(row: np.ndarray, n: int) -> None:
     lsm = ref_log_softmax(row)
     for token in (int(np.argmax(row)), 17, int(np.argmin(row))):
         logprob, top = token_logprobs(row, token, n)
@@ -400,5 +427,16 @@ def test_token_logprobs_ties_and_small_vocabularies() -> None:
     assert [t for t, _ in top] == [1, 2, 0, 3]  # all four, lower id first on the tie
     assert math.isclose(sum(math.exp(lp) for _, lp in top), 1.0, rel_tol=1e-12)
     assert logprob == top[1][1]
+    # A tie across the n-th place far below the maximum: the lower ids win.
+    tie = np.concatenate([np.zeros(60), [100.0], np.zeros(60)])
+    for n in (5, 25):  # argmax passes, and a partition for more than 20
+        _, top = token_logprobs(tie, 0, n)
+        assert [t for t, _ in top] == [60, *range(n - 1)]
+    # Entries of -inf (a banned logit) come last, lower id first, each once.
+    _, top = token_logprobs(np.array([-np.inf, 0.5, -np.inf, 2.0]), 1, 4)
+    assert [t for t, _ in top] == [3, 1, 0, 2] and top[2][1] == top[3][1] == -math.inf
+    wide = np.concatenate([[-np.inf, 0.5, -np.inf, 2.0], np.full(26, -np.inf)])
+    _, top = token_logprobs(wide, 1, 25)  # more than 20: the partition path
+    assert [t for t, _ in top] == [3, 1, 0, 2, *range(4, 25)]
     entry = TokenLogprob(2, b"\xe4\xb8", logprob, top)
     assert entry.text == "\ufffd"  # a partial character reads as U+FFFD

@@ -19,7 +19,8 @@ The chain, for one row of raw logits and the sequence's token history (see below
    filters are not used then.
 4. Otherwise the logits are divided by ``temperature`` and the filters run in this order:
    top-k, typical-p, top-p, min-p. Temperature first and top-k/top-p/min-p in that order is vLLM's
-   order; typical-p sits between top-k and top-p as it does in llama.cpp's default chain. A token
+   order; typical-p sits between top-k and top-p as it does in llama.cpp's default chain (so the
+   filters see the tempered distribution, where llama.cpp applies its temperature last). A token
    that a filter removes has probability exactly 0 and is never drawn; at least one token always
    survives.
 
@@ -42,6 +43,12 @@ Filters:
 Drawing: ``u = 1 - rng.random()`` (in (0, 1]); the token is the first index whose cumulative
 probability reaches ``u`` times the total. One draw per row per step, so with the same seed the
 same logits and history give the same tokens.
+
+Cost of one row (the engine's case): one float64 copy of the row, worked on in place; the
+penalties touch the window's distinct tokens only; top-k looks for its k near the maximum;
+typical-p and top-p sort only the candidates that provably hold what they keep; the later
+filters and the draw run on the surviving tokens. Batches (``(n_rows, n_vocab)``) take the
+plain whole-array path, which gives the same distribution.
 
 Log-probabilities (:func:`token_logprobs`) are those of the model's own distribution: the
 log-softmax of the raw logits, before bias, penalties, temperature and filters, as vLLM reports
@@ -126,12 +133,25 @@ def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
     return out
 
 
+# How far below the largest logit :func:`top_k_mask` first looks for the k largest of one row.
+_TOP_K_WINDOWS = (8.0, 16.0, 32.0)
+
+
 def top_k_mask(logits: npt.ArrayLike, k: int) -> npt.NDArray[np.bool_]:
     """Boolean mask of the tokens kept by top-k; ``k <= 0`` or ``k >= n_vocab`` keeps all."""
     x = _as_float64(logits)
     n = x.shape[-1]
     if k <= 0 or k >= n:
         return np.ones(x.shape, dtype=np.bool_)
+    if x.ndim == 1:
+        # One row: when at least k logits lie within ``window`` of the largest, the k-th
+        # largest is among them, so only they are partitioned (far fewer than n_vocab).
+        top = float(np.max(x))
+        for window in _TOP_K_WINDOWS:
+            near = x[x >= top - window]
+            if near.size >= k:
+                row_keep: npt.NDArray[np.bool_] = x >= np.partition(near, near.size - k)[-k]
+                return row_keep
     kth = np.partition(x, n - k, axis=-1)[..., n - k : n - k + 1]
     keep: npt.NDArray[np.bool_] = x >= kth
     return keep
@@ -172,9 +192,10 @@ def top_p_mask(probs: npt.ArrayLike, p: float) -> npt.NDArray[np.bool_]:
 
 def _entropy(pr: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """``-sum p log p`` along the last axis (0 log 0 = 0)."""
-    positive = pr > 0.0
-    logp = np.log(np.where(positive, pr, 1.0))
-    out: npt.NDArray[np.float64] = -np.sum(pr * logp, axis=-1)
+    terms = np.zeros_like(pr)
+    np.log(pr, out=terms, where=pr > 0.0)
+    np.multiply(pr, terms, out=terms)
+    out: npt.NDArray[np.float64] = -np.sum(terms, axis=-1)
     return out
 
 
@@ -445,8 +466,10 @@ _SLACK = 1e-9
 
 def _filtered_row(
     probs: npt.NDArray[np.float64], params: SamplingParams
-) -> npt.NDArray[np.float64]:
-    """:func:`_filtered` for one row without sorting the whole vocabulary.
+) -> tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.float64]]:
+    """:func:`_filtered` for one row without sorting the whole vocabulary: ``(cand, sub)``, the
+    filtered probabilities ``sub`` of the entries ``cand`` of ``probs`` (ascending; None: all
+    of them), every other entry having probability 0.
 
     typical-p and top-p sort, but what they keep lies among the more probable tokens: the
     first of them to run (typical-p, else top-p) runs on the candidates ``p >= c`` for the
@@ -458,7 +481,7 @@ def _filtered_row(
     only see what the first one kept."""
     tp, pp = params.typical_p, params.top_p
     if tp >= 1.0 and pp >= 1.0:
-        return _filtered(probs, 1.0, 1.0, params.min_p)
+        return None, _filtered(probs, 1.0, 1.0, params.min_p)
     entropy = float(_entropy(probs)) if tp < 1.0 else 0.0
     pmax = float(np.max(probs))
     for rel in _CUTOFFS:
@@ -479,9 +502,42 @@ def _filtered_row(
     else:
         sub = _renormalized(sub, _top_p_keep(sub, pp))
         sub = _filtered(sub, 1.0, 1.0, params.min_p)
-    out = np.zeros_like(probs)
-    out[cand] = sub
-    return out
+    return cand, sub
+
+
+def _row_distribution(
+    logits: npt.ArrayLike, params: SamplingParams, history: History | None
+) -> tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.float64]]:
+    """The whole chain for one row of raw logits (temperature > 0), kept sparse: ``(ids, p)``,
+    the probabilities ``p`` of the tokens ``ids`` (ascending; None: every token), every other
+    token having probability 0. One float64 copy of the row is made and worked on in place;
+    after top-k or a filter only the surviving tokens are carried on, so a 262k-entry row is
+    passed over a few times and the rest of the chain and the draw run on the survivors."""
+    z = _float64_copy(logits)
+    _add_bias(z, params.logit_bias)
+    if params.penalizes:
+        _penalize(
+            z,
+            history,
+            params.repeat_penalty,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.penalty_last_n,
+        )
+    z /= params.temperature
+    ids: npt.NDArray[np.intp] | None = None
+    if 0 < params.top_k < z.size:
+        ids = np.flatnonzero(top_k_mask(z, params.top_k))
+        z = z[ids]
+    # softmax's arithmetic, in place
+    top = float(np.max(z))
+    z -= top if math.isfinite(top) else 0.0
+    probs = np.exp(z, out=z)
+    probs /= np.sum(probs)
+    cand, probs = _filtered_row(probs, params)
+    if cand is not None:
+        ids = cand if ids is None else ids[cand]
+    return ids, probs
 
 
 def probabilities(
@@ -491,18 +547,23 @@ def probabilities(
 
     For greedy params this is one-hot on the argmax of the biased, penalized logits.
     """
-    x = adjusted_logits(logits, params, history)
     if params.is_greedy:
+        x = adjusted_logits(logits, params, history)
         onehot = np.zeros(x.shape, dtype=np.float64)
         np.put_along_axis(onehot, greedy(x)[..., None], 1.0, axis=-1)
         return onehot
+    if np.ndim(logits) == 1:
+        ids, p = _row_distribution(logits, params, history)
+        if ids is None:
+            return p
+        out = np.zeros(np.shape(logits), dtype=np.float64)
+        out[ids] = p
+        return out
+    x = adjusted_logits(logits, params, history)
     scaled = x / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:
-        scaled = np.where(top_k_mask(scaled, params.top_k), scaled, -np.inf)
-    probs = softmax(scaled)
-    if probs.ndim == 1:
-        return _filtered_row(probs, params)
-    return _filtered(probs, params.typical_p, params.top_p, params.min_p)
+        scaled[~top_k_mask(scaled, params.top_k)] = -np.inf
+    return _filtered(softmax(scaled), params.typical_p, params.top_p, params.min_p)
 
 
 def sample(
@@ -517,13 +578,19 @@ def sample(
         return greedy(logits)
     if params.is_greedy:
         return greedy(adjusted_logits(logits, params, history))
-    x = _as_float64(logits)
-    probs = probabilities(x, params, history)
-    cum = np.cumsum(probs, axis=-1)
-    # u in (0, 1]: the first index whose cumulative mass reaches u * total has probability > 0.
-    u = 1.0 - rng.random(size=x.shape[:-1] + (1,))
-    target = u * cum[..., -1:]
-    return np.asarray(np.sum(cum < target, axis=-1), dtype=np.intp)
+    if np.ndim(logits) == 1:
+        # One row, drawn from its sparse distribution: the running mass over the surviving
+        # tokens in id order is the whole row's (the others add exact zeros).
+        ids, p = _row_distribution(logits, params, history)
+        cum = np.cumsum(p, out=p)
+        # u in (0, 1]: the first token whose running mass reaches u * total has p > 0.
+        u = 1.0 - rng.random(size=(1,))
+        j = int(np.searchsorted(cum, u[0] * cum[-1], side="left"))  # cum is sorted
+        return np.asarray(j if ids is None else ids[j], dtype=np.intp)
+    probs = probabilities(logits, params, history)
+    cum = np.cumsum(probs, axis=-1, out=probs)
+    u = 1.0 - rng.random(size=probs.shape[:-1] + (1,))
+    return np.asarray(np.sum(cum < u * cum[..., -1:], axis=-1), dtype=np.intp)
 
 
 @dataclass
@@ -539,10 +606,9 @@ class Sampler:
 
     def __call__(self, logits: npt.ArrayLike, history: History | None = None) -> int:
         """Next token for one row of logits; ``history``: the sequence's tokens so far."""
-        x = _as_float64(logits)
-        if x.ndim != 1:
-            raise ValueError(f"expected one row of logits, got shape {x.shape}")
-        return int(sample(x, self.params, self.rng, history))
+        if np.ndim(logits) != 1:
+            raise ValueError(f"expected one row of logits, got shape {np.shape(logits)}")
+        return int(sample(logits, self.params, self.rng, history))
 
     def sample_rows(
         self, logits: npt.ArrayLike, history: History | None = None
@@ -576,17 +642,32 @@ def token_logprobs(
     logits: npt.ArrayLike, token: int, n: int
 ) -> tuple[float, list[tuple[int, float]]]:
     """For one row of raw logits: ``token``'s log-probability and the ``n`` most probable
-    tokens with theirs (most probable first, lower id first on ties). O(n_vocab): one
-    log-sum-exp pass and a partial sort."""
-    x = _as_float64(logits)
-    if x.ndim != 1:
-        raise ValueError(f"expected one row of logits, got shape {x.shape}")
+    tokens with theirs (most probable first, lower id first on ties). One float64 temporary
+    of the row: ``n`` argmax passes over it pick the best (cheaper than a partition for the
+    n <= 20 that ``logprobs`` allows), then one log-sum-exp pass."""
+    x = np.asarray(logits)
+    if x.dtype != np.float32:
+        x = _as_float64(x)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"expected one non-empty row of logits, got shape {x.shape}")
     m = float(np.max(x))
-    lse = m + math.log(float(np.sum(np.exp(x - m))))
-    chosen = float(x[token]) - lse
+    work = np.subtract(x, m, dtype=np.float64)
     n = min(n, x.size)
-    if n <= 0:
-        return chosen, []
-    idx = np.argpartition(-x, n - 1)[:n] if n < x.size else np.arange(x.size)
-    idx = idx[np.lexsort((idx, -x[idx]))]
-    return chosen, [(int(i), float(x[i]) - lse) for i in idx]
+    best: list[int] = []
+    if n > MAX_LOGPROBS:
+        part = np.argpartition(-work, n - 1)[:n] if n < x.size else np.arange(x.size)
+        tied = np.flatnonzero(work >= float(np.min(work[part])))  # ties broken by id below
+        best = tied[np.lexsort((tied, -work[tied]))][:n].tolist()
+    else:
+        for _ in range(n):
+            i = int(np.argmax(work))  # the first maximum: lower id first on ties
+            if work[i] == -np.inf:  # only -inf left: the lowest ids not taken yet
+                taken = set(best)
+                best += [j for j in range(x.size) if j not in taken][: n - len(best)]
+                break
+            best.append(i)
+            work[i] = -np.inf
+        for i in best:
+            work[i] = float(x[i]) - m  # as np.subtract computed it
+    lse = m + math.log(float(np.sum(np.exp(work, out=work))))
+    return float(x[token]) - lse, [(i, float(x[i]) - lse) for i in best]
