@@ -22,10 +22,11 @@ One step:
    back to the waiting queue with its place and is later resumed by recomputing its prompt and
    generated tokens, with prefix reuse), and the batch is rebuilt and retried. Only a request
    that cannot fit when it runs alone fails (``KvCacheFull``);
-5. sample every row at once (greedy rows with one argmax over the batch; sampled rows with
-   each request's own seeded generator, so a seeded request gives the same tokens whatever
-   else is in the batch), deliver the text, check end-of-generation, stop strings, max_tokens
-   and ``ctx_size``, and retire finished sequences.
+5. sample every row at once (greedy rows without logit bias or penalties with one argmax over
+   the batch; the others with each request's own sampler: bias and penalties over its tokens,
+   then argmax or its own seeded generator, so a seeded request gives the same tokens whatever
+   else is in the batch), deliver the text (and the token's logprobs when asked), check
+   end-of-generation, stop strings, max_tokens and ``ctx_size``, and retire finished sequences.
 
 Per-step cost: O(R + T + W_admitted) Python work plus the argmax/sampling over R rows of
 ``n_vocab`` logits, where R is the number of running sequences (at most ``parallel``), T the
@@ -49,9 +50,9 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from typing_extensions import Unpack
@@ -71,6 +72,9 @@ from ._model import (
 from .options import RequestOptions, resolve
 from .sampling import Sampler, TokenLogprob
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .chat import Message
 
 __all__ = ["Engine", "parse_size"]
 
@@ -213,6 +217,11 @@ class _Request:
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
         self.text = TextStream(stops)
         self.pieces: list[str] = []
+        # Context shift: the sequence holds ids[:keep] + ids[keep + shift:] at positions 0, 1,
+        # ...; n_done and the plan's indices count in that view (see context()).
+        self.context_shift = False
+        self.keep = 0
+        self.shift = 0
         # logprobs: alternatives per token (None: not asked); one entry per delivered token,
         # appended as each is delivered (``pending_logprob``: the entry of the token just picked).
         self.n_logprobs = logprobs
@@ -222,6 +231,25 @@ class _Request:
     @property
     def n_generated(self) -> int:
         return len(self.ids) - self.n_prompt
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the sequence's context (prompt and output less what shifts dropped)."""
+        return len(self.ids) - self.shift
+
+    def context(self, a: int = 0, b: int | None = None) -> list[int]:
+        """Tokens ``[a, b)`` of the context (``b`` None: to its end); token ``i`` sits at
+        position ``i``. Without a shift this is ``ids[a:b]`` (no copy for the whole)."""
+        ids, keep, shift = self.ids, self.keep, self.shift
+        if b is None:
+            b = len(ids) - shift
+        if shift == 0:
+            return ids if (a, b) == (0, len(ids)) else ids[a:b]
+        if b <= keep:
+            return ids[a:b]
+        if a >= keep:
+            return ids[a + shift : b + shift]
+        return ids[a:keep] + ids[keep + shift : b + shift]
 
     @property
     def argmax_only(self) -> bool:
@@ -255,7 +283,10 @@ class Engine:
     (shared with its other contexts of the same ``kv_type``); if it exists already and is in
     use, it is shared as it is. ``batch_tokens``: tokens per step for prompts (chunked prefill;
     generating sequences always get their one token). ``prefix_cache``: reuse and publish
-    cached prompt prefixes.
+    cached prompt prefixes. ``context_shift``: the default of the per-request option (a
+    sequence that reaches ``ctx_size`` drops the older half of its context after ``n_keep``
+    tokens and goes on, as llama.cpp's ``--context-shift``; off: it finishes with
+    ``finish_reason="context"``).
     """
 
     def __init__(
@@ -269,6 +300,7 @@ class Engine:
         kv_type: str = "f16",
         batch_tokens: int = 512,
         prefix_cache: bool = True,
+        context_shift: bool = False,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -291,6 +323,7 @@ class Engine:
         self.parallel = parallel
         self.batch_tokens = batch_tokens
         self.prefix_cache = prefix_cache
+        self.context_shift = bool(context_shift)
         self.ctx_size = ctx_size
         # The longest sequence that can exist: ctx_size, unless the pool holds less.
         self._seq_limit = min(ctx_size, self._ctx.n_ctx, pool_tokens)
@@ -338,18 +371,21 @@ class Engine:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, prompt: str, max_tokens: int, options: RequestOptions) -> _Request:
-        """Validates everything and builds the request (nothing is queued yet)."""
+    def _request(
+        self, prompt: str | list[int], max_tokens: int, options: RequestOptions
+    ) -> _Request:
+        """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
+        text or the token ids to feed (a chat prompt)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         # TypeError / ValueError naming the argument
         opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
-        ids = prompt_ids(self.model, prompt)
+        ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else prompt
         if len(ids) > self._seq_limit:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
             )
-        return _Request(
+        req = _Request(
             ids,
             max_tokens,
             opts.sampler,
@@ -358,6 +394,16 @@ class Engine:
             opts.priority,
             logprobs=opts.logprobs,
         )
+        req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
+        req.keep = self._keep(opts.n_keep)
+        return req
+
+    def _keep(self, n_keep: int) -> int:
+        """Tokens a context shift keeps at the start (llama.cpp's server rule: ``n_keep``, plus
+        the BOS when the model adds one, at most the limit less 4)."""
+        if n_keep >= self._seq_limit:
+            raise ValueError(f"n_keep must be < {self._limit_name}, got {n_keep}")
+        return max(0, min(self._seq_limit - 4, n_keep + int(self.model.add_bos)))
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -383,7 +429,9 @@ class Engine:
     ) -> GenerateResult:
         """Complete ``prompt`` (blocking; any thread). ``options``: see
         :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``)."""
-        req = self._request(prompt, max_tokens, options)
+        return self._wait(self._request(prompt, max_tokens, options))
+
+    def _wait(self, req: _Request) -> GenerateResult:
         sink = _FutureSink()
         req.sink = sink
         self._submit(req)
@@ -400,7 +448,9 @@ class Engine:
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """:meth:`generate` for asyncio; cancelling the task cancels the request."""
-        req = self._request(prompt, max_tokens, options)
+        return await self._await(self._request(prompt, max_tokens, options))
+
+    async def _await(self, req: _Request) -> GenerateResult:
         sink = _LoopSink(asyncio.get_running_loop(), stream=False)
         req.sink = sink
         self._submit(req)
@@ -437,6 +487,39 @@ class Engine:
                 yield item
         finally:
             self._cancel(req)
+
+    # -- chat --------------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (blocking; any thread): the model's chat template with the
+        generation prompt (:meth:`Model.tokenize_chat`), then as :meth:`generate`. Bad messages
+        and template errors raise ``ValueError`` at the call, before anything is queued."""
+        return self._wait(self._request(self.model.tokenize_chat(messages), max_tokens, options))
+
+    async def achat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """:meth:`chat` for asyncio; cancelling the task cancels the request."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return await self._await(req)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str, None]:
+        """:meth:`stream` for a chat: the reply's text pieces; arguments and messages are
+        checked at the call."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return self._stream(req)
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
@@ -572,13 +655,13 @@ class Engine:
     def _blocks_to_fill(self, req: _Request, extra: int = 0) -> int:
         """Fresh blocks ``req`` needs to hold all its tokens (+ ``extra``) from ``n_done``."""
         b = self._block
-        return -(-(len(req.ids) + extra) // b) - (-(-req.n_done // b))
+        return -(-(req.n_tokens + extra) // b) - (-(-req.n_done // b))
 
     def _admit(self) -> None:
         st = self._ctx.stats()
         room = int(st["blocks_free"]) + int(st["blocks_cached"])
         room -= sum(self._blocks_to_fill(r) for r in self._running.values())
-        prefill = sum(len(r.ids) - r.n_done - 1 for r in self._running.values())
+        prefill = sum(r.n_tokens - r.n_done - 1 for r in self._running.values())
         deferred: list[tuple[tuple[int, int], _Request]] = []
         while self._waiting and len(self._running) < self.parallel:
             if prefill >= self.batch_tokens:
@@ -599,14 +682,14 @@ class Engine:
                 req.seq = self._free_seqs.pop()
                 self._running[req.seq] = req
             req.state = _RUNNING
-            matched = self._ctx.match_prefix(req.seq, req.ids) if self.prefix_cache else 0
+            matched = self._ctx.match_prefix(req.seq, req.context()) if self.prefix_cache else 0
             req.n_done = matched
             if req.cached_tokens < 0:  # first admission (not a resume after preemption)
                 req.cached_tokens = min(matched, req.n_prompt)
                 self._prompt_tokens += req.n_prompt
                 self._cached_prompt_tokens += req.cached_tokens
             room -= need
-            prefill += len(req.ids) - matched - 1
+            prefill += req.n_tokens - matched - 1
         for item in deferred:
             heapq.heappush(self._waiting, item)
 
@@ -615,17 +698,18 @@ class Engine:
         starts with (then ``req`` waits and maps them from the prefix index instead of
         computing them a second time). O(prefilling requests x shared blocks)."""
         b = self._block
-        ids = req.ids
+        ids = req.context()
         usable = (len(ids) - 1) // b * b  # what match_prefix could map
         if usable == 0:
             return False
         head = ids[:b]
         for other in self._running.values():
-            if other.n_done >= min(usable, len(other.ids) - 1) or other.ids[:b] != head:
+            oids = other.context()
+            if other.n_done >= min(usable, len(oids) - 1) or oids[:b] != head:
                 continue  # it computed what it had (or nothing shared)
             shared = b
-            limit = min(usable, len(other.ids) // b * b)
-            while shared < limit and other.ids[shared : shared + b] == ids[shared : shared + b]:
+            limit = min(usable, len(oids) // b * b)
+            while shared < limit and oids[shared : shared + b] == ids[shared : shared + b]:
                 shared += b
             if shared > other.n_done // b * b:
                 return True
@@ -636,7 +720,7 @@ class Engine:
         plan: list[tuple[_Request, int, int, bool]] = []
         prefilling: list[_Request] = []
         for req in self._running.values():
-            if len(req.ids) - req.n_done == 1:
+            if req.n_tokens - req.n_done == 1:
                 plan.append((req, req.n_done, 1, True))
             else:
                 prefilling.append(req)
@@ -645,8 +729,8 @@ class Engine:
         for req in prefilling:
             if left <= 0:
                 break
-            k = min(len(req.ids) - req.n_done, left)
-            plan.append((req, req.n_done, k, req.n_done + k == len(req.ids)))
+            k = min(req.n_tokens - req.n_done, left)
+            plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
             left -= k
         return plan
 
@@ -661,7 +745,7 @@ class Engine:
             seqs: list[int] = []
             flags: list[bool] = []
             for req, start, k, want in plan:
-                tokens += req.ids[start : start + k]
+                tokens += req.context(start, start + k)
                 positions += range(start, start + k)
                 seqs += [req.seq] * k
                 flags += [False] * (k - 1) + [want]
@@ -673,7 +757,7 @@ class Engine:
                 if len(self._running) <= 1:
                     (req,) = self._running.values()
                     msg = (
-                        f"the request needs {len(req.ids)} tokens of K/V and does not fit the"
+                        f"the request needs {req.n_tokens} tokens of K/V and does not fit the"
                         f" KV pool even alone ({e})"
                     )
                     self._finish(req, error=KvCacheFull(msg))
@@ -734,6 +818,29 @@ class Engine:
             self._finish(req, FINISH_STOP)
         elif req.n_generated >= req.max_tokens:
             self._finish(req, FINISH_LENGTH)
-        elif len(req.ids) - 1 >= self._seq_limit:
+        elif req.n_tokens - 1 >= self._seq_limit and not self._shift_context(req):
             self._finish(req, FINISH_CONTEXT)
         return 1
+
+    def _shift_context(self, req: _Request) -> bool:
+        """Context shift (llama.cpp's server arithmetic) for a sequence whose K/V fills the
+        limit: after the first ``keep`` tokens, drop half of the rest (``seq_rm``) and move the
+        remainder down (``seq_add``; keys are re-rotated lazily). Returns False when shifting is
+        off for ``req`` or cannot free anything. If the shift needs blocks the pool lacks (moving
+        cells shared with another sequence copies them), ``req`` is preempted instead; it resumes
+        by recomputing its shifted context."""
+        if not req.context_shift:
+            return False
+        n_left = req.n_done - req.keep
+        n_discard = min(n_left // 2, max(0, n_left - 1))
+        if n_discard <= 0:
+            return False
+        start = req.keep + n_discard
+        self._ctx.seq_rm(req.seq, req.keep, start)
+        req.shift += n_discard
+        req.n_done -= n_discard
+        try:
+            self._ctx.seq_add(req.seq, start, -1, -n_discard)
+        except KvCacheFull:
+            self._preempt(req)
+        return True

@@ -65,9 +65,16 @@ class RequestOptions(SamplingOptions, total=False):
     """What an :class:`kvserve.Engine` call takes beyond :class:`SamplingOptions`.
 
     - ``priority``: higher is admitted first and preempted last (FCFS within a priority).
+    - ``context_shift``: when the sequence reaches the engine's ``ctx_size``, drop the older
+      half of its context after the first ``n_keep`` tokens and go on generating (llama.cpp's
+      ``--context-shift``); default: the engine's ``context_shift``.
+    - ``n_keep``: prompt tokens a context shift keeps, besides the BOS (always kept when the
+      model adds one); default 0; ``0 <= n_keep < ctx_size``.
     """
 
     priority: int
+    context_shift: bool
+    n_keep: int
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -82,7 +89,9 @@ class Resolved:
     stops: list[str]
     ignore_eos: bool
     priority: int
-    logprobs: int | None  # alternatives per token, None: no logprobs
+    context_shift: bool | None = None  # None: the engine's default
+    n_keep: int = 0
+    logprobs: int | None = None  # alternatives per token, None: no logprobs
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -116,6 +125,12 @@ def resolve(
         penalty_last_n=options.get("penalty_last_n", DEFAULT_PENALTY_LAST_N),
         logit_bias={} if bias is None else bias,
     )
+    n_keep = options.get("n_keep", 0)
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
+        raise ValueError(f"n_keep must be an integer >= 0, got {n_keep!r}")
+    context_shift = options.get("context_shift")
+    if context_shift is not None and not isinstance(context_shift, bool):
+        raise ValueError(f"context_shift must be True or False, got {context_shift!r}")
     if n_vocab is not None:
         params.check_vocab(n_vocab)
     logprobs = options.get("logprobs")
@@ -129,5 +144,7 @@ def resolve(
         stops=stop_list(options.get("stop")),
         ignore_eos=options.get("ignore_eos", False),
         priority=options.get("priority", 0),
+        context_shift=context_shift,
+        n_keep=n_keep,
         logprobs=None if logprobs is None else int(logprobs),
     )

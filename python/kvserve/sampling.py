@@ -29,7 +29,9 @@ llama.cpp's server: once a prompt is processed it passes every prompt token thro
 (``common_sampler_accept``), so the penalty window covers the prompt's last tokens too. (vLLM
 differs: its ``repetition_penalty`` counts prompt and output tokens, its presence and frequency
 penalties only output tokens.) An end-of-generation token ends a sequence and is not part of
-it, unless generation ignores it (then it is history like any other token).
+it, unless generation ignores it (then it is history like any other token). A context shift in
+the engine does not shorten the history: like llama.cpp's sampler, the penalties still see the
+tokens it dropped from the context.
 
 Filters:
 - top-k keeps every token whose logit is at least the k-th largest (ties at the boundary kept).
