@@ -404,6 +404,84 @@ def test_a_second_turn_reuses_the_first(client: openai.OpenAI, model: Model) -> 
 # -- sampling options, logprobs, context shift -------------------------------------------------
 
 
+def test_penalties_and_logit_bias_follow_model_generate(
+    client: openai.OpenAI, model: Model
+) -> None:
+    """Each sampling field reaches the engine as its option: the same text as Model.generate
+    with that option, on a repetitive prompt where every option changes the greedy text (and
+    presence and frequency penalties differ, so a swapped mapping is caught)."""
+    prompt = "one two three, one two three, one two three, one two three, one two"
+    plain = model.generate(prompt, max_tokens=12).text
+    first = model.generate(prompt, max_tokens=1).tokens[0]
+    sampled = {"typical_p": 0.5, "temperature": 0.7, "seed": 3}
+    texts = []
+    for http, engine in (
+        ({"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+        ({"frequency_penalty": 2.0}, {"frequency_penalty": 2.0}),
+        (
+            {"repetition_penalty": 1.5, "repeat_last_n": 8},
+            {"repeat_penalty": 1.5, "penalty_last_n": 8},
+        ),
+        ({"logit_bias": {str(first): -100}}, {"logit_bias": {first: -100.0}}),
+        (sampled, sampled),
+    ):
+        want = model.generate(prompt, max_tokens=12, **engine).text
+        assert want != plain, engine  # the option matters here
+        got = client.completions.create(model="m", prompt=prompt, max_tokens=12, extra_body=http)
+        assert got.choices[0].text == want, http
+        texts.append(want)
+    assert texts[0] != texts[1]  # presence and frequency penalties act differently here
+
+
+def test_chat_logprobs(client: openai.OpenAI, model: Model) -> None:
+    want = model.chat(CHAT, max_tokens=6, logprobs=3)
+    assert want.logprobs is not None
+    got = client.chat.completions.create(
+        model="m",
+        messages=CHAT,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = got.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == len(want.logprobs)
+    for entry, lp in zip(content, want.logprobs):
+        assert entry.token == lp.text and entry.bytes == list(lp.piece)
+        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-3)
+        assert [t.token for t in entry.top_logprobs] == [
+            model.token_to_piece(t).decode("utf-8", errors="replace") for t, _ in lp.top
+        ]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [v for _, v in lp.top], abs=1e-3
+        )
+    streamed = client.chat.completions.create(
+        model="m",
+        messages=CHAT,
+        max_tokens=6,
+        logprobs=True,
+        stream=True,
+    )
+    entries = [
+        e
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert [e.token for e in entries] == [lp.text for lp in want.logprobs]
+    assert all(e.top_logprobs == [] for e in entries)
+
+
+def test_completion_logprobs(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=5, logprobs=2)
+    assert want.logprobs is not None
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=5, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.tokens == [e.text for e in want.logprobs]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-3)
+    assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
 def test_context_shift(client: openai.OpenAI, model: Model, model_path: Path) -> None:
     """A request that fills the context stops with finish_reason length at ctx-size; with
     context_shift it goes on (llama.cpp's shift) and generates what an in-process Engine with
@@ -544,15 +622,13 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "array"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "role"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
-    # TODO(sampling): until the engine has these options, they are refused by name
-    (
-        "/v1/completions",
-        {"prompt": "x", "presence_penalty": 1},
-        400,
-        "presence_penalty",
-        "not supported",
-    ),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
+    ("/v1/completions", {"prompt": "x", "repeat_last_n": -2}, 400, "repeat_last_n", ">= -1"),
+    ("/v1/completions", {"prompt": "x", "typical_p": 0}, 400, "typical_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "vocab"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "x", "n_keep": -1}, 400, "n_keep", ">= 0"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 21}, 400, "top_logprobs", "less"),
     (
