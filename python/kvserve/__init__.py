@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .models import FetchError
+from .sessions import SessionInfo
 
 if TYPE_CHECKING:
     from ._model import EngineError, GenerateResult, KvCacheFull, Model, ModelError, generate
@@ -42,6 +43,7 @@ __all__ = [
     "KvCacheFull",
     "Model",
     "ModelError",
+    "SessionInfo",
     "__version__",
     "generate",
 ]

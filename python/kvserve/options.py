@@ -45,9 +45,13 @@ class RequestOptions(SamplingOptions, total=False):
     """What an :class:`kvserve.Engine` call takes beyond :class:`SamplingOptions`.
 
     - ``priority``: higher is admitted first and preempted last (FCFS within a priority).
+    - ``session_id``: the conversation this request belongs to (a non-empty string): the
+      prompt continues the session's previous prompts and outputs, whose K/V is reused; an
+      unknown id starts a new session. See :class:`kvserve.Engine`.
     """
 
     priority: int
+    session_id: str | None
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -62,6 +66,7 @@ class Resolved:
     stops: list[str]
     ignore_eos: bool
     priority: int
+    session_id: str | None = None
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -85,9 +90,13 @@ def resolve(options: RequestOptions, *, engine: bool = False) -> Resolved:
         top_p=options.get("top_p", 1.0),
         min_p=options.get("min_p", 0.0),
     )
+    session_id = options.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
     return Resolved(
         sampler=Sampler(params, seed=options.get("seed")),
         stops=stop_list(options.get("stop")),
         ignore_eos=options.get("ignore_eos", False),
         priority=options.get("priority", 0),
+        session_id=session_id,
     )
