@@ -10,6 +10,7 @@ package for the patched model files; byte-level file contents for the atomic-sav
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ from gguf import GGUFReader
 
 import kvserve
 import kvserve.sessions
-from kvserve import Engine, KvCacheFull, Model
+from kvserve import Engine, KvCacheFull, Model, SessionFileError
+from kvserve.sessions import FILE_MAGIC, read_session_file, write_session_file
 
 P1 = "The capital of France is"
 P2 = " And the capital of Italy is"
@@ -267,12 +269,132 @@ def test_max_sessions_drops_the_least_recently_used_idle_session(model_path: Pat
         assert sorted(s.id for s in e.sessions()) == ["b", "e"]
 
 
+def test_save_load_continue_equals_continuing_in_place(model_path: Path, tmp_path: Path) -> None:
+    with Engine(Model.load(model_path, threads=2), parallel=4, ctx_size=512) as a:
+        r1 = a.generate(P1, max_tokens=8, session_id="g")
+        s1 = a.generate(P1, max_tokens=8, temperature=0.9, seed=3, session_id="r")
+        a.save_session("g", tmp_path / "g.kvs")
+        a.save_session("r", tmp_path / "r.kvs")
+        stored = r1.prompt_tokens + len(r1.tokens)
+        in_place = a.generate(P3, max_tokens=12, session_id="g")
+        # A sampled turn without a seed continues the session's random stream.
+        sampled_in_place = a.generate(P3, max_tokens=12, temperature=0.9, session_id="r")
+    assert in_place.cached_tokens == stored
+    # Another engine on another Model instance (its own K/V memory): nothing is cached there.
+    with Engine(Model.load(model_path, threads=2), parallel=4, ctx_size=512) as b:
+        assert b.load_session(tmp_path / "g.kvs") == "g"
+        assert b.load_session(tmp_path / "r.kvs") == "r"
+        infos = {s.id: s for s in b.sessions()}
+        assert (infos["g"].tokens, infos["g"].resident) == (stored, True)
+        assert infos["r"].tokens == s1.prompt_tokens + len(s1.tokens)
+        assert b.stats()["prompt_tokens"] == 0  # loading computed nothing
+        loaded = b.generate(P3, max_tokens=12, session_id="g")
+        sampled_loaded = b.generate(P3, max_tokens=12, temperature=0.9, session_id="r")
+        # Also under another id.
+        assert b.load_session(tmp_path / "g.kvs", session_id="g2") == "g2"
+        again = b.generate(P3, max_tokens=12, session_id="g2")
+    assert (loaded.tokens, loaded.text) == (in_place.tokens, in_place.text)
+    assert loaded.cached_tokens == stored  # the loaded K/V, not recomputed
+    assert (again.tokens, again.cached_tokens) == (in_place.tokens, stored)
+    assert sampled_loaded.tokens == sampled_in_place.tokens
+
+
+def test_an_interrupted_save_leaves_the_old_file(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.kvs"
+    engine.generate(P1, max_tokens=8, session_id="s")
+    engine.save_session("s", path)
+    old = path.read_bytes()
+    n_old = engine.sessions()[0].tokens
+    engine.generate(P2, max_tokens=8, session_id="s")
+    real = kvserve.sessions._write_all
+    calls = []
+
+    def half_then_fail(f: Any, data: bytes) -> None:
+        calls.append(len(data))
+        if len(calls) == 2:  # the K/V part: half of it reaches the disk, then the disk fails
+            real(f, data[: len(data) // 2])
+            f.flush()
+            raise OSError("disk full")
+        real(f, data)
+
+    monkeypatch.setattr(kvserve.sessions, "_write_all", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        engine.save_session("s", path)
+    assert len(calls) == 2
+    assert path.read_bytes() == old
+    assert os.listdir(tmp_path) == ["s.kvs"], "no temporary file left behind"
+    monkeypatch.undo()
+    header, _ = read_session_file(path)
+    assert len(header["tokens"]) == n_old
+    engine.save_session("s", path)  # the writer works again: the new state replaces it
+    assert len(read_session_file(path)[0]["tokens"]) == engine.sessions()[0].tokens > n_old
+
+
+def test_bad_session_files_raise_and_load_nothing(
+    engine: Engine, model_path: Path, bos_model_path: Path, tmp_path: Path
+) -> None:
+    good = tmp_path / "good.kvs"
+    engine.generate(P1, max_tokens=8, session_id="keep")
+    engine.save_session("keep", good)
+    data = good.read_bytes()
+    n_head = int.from_bytes(data[20:24], "little")
+
+    def variant(name: str, content: bytes) -> Path:
+        p = tmp_path / name
+        p.write_bytes(content)
+        return p
+
+    flipped = bytearray(data)
+    flipped[32 + n_head + 5000] ^= 0x40  # a K/V byte
+    version = bytearray(data)
+    version[16] = 2
+    cases: list[tuple[Path, str]] = [
+        (variant("truncated.kvs", data[: len(data) - 100]), "truncated"),
+        (variant("tiny.kvs", data[:20]), "too short"),
+        (variant("corrupt.kvs", bytes(flipped)), "checksum mismatch"),
+        (variant("version.kvs", bytes(version)), "format version 2"),
+        (variant("other.kvs", b"GGUF" + bytes(200)), "not a kvserve session file"),
+    ]
+    # A valid file made by another model (the patched GGUF has another identity).
+    with Engine(Model.load(bos_model_path, threads=2), parallel=2, ctx_size=256) as other:
+        other.generate(P1, max_tokens=4, session_id="x")
+        other.save_session("x", tmp_path / "other_model.kvs")
+    cases.append((tmp_path / "other_model.kvs", "saved by another model"))
+    # ... and one with another K/V type.
+    with Engine(Model.load(model_path, threads=2), parallel=2, ctx_size=256, kv_type="q8_0") as q8:
+        q8.generate(P1, max_tokens=4, session_id="x")
+        q8.save_session("x", tmp_path / "q8.kvs")
+    cases.append((tmp_path / "q8.kvs", "kv_type='q8_0'"))
+    # A file whose header is fine and whose K/V state belongs to other tokens.
+    header, kv = read_session_file(good)
+    header["tokens"] = [t + 1 for t in header["tokens"]]
+    write_session_file(tmp_path / "mismatch.kvs", header, kv)
+    cases.append((tmp_path / "mismatch.kvs", "does not hold the session's"))
+
+    before = (engine.sessions(), engine.stats()["kv_blocks_used"])
+    for path, match in cases:
+        with pytest.raises(SessionFileError, match=match):
+            engine.load_session(path, session_id="new")
+        assert (engine.sessions(), engine.stats()["kv_blocks_used"]) == before, path.name
+    assert issubclass(SessionFileError, ValueError)
+    with pytest.raises(ValueError, match="exists"):
+        engine.load_session(good)  # "keep" is held: drop it first
+    assert (engine.sessions(), engine.stats()["kv_blocks_used"]) == before
+    assert engine.load_session(good, session_id="copy") == "copy"
+    assert data.startswith(FILE_MAGIC)
+
+
 def test_unknown_sessions_raise_key_error_and_drop_restores_the_baseline(
     engine: Engine, tmp_path: Path
 ) -> None:
     base = engine.stats()
     with pytest.raises(KeyError):
+        engine.save_session("nope", tmp_path / "x.kvs")
+    with pytest.raises(KeyError):
         engine.drop_session("nope")
+    assert not (tmp_path / "x.kvs").exists()
     engine.generate(P1, max_tokens=8, session_id="d")
     st = engine.stats()
     assert (st["sessions"], st["kv_blocks_used"]) == (1, base["kv_blocks_used"] + 1)

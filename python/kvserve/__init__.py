@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .models import FetchError
-from .sessions import SessionInfo
+from .sessions import SessionFileError, SessionInfo
 
 if TYPE_CHECKING:
     from ._model import EngineError, GenerateResult, KvCacheFull, Model, ModelError, generate
@@ -43,6 +43,7 @@ __all__ = [
     "KvCacheFull",
     "Model",
     "ModelError",
+    "SessionFileError",
     "SessionInfo",
     "__version__",
     "generate",

@@ -50,7 +50,7 @@ Sessions (``session_id=``; the bookkeeping lives in :mod:`kvserve.sessions`):
   as it was. An unknown id starts a new session (the prompt as usual, with BOS).
 - One request at a time per session: a second request on a busy session waits until the
   first has finished (FIFO per session; the waiting time counts as ``waiting``), and so do
-  ``drop_session`` called on a busy session.
+  ``save_session``/``drop_session`` called on a busy session.
 - Reclaim: after every step, when the pool's usage (referenced blocks / total) is above
   ``kv_high_watermark``, idle resident sessions are *evicted* — lowest priority (of their last
   request) first, least recently used first within a priority — until usage is at most
@@ -60,9 +60,11 @@ Sessions (``session_id=``; the bookkeeping lives in :mod:`kvserve.sessions`):
   full blocks stay in the prefix index as cached blocks) and keeps the tokens: the session's
   next turn recomputes its K/V, mapping what is still cached (``session_misses`` counts such
   turns). A session idle for ``session_ttl`` seconds is dropped (tokens too); with
-  ``max_sessions`` set, creating one more drops the least recently used idle
+  ``max_sessions`` set, creating or loading one more drops the least recently used idle
   session (an error if every session is busy).
-- Session operations run on the engine thread between steps.
+- ``save_session`` writes a session (tokens, random generator state, and the K/V of its cells
+  as stored) to a checksummed file atomically; ``load_session`` restores it without
+  recomputation. Session operations run on the engine thread between steps.
 """
 
 from __future__ import annotations
@@ -97,13 +99,17 @@ from .options import RequestOptions, resolve
 from .sampling import Sampler
 from .sessions import (
     Session,
+    SessionFileError,
     SessionInfo,
     SessionTable,
     Turn,
+    check_header,
+    read_session_file,
+    write_session_file,
 )
 from .textstream import TextStream
 
-__all__ = ["Engine", "SessionInfo", "parse_size"]
+__all__ = ["Engine", "SessionFileError", "SessionInfo", "parse_size"]
 
 T = TypeVar("T")
 
@@ -282,6 +288,21 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+def _check_state(kv: bytes, tokens: list[int], path: StrPath) -> None:
+    """A session's K/V state must hold exactly ``tokens`` at positions ``0..n-1`` (the core's
+    sequence state layout, rust/core/src/kv/state.rs: the cell count at byte 44, then the
+    positions and the token ids as little-endian 32-bit integers)."""
+    n = len(tokens)
+    ok = len(kv) >= 48 + 8 * n and int.from_bytes(kv[44:48], "little") == n
+    if ok and n:
+        cells = np.frombuffer(kv, dtype="<i4", count=2 * n, offset=48)
+        ok = bool(np.array_equal(cells[:n], np.arange(n))) and cells[n:].tolist() == tokens
+    if not ok:
+        raise SessionFileError(
+            f"session file {path}: its K/V state does not hold the session's {n} tokens"
+        )
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -553,6 +574,30 @@ class Engine:
         """Forgets a session (after the requests already queued on it): its tokens and its
         K/V (full blocks stay cached for prefix reuse). ``KeyError`` for an unknown id."""
         self._on_engine(lambda: self._drop_session(self._session(session_id)), session_id)
+
+    def save_session(self, session_id: str, path: StrPath) -> None:
+        """Writes the session (after the requests already queued on it) to ``path``: its
+        tokens, random generator state and the K/V of its cells in the pool's storage type,
+        versioned and checksummed, atomically (a temporary file in the same directory, renamed;
+        an interrupted save leaves an existing ``path`` as it was). An evicted session is
+        saved with the K/V the prefix cache still holds for it (its next turn computes the
+        rest). ``KeyError`` for an unknown id."""
+        header, kv = self._on_engine(lambda: self._snapshot(session_id), session_id)
+        write_session_file(path, header, kv)
+
+    def load_session(self, path: StrPath, session_id: str | None = None) -> str:
+        """Restores a session saved by :meth:`save_session` (by any engine of the same model
+        and ``kv_type``) under its saved id, or ``session_id``; returns the id. Its K/V is
+        written back as saved, not recomputed: its next turn computes only the new tokens.
+        A truncated, corrupt, other-version, other-model or other-``kv_type`` file raises
+        :class:`SessionFileError` (a ``ValueError``), an id in use ``ValueError``, no room in
+        the pool ``KvCacheFull``; in every case nothing was loaded."""
+        header, kv = read_session_file(path)
+        check_header(header, path, self.model.core.identity, self.kv_type)
+        sid = header["session_id"] if session_id is None else session_id
+        if not isinstance(sid, str) or not sid:
+            raise ValueError(f"session_id must be a non-empty string, got {sid!r}")
+        return self._on_engine(lambda: self._restore(sid, header, kv, path))
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
@@ -959,6 +1004,69 @@ class Engine:
             s.pending.append(call)
         else:
             call.run()
+
+    def _snapshot(self, session_id: str) -> tuple[dict[str, Any], bytes]:
+        """The header and K/V state of a session file (engine thread; the caller writes)."""
+        s = self._session(session_id)
+        if s.resident:
+            kv = self._ctx.seq_state_read(s.seq)
+            n_kv = s.n_kv
+        else:  # evicted: what the prefix cache still holds
+            seq = self._alloc_seq()
+            try:
+                n_kv = self._ctx.match_prefix(seq, s.ids) if self.prefix_cache and s.ids else 0
+                kv = self._ctx.seq_state_read(seq)
+            finally:
+                self._ctx.seq_rm(seq)
+                self._free_seqs.append(seq)
+        header = {
+            "session_id": s.id,
+            "model_identity": self.model.core.identity,
+            "model_name": self.model.core.name,
+            "kv_type": self.kv_type,
+            "tokens": s.ids,
+            "n_kv": n_kv,
+            "rng_state": s.rng_state,
+            "priority": s.priority,
+            "saved_at": time.time(),
+        }
+        return header, kv
+
+    def _restore(self, sid: str, header: dict[str, Any], kv: bytes, path: StrPath) -> str:
+        """Creates session ``sid`` from a checked session file (engine thread)."""
+        if self._sessions.get(sid) is not None:
+            raise ValueError(f"a session {sid!r} exists; drop it first or load under another id")
+        tokens: list[int] = header["tokens"]
+        n_kv: int = header["n_kv"]
+        _check_state(kv, tokens[:n_kv], path)
+        seq = self._alloc_seq()
+        while True:
+            try:
+                n = self._ctx.seq_state_write(seq, kv)
+                break
+            except KvCacheFull:
+                if self._sessions.victim() is None:
+                    self._free_seqs.append(seq)
+                    raise
+                self._evict(self._sessions.victim())  # type: ignore[arg-type]
+            except ValueError as e:
+                self._free_seqs.append(seq)
+                raise SessionFileError(f"session file {path}: {e}") from e
+        try:
+            s = self._new_session(sid)
+        except RuntimeError:
+            self._ctx.seq_rm(seq)
+            self._free_seqs.append(seq)
+            raise
+        self._sessions.busy(s)  # re-enters the idle orders below, resident
+        s.ids = list(tokens)
+        s.seq, s.n_kv = (seq, n) if n > 0 else (-1, 0)
+        if n == 0:
+            self._free_seqs.append(seq)
+        s.priority = header["priority"]
+        s.rng_state = header.get("rng_state")
+        self._sessions.idle(s)
+        return sid
 
     def _blocks_to_fill(self, req: _Request, extra: int = 0) -> int:
         """Fresh blocks ``req`` needs to hold all its tokens (+ ``extra``) from ``n_done``."""
