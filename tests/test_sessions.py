@@ -121,6 +121,28 @@ def test_a_follow_up_turn_reuses_the_session_and_matches_a_fresh_generate(
         assert e.stats()["sessions"] == 1
 
 
+def test_a_chat_session_reuses_the_longest_prefix_it_holds(engine: Engine, oracle: Model) -> None:
+    first = [{"role": "user", "content": "Name a fruit."}]
+    r1 = engine.chat(first, max_tokens=8, session_id="chat")
+    second = [
+        *first,
+        {"role": "assistant", "content": r1.text},
+        {"role": "user", "content": "And a vegetable?"},
+    ]
+    r2 = engine.chat(second, max_tokens=8, session_id="chat")
+    held = oracle.tokenize_chat(first) + r1.tokens  # what the session holds after turn 1
+    rendered = oracle.tokenize_chat(second)
+    common = next(
+        (i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered))
+    )
+    assert common >= len(oracle.tokenize_chat(first)), "the conversation starts the same"
+    assert (r2.prompt_tokens, r2.cached_tokens) == (len(rendered), min(common, len(rendered) - 1))
+    want = oracle.chat(second, max_tokens=8)
+    assert (r2.tokens, r2.text) == (want.tokens, want.text)
+    (info,) = engine.sessions()
+    assert info.tokens == len(rendered) + len(r2.tokens)
+
+
 def test_two_requests_on_one_session_run_one_after_the_other(engine: Engine, oracle: Model) -> None:
     async def main() -> list[Any]:
         first = asyncio.ensure_future(engine.agenerate(P1, max_tokens=8, session_id="c"))
@@ -297,6 +319,31 @@ def test_save_load_continue_equals_continuing_in_place(model_path: Path, tmp_pat
     assert loaded.cached_tokens == stored  # the loaded K/V, not recomputed
     assert (again.tokens, again.cached_tokens) == (in_place.tokens, stored)
     assert sampled_loaded.tokens == sampled_in_place.tokens
+
+
+def test_a_shifted_session_saves_and_loads_its_shifted_context(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """After a context shift the session holds the shifted context (moved keys, not clean):
+    saved and loaded, it continues exactly as in place, and its blocks are never keyed."""
+    prompt = "List the months of the year, one per line:"
+    kw: dict[str, Any] = {"parallel": 2, "ctx_size": 64, "context_shift": True}
+    with Engine(Model.load(model_path, threads=2), **kw) as a:
+        n_prompt = len(tok(a.model, prompt))
+        r1 = a.generate(prompt, max_tokens=64 - n_prompt + 2, ignore_eos=True, session_id="z")
+        held = a.sessions()[0].tokens
+        assert held < r1.prompt_tokens + len(r1.tokens), "the turn shifted its context"
+        a.save_session("z", tmp_path / "z.kvs")
+        in_place = a.generate(P2, max_tokens=8, session_id="z")
+    assert in_place.cached_tokens == held
+    with Engine(Model.load(model_path, threads=2), **kw) as b:
+        b.load_session(tmp_path / "z.kvs")
+        loaded = b.generate(P2, max_tokens=8, session_id="z")
+        assert (loaded.tokens, loaded.cached_tokens) == (in_place.tokens, held)
+        wait_for(lambda: b.stats()["running"] == 0)
+        b.drop_session("z")
+        st = b.stats()
+    assert (st["kv_blocks_used"], st["kv_blocks_cached"]) == (0, 0), "nothing was keyed"
 
 
 def test_an_interrupted_save_leaves_the_old_file(

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,9 @@ from typing_extensions import Unpack
 from . import models
 from .options import SamplingOptions, resolve
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .chat import ChatTemplate, Message
 
 try:
     from . import _core
@@ -92,10 +95,13 @@ class Model:
 
     ``threads``: worker threads for the engine; ``None`` lets the engine decide
     (``KVSERVE_THREADS`` or the number of physical cores). A ``KVSERVE_SIMD`` value that names
-    no SIMD level is a ``ValueError``.
+    no SIMD level is a ``ValueError``. ``chat_template``: a Jinja chat template that replaces the
+    GGUF's ``tokenizer.chat_template`` (as llama-server's ``--chat-template-file``).
     """
 
-    def __init__(self, path: StrPath, threads: int | None = None) -> None:
+    def __init__(
+        self, path: StrPath, threads: int | None = None, *, chat_template: str | None = None
+    ) -> None:
         spath = os.fspath(path)
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -103,11 +109,19 @@ class Model:
         self.path = Path(spath)
         self.threads = threads
         self._core = _core.Model(spath, threads)
+        self._chat_template_source = chat_template
+        self._chat_template: ChatTemplate | None = None
 
     @classmethod
-    def load(cls, path: StrPath | None = None, threads: int | None = None) -> Model:
+    def load(
+        cls,
+        path: StrPath | None = None,
+        threads: int | None = None,
+        *,
+        chat_template: str | None = None,
+    ) -> Model:
         """Load ``path``, or the default model (downloaded and cached on first use) if None."""
-        return cls(models.pull() if path is None else path, threads)
+        return cls(models.pull() if path is None else path, threads, chat_template=chat_template)
 
     def __repr__(self) -> str:
         return f"Model(path={str(self.path)!r}, arch={self.arch!r}, n_vocab={self.n_vocab})"
@@ -164,6 +178,49 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return self._core.is_eog(token)
 
+    # -- chat ---------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (see :mod:`kvserve.chat`), compiled on first use: the
+        ``chat_template`` given at load, else the GGUF's ``tokenizer.chat_template``, else
+        ChatML. A template that does not compile is a ``ValueError``."""
+        if self._chat_template is None:
+            from .chat import ChatTemplate
+
+            source = self._chat_template_source
+            if source is None:
+                meta = self._core.metadata().get("tokenizer.chat_template")
+                source = meta if isinstance(meta, str) and meta else None
+
+            def text(tok: int | None) -> str:
+                return "" if tok is None else self._core.token_to_piece(tok, True).decode()
+
+            add_eos = self._core.metadata().get("tokenizer.ggml.add_eos_token") is True
+            self._chat_template = ChatTemplate(
+                source,
+                bos_token=text(self.bos),
+                eos_token=text(self.eos),
+                add_bos=self.add_bos,
+                add_eos=add_eos,
+            )
+        return self._chat_template
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for ``messages`` as llama.cpp's ``llama-server`` builds it (its
+        ``/apply-template``): the chat template's output, less a leading BOS text that the
+        tokenizer adds anyway. Bad messages and template errors are ``ValueError``."""
+        return self.chat_template.prompt(messages, add_generation_prompt)
+
+    def tokenize_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The token ids a chat prompt feeds the model: :meth:`apply_chat_template`'s text
+        tokenized as generation tokenizes prompts (the model's BOS rule, special-token text
+        parsed), so the ids hold exactly one BOS when the model uses one."""
+        return prompt_ids(self, self.apply_chat_template(messages, add_generation_prompt))
+
     def new_context(
         self, n_ctx: int = 4096, kv_type: str = "f16", kv_memory: int | None = None
     ) -> _core.Context:
@@ -186,15 +243,7 @@ class Model:
     ) -> GenerateResult:
         """Complete ``prompt``; see the module docs for when generation ends and
         :class:`kvserve.options.SamplingOptions` for ``options``."""
-        run = _Run(self, prompt, max_tokens, n_ctx, kv_type, options)
-        text = "".join(run)
-        return GenerateResult(
-            text=text,
-            tokens=run.tokens,
-            finish_reason=run.finish_reason,
-            prompt_tokens=len(run.prompt_tokens),
-            cached_tokens=run.cached_tokens,
-        )
+        return _Run(self, prompt, max_tokens, n_ctx, kv_type, options).result()
 
     def stream(
         self,
@@ -207,6 +256,20 @@ class Model:
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces (complete characters) as they come."""
         yield from _Run(self, prompt, max_tokens, n_ctx, kv_type, options)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        *,
+        n_ctx: int | None = None,
+        kv_type: str = "f16",
+        **options: Unpack[SamplingOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (the chat template with the generation prompt, then
+        :meth:`generate` from :meth:`tokenize_chat`'s ids); the result holds the reply only."""
+        ids = self.tokenize_chat(messages)
+        return _Run(self, ids, max_tokens, n_ctx, kv_type, options).result()
 
 
 def _last_row(logits: _core.Logits) -> npt.NDArray[np.float32]:
@@ -222,7 +285,7 @@ class _Run:
     def __init__(
         self,
         model: Model,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int,
         n_ctx: int | None,
         kv_type: str,
@@ -239,7 +302,7 @@ class _Run:
         self.stops = opts.stops
         self.ignore_eos = opts.ignore_eos
         self.max_tokens = max_tokens
-        self.prompt_tokens = prompt_ids(model, prompt)
+        self.prompt_tokens = prompt_ids(model, prompt) if isinstance(prompt, str) else prompt
         n_prompt = len(self.prompt_tokens)
         limit = model.n_ctx_train if model.n_ctx_train > 0 else 4096
         self.n_ctx = n_ctx if n_ctx is not None else min(limit, n_prompt + max(max_tokens, 1))
@@ -250,6 +313,17 @@ class _Run:
         self.tokens: list[int] = []
         self.finish_reason = FINISH_LENGTH
         self.cached_tokens = 0
+
+    def result(self) -> GenerateResult:
+        """Runs the generation to its end."""
+        text = "".join(self)
+        return GenerateResult(
+            text=text,
+            tokens=self.tokens,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_tokens),
+            cached_tokens=self.cached_tokens,
+        )
 
     def _token_ids(self) -> Generator[int, None, None]:
         if self.max_tokens == 0:

@@ -1,7 +1,7 @@
 """The ``kvserve`` command line (also ``python -m kvserve``).
 
-Subcommands: ``pull``, ``tokenize``, ``complete``, ``bench``, ``info``. Without ``--model`` the
-default model is used (downloaded and cached on first use).
+Subcommands: ``pull``, ``tokenize``, ``complete``, ``chat``, ``bench``, ``info``. Without
+``--model`` the default model is used (downloaded and cached on first use).
 
 Guarantees: every expected failure (missing or malformed model file, download error, bad
 argument value, full context) prints exactly one line ``kvserve: error: <message>`` on stderr
@@ -114,9 +114,9 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_complete(args: argparse.Namespace) -> int:
-    model = _load(args)
-    kwargs: dict[str, Any] = {
+def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of Model.generate/stream from the flags of _generation_args."""
+    return {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -126,12 +126,40 @@ def cmd_complete(args: argparse.Namespace) -> int:
         "n_ctx": args.ctx_size,
         "kv_type": args.kv_type,
     }
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    model = _load(args)
+    kwargs = _generation_kwargs(args)
     prompt = _read_text(args.prompt)
     if args.json:
         result = model.generate(prompt, **kwargs)
         _print_json({"text": result.text, "tokens": result.tokens})
         return 0
     for piece in model.stream(prompt, **kwargs):
+        _write(piece)
+    if sys.stdout.isatty():
+        _write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ._model import Model
+
+    template = None
+    if args.chat_template_file is not None:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            template = f.read()
+    model = Model.load(args.model, threads=_threads(args), chat_template=template)
+    kwargs = _generation_kwargs(args)
+    messages = [{"role": "user", "content": _read_text(args.message)}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    if args.json:
+        result = model.chat(messages, **kwargs)
+        _print_json({"text": result.text, "tokens": result.tokens})
+        return 0
+    for piece in model.stream(model.apply_chat_template(messages), **kwargs):
         _write(piece)
     if sys.stdout.isatty():
         _write("\n")
@@ -259,25 +287,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", metavar="TEXT")
     p.set_defaults(func=cmd_tokenize)
 
+    def generation_args(p: argparse.ArgumentParser) -> None:
+        """Sampling, stop and context flags (read back by _generation_kwargs)."""
+        p.add_argument("-n", "--max-tokens", type=_nonneg_int, default=128, help="default: 128")
+        p.add_argument(
+            "--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)"
+        )
+        p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off (default)")
+        p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+        p.add_argument("-s", "--seed", type=int, help="random seed for sampling")
+        p.add_argument(
+            "--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)"
+        )
+        p.add_argument(
+            "-c",
+            "--ctx-size",
+            type=_positive_int,
+            help="context size (default: prompt + max tokens)",
+        )
+        p.add_argument(
+            "--kv-type",
+            choices=("f16", "q8_0", "f32"),
+            default="f16",
+            help="K/V cache element type (q8_0: half the memory of f16)",
+        )
+
     p = sub.add_parser("complete", help="continue PROMPT ('-' reads stdin)")
     model_args(p)
-    p.add_argument("-n", "--max-tokens", type=_nonneg_int, default=128, help="default: 128")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
-    p.add_argument("-s", "--seed", type=int, help="random seed for sampling")
-    p.add_argument("--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)")
-    p.add_argument(
-        "-c", "--ctx-size", type=_positive_int, help="context size (default: prompt + max tokens)"
-    )
-    p.add_argument(
-        "--kv-type",
-        choices=("f16", "q8_0", "f32"),
-        default="f16",
-        help="K/V cache element type (q8_0: half the memory of f16)",
-    )
+    generation_args(p)
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser(
+        "chat", help="reply to MESSAGE, one user turn in the model's chat template ('-': stdin)"
+    )
+    model_args(p)
+    generation_args(p)
+    p.add_argument("--system", metavar="TEXT", help="a system message before MESSAGE")
+    p.add_argument(
+        "--chat-template-file",
+        metavar="PATH",
+        help="a Jinja chat template to use instead of the model's",
+    )
+    p.add_argument("message", metavar="MESSAGE")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="measure prefill and decode speed")
     model_args(p)

@@ -77,9 +77,9 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 from typing_extensions import Unpack
@@ -108,6 +108,9 @@ from .sessions import (
     write_session_file,
 )
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .chat import Message
 
 __all__ = ["Engine", "SessionFileError", "SessionInfo", "parse_size"]
 
@@ -251,11 +254,35 @@ class _Request:
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
         self.text = TextStream(stops)
         self.pieces: list[str] = []
+        # Context shift: the sequence holds ids[:keep] + ids[keep + shift:] at positions 0, 1,
+        # ...; n_done and the plan's indices count in that view (see context()).
+        self.context_shift = False
+        self.keep = 0
+        self.shift = 0
         self.turn: Turn | None = None  # the session part (session requests only)
 
     @property
     def n_generated(self) -> int:
         return len(self.ids) - self.n_prompt
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the sequence's context (prompt and output less what shifts dropped)."""
+        return len(self.ids) - self.shift
+
+    def context(self, a: int = 0, b: int | None = None) -> list[int]:
+        """Tokens ``[a, b)`` of the context (``b`` None: to its end); token ``i`` sits at
+        position ``i``. Without a shift this is ``ids[a:b]`` (no copy for the whole)."""
+        ids, keep, shift = self.ids, self.keep, self.shift
+        if b is None:
+            b = len(ids) - shift
+        if shift == 0:
+            return ids if (a, b) == (0, len(ids)) else ids[a:b]
+        if b <= keep:
+            return ids[a:b]
+        if a >= keep:
+            return ids[a + shift : b + shift]
+        return ids[a:keep] + ids[keep + shift : b + shift]
 
     @property
     def greedy(self) -> bool:
@@ -331,7 +358,10 @@ class Engine:
     (shared with its other contexts of the same ``kv_type``); if it exists already and is in
     use, it is shared as it is. ``batch_tokens``: tokens per step for prompts (chunked prefill;
     generating sequences always get their one token). ``prefix_cache``: reuse and publish
-    cached prompt prefixes.
+    cached prompt prefixes. ``context_shift``: the default of the per-request option (a
+    sequence that reaches ``ctx_size`` drops the older half of its context after ``n_keep``
+    tokens and goes on, as llama.cpp's ``--context-shift``; off: it finishes with
+    ``finish_reason="context"``).
 
     Sessions (module docs): ``kv_high_watermark`` / ``kv_low_watermark`` (0 < low <= high <= 1):
     idle sessions are evicted when the pool's usage passes the high mark, down to the low mark;
@@ -351,6 +381,7 @@ class Engine:
         kv_type: str = "f16",
         batch_tokens: int = 512,
         prefix_cache: bool = True,
+        context_shift: bool = False,
         kv_high_watermark: float = 0.9,
         kv_low_watermark: float = 0.7,
         session_ttl: float | None = None,
@@ -392,6 +423,7 @@ class Engine:
         self.parallel = parallel
         self.batch_tokens = batch_tokens
         self.prefix_cache = prefix_cache
+        self.context_shift = bool(context_shift)
         self.ctx_size = ctx_size
         # The longest sequence that can exist: ctx_size, unless the pool holds less.
         self._seq_limit = min(ctx_size, self._ctx.n_ctx, pool_tokens)
@@ -448,26 +480,44 @@ class Engine:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, prompt: str, max_tokens: int, options: RequestOptions) -> _Request:
-        """Validates everything and builds the request (nothing is queued yet)."""
+    def _request(
+        self, prompt: str | list[int], max_tokens: int, options: RequestOptions
+    ) -> _Request:
+        """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
+        text or the token ids to feed (a chat prompt)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
-        ids = prompt_ids(self.model, prompt)
+        ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else prompt
         turn = None
         n = len(ids)
         if opts.session_id is not None:
-            cont = self.model.tokenize(prompt, add_special=False, parse_special=True)
+            # Text continues the session (no second BOS); token ids (a chat) give the whole
+            # conversation, which reuses the longest prefix the session holds.
+            cont = (
+                self.model.tokenize(prompt, add_special=False, parse_special=True)
+                if isinstance(prompt, str)
+                else None
+            )
             turn = Turn(opts.session_id, ids, cont)
             s = self._sessions.get(opts.session_id)  # a snapshot, to check the length early
-            if s is not None and s.ids:
+            if s is not None and s.ids and cont is not None:
                 n = len(s.ids) + len(cont)
         if n > self._seq_limit:
             what = "the prompt" if n == len(ids) else "the session with this prompt"
             raise ValueError(f"{what} has {n} tokens, more than {self._limit_name} allows")
         req = _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, opts.priority)
+        req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
+        req.keep = self._keep(opts.n_keep)
         req.turn = turn
         return req
+
+    def _keep(self, n_keep: int) -> int:
+        """Tokens a context shift keeps at the start (llama.cpp's server rule: ``n_keep``, plus
+        the BOS when the model adds one, at most the limit less 4)."""
+        if n_keep >= self._seq_limit:
+            raise ValueError(f"n_keep must be < {self._limit_name}, got {n_keep}")
+        return max(0, min(self._seq_limit - 4, n_keep + int(self.model.add_bos)))
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -494,7 +544,9 @@ class Engine:
         """Complete ``prompt`` (blocking; any thread). ``options``: see
         :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``,
         ``session_id``: continue that session, see the module docs)."""
-        req = self._request(prompt, max_tokens, options)
+        return self._wait(self._request(prompt, max_tokens, options))
+
+    def _wait(self, req: _Request) -> GenerateResult:
         sink = _FutureSink()
         req.sink = sink
         self._submit(req)
@@ -511,7 +563,9 @@ class Engine:
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """:meth:`generate` for asyncio; cancelling the task cancels the request."""
-        req = self._request(prompt, max_tokens, options)
+        return await self._await(self._request(prompt, max_tokens, options))
+
+    async def _await(self, req: _Request) -> GenerateResult:
         sink = _LoopSink(asyncio.get_running_loop(), stream=False)
         req.sink = sink
         self._submit(req)
@@ -548,6 +602,41 @@ class Engine:
                 yield item
         finally:
             self._cancel(req)
+
+    # -- chat --------------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (blocking; any thread): the model's chat template with the
+        generation prompt (:meth:`Model.tokenize_chat`), then as :meth:`generate`. Bad messages
+        and template errors raise ``ValueError`` at the call, before anything is queued. With
+        ``session_id``, ``messages`` is the whole conversation: the turn reuses the longest
+        prefix of its tokens that the session holds and computes the rest."""
+        return self._wait(self._request(self.model.tokenize_chat(messages), max_tokens, options))
+
+    async def achat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """:meth:`chat` for asyncio; cancelling the task cancels the request."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return await self._await(req)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str, None]:
+        """:meth:`stream` for a chat: the reply's text pieces; arguments and messages are
+        checked at the call."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return self._stream(req)
 
     # -- sessions ------------------------------------------------------------------------------
     def _on_engine(self, fn: Callable[[], T], session_id: str | None = None) -> T:
@@ -941,9 +1030,10 @@ class Engine:
         turn = req.turn
         assert turn is not None and turn.session is not None
         s = turn.session
-        turn.base = _common_prefix(s.ids, req.ids)
+        context = req.context()
+        turn.base = _common_prefix(s.ids, context)
         if s.resident:
-            n = min(turn.base, s.n_kv, len(req.ids) - 1)
+            n = min(turn.base, s.n_kv, len(context) - 1)
             if n < s.n_kv:
                 self._ctx.seq_rm(s.seq, n, -1)
             req.seq = s.seq
@@ -952,7 +1042,7 @@ class Engine:
         if req.cached_tokens < 0 and s.evicted:
             self._session_misses += 1
         s.evicted = False
-        return self._ctx.match_prefix(req.seq, req.ids) if self.prefix_cache else 0
+        return self._ctx.match_prefix(req.seq, context) if self.prefix_cache else 0
 
     def _end_turn(self, req: _Request, ok: bool) -> None:
         """The session's running or waiting request ends. Finished: the session takes its
@@ -962,17 +1052,20 @@ class Engine:
         assert turn is not None and turn.session is not None
         s = turn.session
         if ok:
-            s.ids = list(req.ids)
+            # What the sequence holds: after a context shift, the shifted context.
+            s.ids = list(req.context())
             s.priority = req.priority
             if not req.greedy:
                 s.rng_state = dict(req.sampler.rng.bit_generator.state)
-            if req.n_done < len(req.ids) <= self._seq_limit:
+            if req.n_done < req.n_tokens <= self._seq_limit:
                 turn.closing = True  # decoded in the next step, then parked (_park)
                 return
             self._park(req)
             return
         if req.state == _RUNNING:
             keep = min(req.n_done, turn.base)
+            if req.shift:  # a context shift moved everything after req.keep
+                keep = min(keep, req.keep)
             with self._cond:
                 del self._running[req.seq]
             if keep > 0:
@@ -1071,7 +1164,7 @@ class Engine:
     def _blocks_to_fill(self, req: _Request, extra: int = 0) -> int:
         """Fresh blocks ``req`` needs to hold all its tokens (+ ``extra``) from ``n_done``."""
         b = self._block
-        return -(-(len(req.ids) + extra) // b) - (-(-req.n_done // b))
+        return -(-(req.n_tokens + extra) // b) - (-(-req.n_done // b))
 
     def _available(self) -> int:
         st = self._ctx.stats()
@@ -1080,7 +1173,7 @@ class Engine:
     def _admit(self) -> None:
         avail = self._available()
         room = avail - sum(self._blocks_to_fill(r) for r in self._running.values())
-        prefill = sum(len(r.ids) - r.n_done - 1 for r in self._running.values())
+        prefill = sum(r.n_tokens - r.n_done - 1 for r in self._running.values())
         deferred: list[tuple[tuple[int, int], _Request]] = []
         while self._waiting and len(self._running) < self.parallel:
             if prefill >= self.batch_tokens:
@@ -1093,7 +1186,7 @@ class Engine:
             resident = session is not None and session.resident
             if resident:  # what the parked sequence already holds is not allocated again
                 assert session is not None
-                req.n_done = min(_common_prefix(session.ids, req.ids), session.n_kv)
+                req.n_done = min(_common_prefix(session.ids, req.context()), session.n_kv)
             need = self._blocks_to_fill(req, extra=1)
             while self._running and need > room and self._sessions.victim() is not None:
                 self._evict(self._sessions.victim())  # type: ignore[arg-type]
@@ -1107,7 +1200,7 @@ class Engine:
                 continue
             if session is None:
                 req.seq = self._alloc_seq()
-                matched = self._ctx.match_prefix(req.seq, req.ids) if self.prefix_cache else 0
+                matched = self._ctx.match_prefix(req.seq, req.context()) if self.prefix_cache else 0
             else:
                 matched = self._attach(req)
             with self._cond:
@@ -1120,7 +1213,7 @@ class Engine:
                 self._prompt_tokens += req.n_prompt
                 self._cached_prompt_tokens += req.cached_tokens
             room -= need
-            prefill += len(req.ids) - matched - 1
+            prefill += req.n_tokens - matched - 1
         for item in deferred:
             heapq.heappush(self._waiting, item)
 
@@ -1129,17 +1222,18 @@ class Engine:
         starts with (then ``req`` waits and maps them from the prefix index instead of
         computing them a second time). O(prefilling requests x shared blocks)."""
         b = self._block
-        ids = req.ids
+        ids = req.context()
         usable = (len(ids) - 1) // b * b  # what match_prefix could map
         if usable == 0:
             return False
         head = ids[:b]
         for other in self._running.values():
-            if other.n_done >= min(usable, len(other.ids) - 1) or other.ids[:b] != head:
+            oids = other.context()
+            if other.n_done >= min(usable, len(oids) - 1) or oids[:b] != head:
                 continue  # it computed what it had (or nothing shared)
             shared = b
-            limit = min(usable, len(other.ids) // b * b)
-            while shared < limit and other.ids[shared : shared + b] == ids[shared : shared + b]:
+            limit = min(usable, len(oids) // b * b)
+            while shared < limit and oids[shared : shared + b] == ids[shared : shared + b]:
                 shared += b
             if shared > other.n_done // b * b:
                 return True
@@ -1151,8 +1245,8 @@ class Engine:
         prefilling: list[_Request] = []
         for req in self._running.values():
             if req.turn is not None and req.turn.closing:  # the last token's K/V, no logits
-                plan.append((req, req.n_done, len(req.ids) - req.n_done, False))
-            elif len(req.ids) - req.n_done == 1:
+                plan.append((req, req.n_done, req.n_tokens - req.n_done, False))
+            elif req.n_tokens - req.n_done == 1:
                 plan.append((req, req.n_done, 1, True))
             else:
                 prefilling.append(req)
@@ -1161,8 +1255,8 @@ class Engine:
         for req in prefilling:
             if left <= 0:
                 break
-            k = min(len(req.ids) - req.n_done, left)
-            plan.append((req, req.n_done, k, req.n_done + k == len(req.ids)))
+            k = min(req.n_tokens - req.n_done, left)
+            plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
             left -= k
         return plan
 
@@ -1177,7 +1271,7 @@ class Engine:
             seqs: list[int] = []
             flags: list[bool] = []
             for req, start, k, want in plan:
-                tokens += req.ids[start : start + k]
+                tokens += req.context(start, start + k)
                 positions += range(start, start + k)
                 seqs += [req.seq] * k
                 flags += [False] * (k - 1) + [want]
@@ -1191,7 +1285,7 @@ class Engine:
                 if len(self._running) <= 1:
                     (req,) = self._running.values()
                     msg = (
-                        f"the request needs {len(req.ids)} tokens of K/V and does not fit the"
+                        f"the request needs {req.n_tokens} tokens of K/V and does not fit the"
                         f" KV pool even alone ({e})"
                     )
                     self._finish(req, error=KvCacheFull(msg))
@@ -1249,6 +1343,29 @@ class Engine:
             self._finish(req, FINISH_STOP)
         elif req.n_generated >= req.max_tokens:
             self._finish(req, FINISH_LENGTH)
-        elif len(req.ids) - 1 >= self._seq_limit:
+        elif req.n_tokens - 1 >= self._seq_limit and not self._shift_context(req):
             self._finish(req, FINISH_CONTEXT)
         return 1
+
+    def _shift_context(self, req: _Request) -> bool:
+        """Context shift (llama.cpp's server arithmetic) for a sequence whose K/V fills the
+        limit: after the first ``keep`` tokens, drop half of the rest (``seq_rm``) and move the
+        remainder down (``seq_add``; keys are re-rotated lazily). Returns False when shifting is
+        off for ``req`` or cannot free anything. If the shift needs blocks the pool lacks (moving
+        cells shared with another sequence copies them), ``req`` is preempted instead; it resumes
+        by recomputing its shifted context."""
+        if not req.context_shift:
+            return False
+        n_left = req.n_done - req.keep
+        n_discard = min(n_left // 2, max(0, n_left - 1))
+        if n_discard <= 0:
+            return False
+        start = req.keep + n_discard
+        self._ctx.seq_rm(req.seq, req.keep, start)
+        req.shift += n_discard
+        req.n_done -= n_discard
+        try:
+            self._ctx.seq_add(req.seq, start, -1, -n_discard)
+        except KvCacheFull:
+            self._preempt(req)
+        return True

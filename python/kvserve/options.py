@@ -48,10 +48,17 @@ class RequestOptions(SamplingOptions, total=False):
     - ``session_id``: the conversation this request belongs to (a non-empty string): the
       prompt continues the session's previous prompts and outputs, whose K/V is reused; an
       unknown id starts a new session. See :class:`kvserve.Engine`.
+    - ``context_shift``: when the sequence reaches the engine's ``ctx_size``, drop the older
+      half of its context after the first ``n_keep`` tokens and go on generating (llama.cpp's
+      ``--context-shift``); default: the engine's ``context_shift``.
+    - ``n_keep``: prompt tokens a context shift keeps, besides the BOS (always kept when the
+      model adds one); default 0; ``0 <= n_keep < ctx_size``.
     """
 
     priority: int
     session_id: str | None
+    context_shift: bool
+    n_keep: int
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -67,6 +74,8 @@ class Resolved:
     ignore_eos: bool
     priority: int
     session_id: str | None = None
+    context_shift: bool | None = None  # None: the engine's default
+    n_keep: int = 0
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -93,10 +102,18 @@ def resolve(options: RequestOptions, *, engine: bool = False) -> Resolved:
     session_id = options.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+    n_keep = options.get("n_keep", 0)
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
+        raise ValueError(f"n_keep must be an integer >= 0, got {n_keep!r}")
+    context_shift = options.get("context_shift")
+    if context_shift is not None and not isinstance(context_shift, bool):
+        raise ValueError(f"context_shift must be True or False, got {context_shift!r}")
     return Resolved(
         sampler=Sampler(params, seed=options.get("seed")),
         stops=stop_list(options.get("stop")),
         ignore_eos=options.get("ignore_eos", False),
         priority=options.get("priority", 0),
         session_id=session_id,
+        context_shift=context_shift,
+        n_keep=n_keep,
     )
