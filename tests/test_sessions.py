@@ -243,6 +243,7 @@ def test_sessions_under_a_pool_too_small_for_all_answer_as_alone(
         check_continuation(oracle, r1, first, P2)
         assert r2.tokens == oracle.generate(first + r1.text + P2, max_tokens=8).tokens
     assert st["evictions"] > 0 and st["preemptions"] > 0, st
+    assert st["kv_blocks_evicted"] > 0  # cached blocks were taken for new content
     assert (st["waiting"], st["sessions"]) == (0, len(firsts))
 
 

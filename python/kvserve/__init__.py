@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .models import FetchError
+from .sampling import TokenLogprob
 from .sessions import SessionFileError, SessionInfo
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ __all__ = [
     "ModelError",
     "SessionFileError",
     "SessionInfo",
+    "TokenLogprob",
     "__version__",
     "generate",
 ]

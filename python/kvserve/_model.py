@@ -28,6 +28,7 @@ from typing_extensions import Unpack
 
 from . import models
 from .options import SamplingOptions, resolve
+from .sampling import TokenLogprob, token_logprobs
 from .textstream import TextStream
 
 if TYPE_CHECKING:
@@ -45,7 +46,15 @@ KvCacheFull = _core.KvCacheFull
 EngineError = _core.EngineError
 ModelError = _core.ModelError
 
-__all__ = ["EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"]
+__all__ = [
+    "EngineError",
+    "GenerateResult",
+    "KvCacheFull",
+    "Model",
+    "ModelError",
+    "TokenLogprob",
+    "generate",
+]
 
 StrPath = Union[str, "os.PathLike[str]"]
 
@@ -61,13 +70,15 @@ FINISH_CONTEXT = "context"  # the context window is full
 class GenerateResult:
     """Generated text and token ids (the prompt is not included); ``prompt_tokens`` counts the
     prompt's tokens and ``cached_tokens`` those whose K/V was reused from the model's prefix
-    cache instead of computed."""
+    cache instead of computed. ``logprobs`` (when the ``logprobs`` option asked for them, else
+    None): one :class:`kvserve.sampling.TokenLogprob` per generated token, in order."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = FINISH_LENGTH
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _check_simd_env() -> None:
@@ -77,6 +88,13 @@ def _check_simd_env() -> None:
         raise ValueError(
             f"KVSERVE_SIMD={raw!r} is not a SIMD level; valid values: {', '.join(SIMD_LEVELS)}"
         )
+
+
+def token_logprob(model: Model, row: npt.ArrayLike, token: int, n: int) -> TokenLogprob:
+    """``token``'s entry for ``GenerateResult.logprobs``: its log-probability under the raw
+    logits ``row`` it was picked from and the ``n`` most probable tokens of that row."""
+    logprob, top = token_logprobs(row, token, n)
+    return TokenLogprob(token, model.token_to_piece(token), logprob, top)
 
 
 def prompt_ids(model: Model, prompt: str) -> list[int]:
@@ -297,8 +315,9 @@ class _Run:
         if n_ctx is not None and n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.model = model
-        opts = resolve(options)
+        opts = resolve(options, n_vocab=model.n_vocab)
         self.sampler = opts.sampler
+        self.n_logprobs = opts.logprobs
         self.stops = opts.stops
         self.ignore_eos = opts.ignore_eos
         self.max_tokens = max_tokens
@@ -311,6 +330,7 @@ class _Run:
                 f"the prompt has {n_prompt} tokens but the context holds {self.n_ctx}"
             )
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if opts.logprobs is None else []
         self.finish_reason = FINISH_LENGTH
         self.cached_tokens = 0
 
@@ -323,6 +343,7 @@ class _Run:
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt_tokens),
             cached_tokens=self.cached_tokens,
+            logprobs=self.logprobs,
         )
 
     def _token_ids(self) -> Generator[int, None, None]:
@@ -338,12 +359,17 @@ class _Run:
         logits = ctx.decode(toks[m:], list(range(m, n)), [0] * k, [False] * (k - 1) + [True])
         pos = n
         is_eog = self.model.is_eog
+        history = list(toks)  # the penalties' history: prompt, then generated tokens
         while True:
-            tok = self.sampler(_last_row(logits))
+            row = _last_row(logits)
+            tok = self.sampler(row, history)
             if is_eog(tok) and not self.ignore_eos:
                 self.finish_reason = FINISH_STOP
                 return
+            if self.logprobs is not None and self.n_logprobs is not None:
+                self.logprobs.append(token_logprob(self.model, row, tok, self.n_logprobs))
             self.tokens.append(tok)
+            history.append(tok)
             yield tok
             if len(self.tokens) >= self.max_tokens:
                 self.finish_reason = FINISH_LENGTH

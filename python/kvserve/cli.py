@@ -85,6 +85,19 @@ def _int_list(text: str) -> list[int]:
 _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """``TOKEN=BIAS``: a token id and the bias added to its logit (``-inf`` bans it)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN=BIAS (a token id and a number, e.g. 13=-inf), got {text!r}"
+        ) from None
+
+
 def _load(args: argparse.Namespace) -> Model:
     from ._model import Model
 
@@ -121,6 +134,14 @@ def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        "min_p": args.min_p,
+        "typical_p": args.typical_p,
+        "repeat_penalty": args.repeat_penalty,
+        "penalty_last_n": args.repeat_last_n,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "logit_bias": dict(args.logit_bias or []),
+        "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         "stop": args.stop,
         "n_ctx": args.ctx_size,
@@ -295,6 +316,40 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off (default)")
         p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+        p.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+        p.add_argument(
+            "--typical-p",
+            type=float,
+            default=1.0,
+            help="locally typical sampling; 1.0 = off (default)",
+        )
+        p.add_argument(
+            "--repeat-penalty",
+            type=float,
+            default=1.0,
+            help="penalize tokens of the last --repeat-last-n tokens; 1.0 = off (default)",
+        )
+        p.add_argument(
+            "--repeat-last-n",
+            type=int,
+            default=64,
+            metavar="N",
+            help="tokens (prompt included) the penalties look at; 0 = off, -1 = all (default: 64)",
+        )
+        p.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (default)")
+        p.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (default)")
+        p.add_argument(
+            "--logit-bias",
+            type=_logit_bias,
+            action="append",
+            metavar="TOKEN=BIAS",
+            help="add BIAS to token id TOKEN's logit; -inf bans it (repeatable)",
+        )
+        p.add_argument(
+            "--ignore-eos",
+            action="store_true",
+            help="keep generating past end-of-generation tokens",
+        )
         p.add_argument("-s", "--seed", type=int, help="random seed for sampling")
         p.add_argument(
             "--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)"

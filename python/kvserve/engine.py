@@ -22,10 +22,11 @@ One step:
    back to the waiting queue with its place and is later resumed by recomputing its prompt and
    generated tokens, with prefix reuse), and the batch is rebuilt and retried. Only a request
    that cannot fit when it runs alone fails (``KvCacheFull``);
-5. sample every row at once (greedy rows with one argmax over the batch; sampled rows with
-   each request's own seeded generator, so a seeded request gives the same tokens whatever
-   else is in the batch), deliver the text, check end-of-generation, stop strings, max_tokens
-   and ``ctx_size``, and retire finished sequences.
+5. sample every row at once (greedy rows without logit bias or penalties with one argmax over
+   the batch; the others with each request's own sampler: bias and penalties over its tokens,
+   then argmax or its own seeded generator, so a seeded request gives the same tokens whatever
+   else is in the batch), deliver the text (and the token's logprobs when asked), check
+   end-of-generation, stop strings, max_tokens and ``ctx_size``, and retire finished sequences.
 
 Per-step cost: O(R + T + W_admitted) Python work plus the argmax/sampling over R rows of
 ``n_vocab`` logits, where R is the number of running sequences (at most ``parallel``), T the
@@ -94,9 +95,10 @@ from ._model import (
     Model,
     StrPath,
     prompt_ids,
+    token_logprob,
 )
 from .options import RequestOptions, resolve
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprob
 from .sessions import (
     Session,
     SessionFileError,
@@ -237,8 +239,9 @@ class _Request:
         stops: list[str],
         ignore_eos: bool,
         priority: int,
+        logprobs: int | None = None,
     ) -> None:
-        self.ids = ids  # prompt, then the generated tokens
+        self.ids = ids  # prompt, then the generated tokens (the penalties' history)
         self.n_prompt = len(ids)
         self.max_tokens = max_tokens
         self.sampler = sampler
@@ -259,6 +262,11 @@ class _Request:
         self.context_shift = False
         self.keep = 0
         self.shift = 0
+        # logprobs: alternatives per token (None: not asked); one entry per delivered token,
+        # appended as each is delivered (``pending_logprob``: the entry of the token just picked).
+        self.n_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        self.pending_logprob: TokenLogprob | None = None
         self.turn: Turn | None = None  # the session part (session requests only)
 
     @property
@@ -285,8 +293,9 @@ class _Request:
         return ids[a:keep] + ids[keep + shift : b + shift]
 
     @property
-    def greedy(self) -> bool:
-        return self.sampler.params.is_greedy
+    def argmax_only(self) -> bool:
+        """Greedy without bias or penalties: the token is the argmax of the raw logits."""
+        return self.sampler.params.is_plain_greedy
 
 
 class _Call:
@@ -487,7 +496,8 @@ class Engine:
         text or the token ids to feed (a chat prompt)."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
+        # TypeError / ValueError naming the argument
+        opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
         ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else prompt
         turn = None
         n = len(ids)
@@ -506,7 +516,15 @@ class Engine:
         if n > self._seq_limit:
             what = "the prompt" if n == len(ids) else "the session with this prompt"
             raise ValueError(f"{what} has {n} tokens, more than {self._limit_name} allows")
-        req = _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, opts.priority)
+        req = _Request(
+            ids,
+            max_tokens,
+            opts.sampler,
+            opts.stops,
+            opts.ignore_eos,
+            opts.priority,
+            logprobs=opts.logprobs,
+        )
         req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
         req.keep = self._keep(opts.n_keep)
         req.turn = turn
@@ -870,6 +888,7 @@ class Engine:
                 finish_reason=reason,
                 prompt_tokens=req.n_prompt,
                 cached_tokens=max(req.cached_tokens, 0),
+                logprobs=req.logprobs,
             )
         )
 
@@ -1017,8 +1036,9 @@ class Engine:
             return
         req.ids = list(ids)
         req.n_prompt = len(ids)
-        if s.rng_state is not None and req.sampler.seed is None and not req.greedy:
-            req.sampler.rng.bit_generator.state = s.rng_state  # the session's random stream
+        sampler = req.sampler
+        if s.rng_state is not None and sampler.seed is None and not sampler.params.is_greedy:
+            sampler.rng.bit_generator.state = s.rng_state  # the session's random stream
         s.busy = req
         self._sessions.busy(s)
         heapq.heappush(self._waiting, (req.key, req))
@@ -1055,7 +1075,7 @@ class Engine:
             # What the sequence holds: after a context shift, the shifted context.
             s.ids = list(req.context())
             s.priority = req.priority
-            if not req.greedy:
+            if not req.sampler.params.is_greedy:
                 s.rng_state = dict(req.sampler.rng.bit_generator.state)
             if req.n_done < req.n_tokens <= self._seq_limit:
                 turn.closing = True  # decoded in the next step, then parked (_park)
@@ -1313,19 +1333,22 @@ class Engine:
             self._recent.popleft()
 
     def _sample(self, reqs: list[_Request], rows: np.ndarray) -> list[int]:
-        """One token per row: greedy rows with one argmax over all of them (sampling.greedy's
-        rule, the first maximum, without its float64 copy); sampled rows each with the request's
-        own generator."""
+        """One token per row: plain greedy rows (no bias, no penalties) with one argmax over all
+        of them (sampling.greedy's rule, the first maximum, without its float64 copy); the
+        others each with the request's own sampler (bias and penalties over its tokens, then
+        greedy or its own generator). A request that asked for logprobs gets the picked
+        token's entry, from the raw row, in ``pending_logprob``."""
         picked = [0] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.greedy]
-        if greedy:
-            best = np.argmax(rows[greedy] if len(greedy) < len(reqs) else rows, axis=-1)
-            for i, tok in zip(greedy, best.tolist()):
+        plain = [i for i, r in enumerate(reqs) if r.argmax_only]
+        if plain:
+            best = np.argmax(rows[plain] if len(plain) < len(reqs) else rows, axis=-1)
+            for i, tok in zip(plain, best.tolist()):
                 picked[i] = tok
         for i, req in enumerate(reqs):
-            if req.greedy:
-                continue
-            picked[i] = req.sampler(rows[i])
+            if not req.argmax_only:
+                picked[i] = req.sampler(rows[i], req.ids)
+            if req.n_logprobs is not None:
+                req.pending_logprob = token_logprob(self.model, rows[i], picked[i], req.n_logprobs)
         return picked
 
     def _deliver(self, req: _Request, tok: int) -> int:
@@ -1335,6 +1358,9 @@ class Engine:
             self._finish(req, FINISH_STOP)
             return 0
         req.ids.append(tok)
+        if req.logprobs is not None and req.pending_logprob is not None:
+            req.logprobs.append(req.pending_logprob)
+            req.pending_logprob = None
         out = req.text.push(self._piece(tok))
         if out:
             req.pieces.append(out)
