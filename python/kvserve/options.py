@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Union, cast
 
 from typing_extensions import TypedDict
 
@@ -108,7 +108,10 @@ def stop_list(stop: Stop) -> list[str]:
 
 
 def resolve(
-    options: RequestOptions, *, n_vocab: int | None = None, engine: bool = False
+    options: SamplingOptions | RequestOptions,
+    *,
+    n_vocab: int | None = None,
+    engine: bool = False,
 ) -> Resolved:
     """Checks ``options`` (an unknown name is a ``TypeError``, a bad value a ``ValueError``
     naming the argument and its limit) and builds the sampler. ``n_vocab``: the model's
@@ -117,6 +120,9 @@ def resolve(
     unknown = set(options) - (_REQUEST_KEYS if engine else _KEYS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    # Without ``engine`` the keys were just checked to be SamplingOptions': the engine-only
+    # ones read below are then absent and take their defaults.
+    options = cast(RequestOptions, options)
     bias = options.get("logit_bias")
     params = SamplingParams(  # ValueError naming the argument
         temperature=options.get("temperature", 0.0),
