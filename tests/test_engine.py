@@ -39,6 +39,8 @@ STATS_KEYS = {
     "running",
     "waiting",
     "sessions",
+    "session_misses",
+    "kv_blocks_evicted",
     "decode_tok_s",
 }
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .models import FetchError
 from .sampling import TokenLogprob
+from .sessions import SessionFileError, SessionInfo
 
 if TYPE_CHECKING:
     from ._model import EngineError, GenerateResult, KvCacheFull, Model, ModelError, generate
@@ -43,6 +44,8 @@ __all__ = [
     "KvCacheFull",
     "Model",
     "ModelError",
+    "SessionFileError",
+    "SessionInfo",
     "TokenLogprob",
     "__version__",
     "generate",

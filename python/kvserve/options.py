@@ -65,6 +65,9 @@ class RequestOptions(SamplingOptions, total=False):
     """What an :class:`kvserve.Engine` call takes beyond :class:`SamplingOptions`.
 
     - ``priority``: higher is admitted first and preempted last (FCFS within a priority).
+    - ``session_id``: the conversation this request belongs to (a non-empty string): the
+      prompt continues the session's previous prompts and outputs, whose K/V is reused; an
+      unknown id starts a new session. See :class:`kvserve.Engine`.
     - ``context_shift``: when the sequence reaches the engine's ``ctx_size``, drop the older
       half of its context after the first ``n_keep`` tokens and go on generating (llama.cpp's
       ``--context-shift``); default: the engine's ``context_shift``.
@@ -73,6 +76,7 @@ class RequestOptions(SamplingOptions, total=False):
     """
 
     priority: int
+    session_id: str | None
     context_shift: bool
     n_keep: int
 
@@ -89,6 +93,7 @@ class Resolved:
     stops: list[str]
     ignore_eos: bool
     priority: int
+    session_id: str | None = None
     context_shift: bool | None = None  # None: the engine's default
     n_keep: int = 0
     logprobs: int | None = None  # alternatives per token, None: no logprobs
@@ -131,6 +136,9 @@ def resolve(
         penalty_last_n=options.get("penalty_last_n", DEFAULT_PENALTY_LAST_N),
         logit_bias={} if bias is None else bias,
     )
+    session_id = options.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
     n_keep = options.get("n_keep", 0)
     if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
         raise ValueError(f"n_keep must be an integer >= 0, got {n_keep!r}")
@@ -150,6 +158,7 @@ def resolve(
         stops=stop_list(options.get("stop")),
         ignore_eos=options.get("ignore_eos", False),
         priority=options.get("priority", 0),
+        session_id=session_id,
         context_shift=context_shift,
         n_keep=n_keep,
         logprobs=None if logprobs is None else int(logprobs),
