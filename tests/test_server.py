@@ -392,7 +392,8 @@ def test_a_second_turn_reuses_the_first(client: openai.OpenAI, model: Model) -> 
         {"role": "user", "content": "Why?"},
     ]
     ids2 = model.tokenize_chat(second)
-    common = next((i for i, (a, b) in enumerate(zip(done1, ids2)) if a != b), len(ids2))
+    same = (i for i, (a, b) in enumerate(zip(done1, ids2)) if a != b)
+    common = next(same, min(len(done1), len(ids2)))  # the longest common prefix
     want = min(common, len(done1) - 1, len(ids2) - 1) // 16 * 16
     assert want >= len(ids1) // 16 * 16  # at least the first prompt's whole blocks
     r2 = client.chat.completions.create(model="m", messages=second, max_tokens=4)
@@ -890,6 +891,165 @@ def test_access_log(server: Server) -> None:
     assert 0 < entry["ttft_ms"] <= entry["total_ms"]
 
 
+# -- sessions ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sessions_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("sessions")
+    srv = Server(
+        [
+            "--model", str(model_path), "--threads", "2", "--parallel", "2",
+            "--ctx-size", str(CTX), "--kv-memory", "16MiB", "--session-dir", str(tmp / "saved"),
+        ],
+        tmp / "server.log",
+    )  # fmt: skip
+    srv.session_dir = tmp / "saved"  # type: ignore[attr-defined]
+    yield srv
+    srv.stop()
+
+
+def _complete(url: str, **body: Any) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_session_turns_save_and_restore(sessions_server: Server, model: Model) -> None:
+    """A session's second turn continues the first: it reuses every token of the first turn
+    (prompt and output) and generates what the whole conversation, sent as token ids without
+    a session, generates. Saved, dropped and restored over HTTP, it continues without
+    recomputing anything."""
+    url = sessions_server.url
+    p1, p2, p3 = STORY, " Then one day,", " And so"
+    r1 = _complete(url, prompt=p1, max_tokens=8, ignore_eos=True, session_id="alice")
+    r2 = _complete(url, prompt=p2, max_tokens=8, ignore_eos=True, session_id="alice")
+    out1 = model.generate(p1, max_tokens=8, ignore_eos=True)
+    assert r1["choices"][0]["text"] == out1.text
+    held = out1.prompt_tokens + len(out1.tokens)
+    cont = model.tokenize(p2, add_special=False, parse_special=True)
+    assert r2["usage"]["prompt_tokens"] == held + len(cont)
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    whole = model.tokenize(p1, add_special=True, parse_special=True) + out1.tokens + cont
+    alone = _complete(url, prompt=whole, max_tokens=8, ignore_eos=True)
+    assert r2["choices"][0]["text"] == alone["choices"][0]["text"]
+
+    tokens = r2["usage"]["prompt_tokens"] + r2["usage"]["completion_tokens"]
+    listed = httpx.get(f"{url}/v1/sessions").json()["data"]
+    assert [(s["id"], s["tokens"]) for s in listed] == [("alice", tokens)]
+    info = httpx.get(f"{url}/v1/sessions/alice").json()
+    assert (info["object"], info["tokens"], info["busy"]) == ("session", tokens, False)
+    assert _metrics(url)["kvserve_sessions"] == 1
+
+    r = httpx.post(f"{url}/v1/sessions/alice/save")
+    assert r.status_code == 200, r.text
+    saved = sessions_server.session_dir / "alice.kvs"  # type: ignore[attr-defined]
+    assert r.json()["file"] == "alice.kvs" and r.json()["bytes"] == saved.stat().st_size > 0
+    assert httpx.delete(f"{url}/v1/sessions/alice").json()["deleted"] is True
+    assert httpx.get(f"{url}/v1/sessions/alice").status_code == 404
+    assert httpx.delete(f"{url}/v1/sessions/alice").status_code == 404
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice"})
+    assert r.status_code == 200, r.text
+    assert (r.json()["id"], r.json()["tokens"]) == ("alice", tokens)
+    r3 = _complete(url, prompt=p3, max_tokens=4, session_id="alice")
+    assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
+    assert r.status_code == 200 and r.json()["tokens"] == tokens
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_exists"
+    for sid in ("alice", "bob"):
+        assert httpx.delete(f"{url}/v1/sessions/{sid}").status_code == 200
+    assert httpx.get(f"{url}/v1/sessions").json()["data"] == []
+    _wait_idle(url)
+
+
+def test_chat_session_reuses_the_conversation(sessions_server: Server, model: Model) -> None:
+    """On a chat, session_id takes the whole message list: the next turn reuses the longest
+    prefix the session holds and replies what the same messages without a session get."""
+    url = sessions_server.url
+
+    def chat(messages: list[Any], **extra: Any) -> dict[str, Any]:
+        body = {"messages": messages, "max_tokens": 12, **extra}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    first = list(CHAT)
+    t1 = chat(first, session_id="carol")
+    reply = t1["choices"][0]["message"]["content"]
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    t2 = chat(second, session_id="carol")
+    ids1 = model.tokenize_chat(first)
+    held = ids1 + model.chat(first, max_tokens=12).tokens
+    ids2 = model.tokenize_chat(second)
+    same = (i for i, (a, b) in enumerate(zip(held, ids2)) if a != b)
+    common = next(same, min(len(held), len(ids2)))  # the longest common prefix
+    assert t2["usage"]["prompt_tokens"] == len(ids2)
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == min(common, len(ids2) - 1)
+    assert t2["choices"][0]["message"]["content"] == model.chat(second, max_tokens=12).text
+    assert httpx.delete(f"{url}/v1/sessions/carol").status_code == 200
+    _wait_idle(url)
+
+
+@pytest.mark.parametrize(
+    ("method", "route", "body", "status", "code"),
+    [
+        ("GET", "/v1/sessions/nobody", None, 404, "session_not_found"),
+        ("DELETE", "/v1/sessions/nobody", None, 404, "session_not_found"),
+        ("POST", "/v1/sessions/nobody/save", None, 404, "session_not_found"),
+        ("GET", "/v1/sessions/.hidden", None, 400, "invalid_value"),
+        ("GET", "/v1/sessions/..%2Fetc", None, 404, "not_found"),  # no route: "/" in the id
+        ("POST", "/v1/sessions/..%2F..%2Fx/save", None, 404, "not_found"),
+        ("POST", "/v1/sessions/a..b%5C..%5Cx/save", None, 400, "invalid_value"),
+        ("POST", "/v1/sessions/restore", {"id": "nobody"}, 404, "session_not_found"),
+        ("POST", "/v1/sessions/restore", {"id": "../../etc/passwd"}, 400, "invalid_value"),
+        ("POST", "/v1/sessions/restore", {"id": "a/b"}, 400, "invalid_value"),
+        ("POST", "/v1/sessions/restore", {"id": "junk"}, 400, "invalid_session_file"),
+        ("POST", "/v1/sessions/restore", {}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"prompt": "x", "session_id": "../x"}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"prompt": "x", "session_id": ""}, 400, "invalid_value"),
+        (
+            "POST",
+            "/v1/completions",
+            {"prompt": "x", "session_id": "s", "n": 2},
+            400,
+            "invalid_value",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            {"prompt": ["a", "b"], "session_id": "s"},
+            400,
+            "invalid_value",
+        ),
+    ],
+)
+def test_session_errors(
+    sessions_server: Server,
+    method: str,
+    route: str,
+    body: dict[str, Any] | None,
+    status: int,
+    code: str,
+) -> None:
+    junk = sessions_server.session_dir / "junk.kvs"  # type: ignore[attr-defined]
+    junk.write_bytes(b"not a session file at all" * 10)
+    r = httpx.request(method, f"{sessions_server.url}{route}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code, error
+    assert str(sessions_server.session_dir) not in error["message"]  # type: ignore[attr-defined]
+
+
+def test_session_files_need_a_session_dir(server: Server) -> None:
+    _complete(server.url, prompt=PROMPT, max_tokens=2, session_id="dave")
+    r = httpx.post(f"{server.url}/v1/sessions/dave/save")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_session_dir"
+    r = httpx.post(f"{server.url}/v1/sessions/restore", json={"id": "dave"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_session_dir"
+    assert httpx.delete(f"{server.url}/v1/sessions/dave").status_code == 200
+
+
 # -- a server configured by the environment: API key, queue limit ------------------------------
 
 KEY = "s3cret-key"
@@ -996,6 +1156,11 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--log-format", "KVSERVE_LOG_FORMAT"),
         ("--context-shift", "KVSERVE_CONTEXT_SHIFT"),
         ("--chat-template-file", "KVSERVE_CHAT_TEMPLATE_FILE"),
+        ("--session-dir", "KVSERVE_SESSION_DIR"),
+        ("--kv-high-watermark", "KVSERVE_KV_HIGH_WATERMARK; default: 0.9"),
+        ("--kv-low-watermark", "KVSERVE_KV_LOW_WATERMARK; default: 0.7"),
+        ("--session-ttl", "KVSERVE_SESSION_TTL"),
+        ("--max-sessions", "KVSERVE_MAX_SESSIONS"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
 
@@ -1008,6 +1173,10 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ({"KVSERVE_KV_MEMORY": "lots"}, [], "KVSERVE_KV_MEMORY: expected a size"),
         ({"KVSERVE_LOG_FORMAT": "xml"}, [], "KVSERVE_LOG_FORMAT: expected one of text, json"),
         ({"KVSERVE_CONTEXT_SHIFT": "maybe"}, [], "KVSERVE_CONTEXT_SHIFT: expected 1/true"),
+        ({"KVSERVE_KV_HIGH_WATERMARK": "1.5"}, [], "expected a number in (0, 1]"),
+        ({}, ["--kv-low-watermark", "0.95"], "must not be above --kv-high-watermark"),
+        ({"KVSERVE_SESSION_TTL": "-3"}, [], "KVSERVE_SESSION_TTL: expected a number of seconds"),
+        ({}, ["--max-sessions", "0"], "expected a positive integer"),
         ({}, ["--api-key", "a", "--api-key-file", "f"], "not both"),
         ({}, ["--kv-type", "q4"], "expected one of f16, q8_0, f32"),
     ],

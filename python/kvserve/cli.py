@@ -249,6 +249,28 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected 1/true/yes/on or 0/false/no/off, got {text!r}")
 
 
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0.0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _nonneg_int(text)
     if value > 65535:
@@ -281,6 +303,18 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
     (("--context-shift",), "", "KVSERVE_CONTEXT_SHIFT", _bool, False,
      "when a sequence fills --ctx-size, drop the older half of its tokens (after n_keep) and"
      " go on, as llama.cpp's --context-shift (a request's context_shift field overrides it)"),
+    (("--session-dir",), "PATH", "KVSERVE_SESSION_DIR", str, None,
+     "where /v1/sessions/{id}/save writes and /v1/sessions/restore reads session files"
+     " (created if missing; default: no session files)"),
+    (("--kv-high-watermark",), "F", "KVSERVE_KV_HIGH_WATERMARK", _fraction, 0.9,
+     "when the K/V pool's usage passes this share, idle sessions are evicted ..."),
+    (("--kv-low-watermark",), "F", "KVSERVE_KV_LOW_WATERMARK", _fraction, 0.7,
+     "... down to this share"),
+    (("--session-ttl",), "SECONDS", "KVSERVE_SESSION_TTL", _seconds, None,
+     "drop a session idle this long (default: never)"),
+    (("--max-sessions",), "N", "KVSERVE_MAX_SESSIONS", _positive_int, None,
+     "most sessions held (default: no limit; one more replaces the least recently used idle"
+     " one)"),
     (("--max-queue",), "N", "KVSERVE_MAX_QUEUE", _nonneg_int, 256,
      "sequences that may wait beyond --parallel; past that 503 with Retry-After"),
     (("--api-key",), "KEY", "KVSERVE_API_KEY", str, None,
@@ -328,6 +362,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key = f.readline().strip()
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty")
+    if s["kv_low_watermark"] > s["kv_high_watermark"]:
+        raise ValueError(
+            f"--kv-low-watermark ({s['kv_low_watermark']}) must not be above"
+            f" --kv-high-watermark ({s['kv_high_watermark']})"
+        )
     template = None
     if s["chat_template_file"] is not None:
         with open(s["chat_template_file"], encoding="utf-8") as f:
@@ -348,6 +387,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_type=s["kv_type"],
             batch_tokens=s["batch_tokens"],
             context_shift=s["context_shift"],
+            session_dir=s["session_dir"],
+            kv_high_watermark=s["kv_high_watermark"],
+            kv_low_watermark=s["kv_low_watermark"],
+            session_ttl=s["session_ttl"],
+            max_sessions=s["max_sessions"],
             max_queue=s["max_queue"],
             api_key=api_key,
             log_format=s["log_format"],

@@ -26,6 +26,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, Union
 
 from fastapi import FastAPI, Request
@@ -44,13 +45,16 @@ from .._model import (
 )
 from ..engine import Engine
 from ..options import RequestOptions
+from ..sessions import SessionFileError, SessionInfo
 from .config import ServerConfig
 from .http import ACCESS, ARRIVAL, REQUEST_ID, ApiError, EventStream, Gate, error_response
 from .metrics import CONTENT_TYPE, Metrics
 from .schemas import (
+    SESSION_ID,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    RestoreRequest,
     TemplateRequest,
     TokenizeRequest,
 )
@@ -80,10 +84,11 @@ _OPTION_FIELDS = {
     "logit_bias": "logit_bias",
     "context_shift": "context_shift",
     "n_keep": "n_keep",
+    "session_id": "session_id",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
-_PROMPT_TOO_LONG = re.compile(r"^the prompt has \d+ tokens")
+_PROMPT_TOO_LONG = re.compile(r"^the (prompt|session with this prompt) has \d+ tokens")
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -172,6 +177,13 @@ class _Job:
                 f" (--parallel + --max-queue = {capacity}); retry later",
                 code="queue_full",
                 headers={"Retry-After": "1"},
+            )
+        if "session_id" in options and count > 1:
+            raise ApiError(
+                400,
+                "a session continues one conversation: with session_id, send one prompt and n=1",
+                param="session_id",
+                code="invalid_value",
             )
         gens: list[AsyncGenerator[str | GenerateResult, None]] = []
         seed = options.get("seed")
@@ -452,6 +464,8 @@ def create_app(
     it at shutdown. ``on_load_error`` is called when loading fails (``serve`` stops then).
     ``config.model`` is then a GGUF path, a registered name or None (the default model)."""
     config = config or ServerConfig()
+    if config.session_dir is not None:
+        Path(config.session_dir).mkdir(parents=True, exist_ok=True)
     server = _Server(config, engine)
     owns_engine = engine is None
 
@@ -700,6 +714,86 @@ def create_app(
             )
         return JSONResponse({**base, "choices": choices, "usage": job.usage()})
 
+    # -- sessions -----------------------------------------------------------------------------
+    def session_dir() -> Path:
+        if config.session_dir is None:
+            raise ApiError(
+                400,
+                "session files need the server started with --session-dir",
+                code="no_session_dir",
+            )
+        return Path(config.session_dir)
+
+    @app.get("/v1/sessions")
+    async def list_sessions() -> Response:
+        infos = await _blocking(server.ready().sessions)
+        return JSONResponse({"object": "list", "data": [_session_json(i) for i in infos]})
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str) -> Response:
+        return JSONResponse(_session_json(await _find_session(server.ready(), session_id)))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> Response:
+        engine = server.ready()
+        _check_session_id(session_id)
+        try:
+            await _blocking(lambda: engine.drop_session(session_id))
+        except KeyError:
+            raise _no_session(session_id) from None
+        return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+
+    @app.post("/v1/sessions/{session_id}/save")
+    async def save_session(session_id: str) -> Response:
+        engine = server.ready()
+        _check_session_id(session_id)
+        path = session_dir() / f"{session_id}.kvs"
+        try:
+            await _blocking(lambda: engine.save_session(session_id, path))
+        except KeyError:
+            raise _no_session(session_id) from None
+        except OSError as e:
+            log.error("could not save session %s to %s: %s", session_id, path, e)
+            raise ApiError(
+                500, f"could not write the session file: {e.strerror}", code="save_failed"
+            ) from None
+        return JSONResponse(
+            {
+                "id": session_id,
+                "object": "session.saved",
+                "file": path.name,
+                "bytes": path.stat().st_size,
+            }
+        )
+
+    @app.post("/v1/sessions/restore")
+    async def restore_session(request: Request) -> Response:
+        body = await _parse(request, RestoreRequest)
+        engine = server.ready()
+        path = session_dir() / f"{body.id}.kvs"
+        sid = body.session_id or body.id
+        if not path.is_file():
+            raise ApiError(
+                404, f"no saved session {body.id!r}", param="id", code="session_not_found"
+            )
+        try:
+            await _blocking(lambda: engine.load_session(path, sid))
+        except SessionFileError as e:  # bad file: say why, without the server's paths
+            message = str(e).replace(str(path), path.name)
+            raise ApiError(400, message, param="id", code="invalid_session_file") from None
+        except KvCacheFull as e:
+            raise ApiError(
+                503,
+                f"no room in the K/V pool for the session now: {e}",
+                code="kv_cache_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        except ValueError as e:  # the id is in use
+            raise ApiError(409, str(e), param="session_id", code="session_exists") from None
+        except RuntimeError as e:  # max_sessions reached with every session busy
+            raise ApiError(503, str(e), code="too_many_sessions") from None
+        return JSONResponse(_session_json(await _find_session(engine, sid)))
+
     return Gate(  # type: ignore[return-value]
         app,
         routes=lambda: app.routes,
@@ -771,6 +865,7 @@ def _stream(
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
+_T = TypeVar("_T")
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
@@ -812,3 +907,47 @@ def _validation_error(error: ValidationError) -> ApiError:
     first = next(iter(problems), "body")
     param = None if first == "body" else first.split(".")[0]
     return ApiError(400, "; ".join(parts) or "invalid request", param=param, code="invalid_value")
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+_SESSION_RE = re.compile(SESSION_ID)
+
+
+def _check_session_id(session_id: str) -> None:
+    if not _SESSION_RE.match(session_id):
+        raise ApiError(
+            400,
+            f"invalid session id {session_id!r}: 1 to 128 of A-Z a-z 0-9 . _ -, not starting"
+            " with . _ or -",
+            param="session_id",
+            code="invalid_value",
+        )
+
+
+def _no_session(session_id: str) -> ApiError:
+    return ApiError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+
+
+def _session_json(info: SessionInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "object": "session",
+        "tokens": info.tokens,
+        "last_use": info.last_use,
+        "resident": info.resident,
+        "busy": info.busy,
+    }
+
+
+async def _find_session(engine: Engine, session_id: str) -> SessionInfo:
+    _check_session_id(session_id)
+    for info in await _blocking(engine.sessions):
+        if info.id == session_id:
+            return info
+    raise _no_session(session_id)
+
+
+async def _blocking(fn: Callable[[], _T]) -> _T:
+    """``fn()`` in a worker thread (session calls wait for the engine thread's next step)."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)

@@ -17,7 +17,10 @@ class ServerConfig:
     ``parallel``: sequences decoded at once; ``max_queue``: sequences that may wait beyond
     them (a request past that gets 503 with ``Retry-After``). ``ctx_size``, ``kv_memory``,
     ``kv_type``, ``batch_tokens``, ``threads``, ``context_shift`` (the default of the
-    per-request option): as :class:`kvserve.Engine` takes them.
+    per-request option), ``kv_high_watermark``, ``kv_low_watermark``, ``session_ttl``,
+    ``max_sessions``: as :class:`kvserve.Engine` takes them. ``session_dir``: where
+    ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
+    sessions live in memory only).
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
     ``max_body``: the largest request body in bytes (413 beyond). ``model_id``: the id that
     ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
@@ -34,6 +37,11 @@ class ServerConfig:
     kv_type: str = "f16"
     batch_tokens: int = 512
     context_shift: bool = False
+    session_dir: str | None = None
+    kv_high_watermark: float = 0.9
+    kv_low_watermark: float = 0.7
+    session_ttl: float | None = None
+    max_sessions: int | None = None
     max_queue: int = 256
     api_key: str | None = None
     log_format: str = "text"
@@ -50,4 +58,8 @@ class ServerConfig:
             "kv_type": self.kv_type,
             "batch_tokens": self.batch_tokens,
             "context_shift": self.context_shift,
+            "kv_high_watermark": self.kv_high_watermark,
+            "kv_low_watermark": self.kv_low_watermark,
+            "session_ttl": self.session_ttl,
+            "max_sessions": self.max_sessions,
         }

@@ -36,8 +36,16 @@ _COUNTERS = {
         "Prompt tokens whose K/V was reused from the prefix cache",
     ),
     "generated_tokens": ("kvserve_generated_tokens", "Tokens generated"),
-    "evictions": ("kvserve_evictions", "Sessions whose blocks were reclaimed"),
+    "evictions": ("kvserve_evictions", "Idle sessions whose K/V was reclaimed"),
     "preemptions": ("kvserve_preemptions", "Running sequences preempted for memory"),
+    "session_misses": (
+        "kvserve_session_misses",
+        "Turns of an evicted session (its K/V recomputed, with prefix reuse)",
+    ),
+    "kv_blocks_evicted": (
+        "kvserve_kv_blocks_evicted",
+        "Cached K/V blocks reused for new data (dropped from the prefix index)",
+    ),
 }
 _GAUGES = {
     "kv_usage": ("kvserve_kv_usage_ratio", "Share of K/V blocks referenced by live sequences"),
@@ -48,7 +56,7 @@ _GAUGES = {
     ),
     "waiting": ("kvserve_queue_depth", "Requests waiting for the engine (sequences)"),
     "running": ("kvserve_running", "Sequences running in the engine"),
-    "sessions": ("kvserve_sessions", "Live sessions"),
+    "sessions": ("kvserve_sessions", "Sessions held"),
     "decode_tok_s": ("kvserve_decode_tokens_per_second", "Generated tokens/s over the last 10 s"),
 }
 

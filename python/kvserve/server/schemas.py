@@ -15,11 +15,13 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "SESSION_ID",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
     "MAX_N",
+    "RestoreRequest",
     "StreamOptions",
     "TemplateRequest",
     "TokenizeRequest",
@@ -27,6 +29,10 @@ __all__ = [
 
 # The most choices one request may ask for (each is a sequence in the engine).
 MAX_N = 64
+
+# A session id: also the name of its file in --session-dir (``<id>.kvs``), so only characters
+# that are safe in a file name, never a path (no "/", no leading ".").
+SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
 class _Body(BaseModel):
@@ -63,6 +69,8 @@ class _Generation(_Body):
     # Context shift (llama.cpp's): None = the server's --context-shift.
     context_shift: Optional[bool] = None
     n_keep: Optional[int] = None
+    # The conversation this request continues (kvserve.Engine sessions).
+    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
 
 
 class CompletionRequest(_Generation):
@@ -114,3 +122,11 @@ class TemplateRequest(_Body):
     """``POST /apply-template``: the prompt text the chat template makes of ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+class RestoreRequest(_Body):
+    """``POST /v1/sessions/restore``: load ``<id>.kvs`` from --session-dir, as ``session_id``
+    (default: ``id``)."""
+
+    id: str = Field(pattern=SESSION_ID)
+    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
