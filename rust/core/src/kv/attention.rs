@@ -9,10 +9,15 @@
 //! exactly 0 and are skipped in the value pass. In the SIMD value pass, when `head_dim` is a
 //! multiple of 64 (AVX-512) or 32 (AVX2), each head's output columns stay in registers across
 //! the block's rows, so the accumulator is loaded and stored once per block, not once per cell.
+//! The AVX-512 kernels take up to 4 heads of the group at once (`head_dim` a multiple of 16, of
+//! 32 for Q8_0): each key and value segment is converted to f32 once for all of them, the
+//! partial sums of 8 cells' scores are reduced together, and the softmax exponentials of a
+//! block are computed 16 at a time (`exp_shift_sum`).
 //!
 //! Measured (release, one AVX-512 core shared with other jobs, so upper bounds): head_dim 64, a
-//! GQA group of 3 heads, block size 16: about 40-55 ns per cell for F16 and Q8_0 alike (e.g.
-//! ~5 us at n_kv 128, ~40 us at 1024, ~180-200 us at 4096); versus exact f32 keys/values the
+//! GQA group of 3 heads, block size 16, F16: about 24 ns per cell at n_kv 128 (~3 us per token
+//! and group; 62-65 ns before the head-group kernels, in the same conditions), 35-45 ns at
+//! 1024-4096 where the cache no longer holds the keys and values; versus exact f32 keys/values the
 //! output error is ~2e-4 mean / 3e-3 max for F16 and ~5e-3 mean / 8e-2 max for Q8_0 (unit-scale
 //! values). `kv_measure` (an ignored test) reprints these.
 //!
@@ -199,12 +204,7 @@ pub fn attend_at(
                     *o *= c;
                 }
             }
-            let mut s = 0.0f32;
-            for x in row.iter_mut() {
-                *x = (*x - new).exp();
-                s += *x;
-            }
-            scratch.sum[h] += s;
+            scratch.sum[h] += exp_shift_sum(lvl, row, new);
             scratch.max[h] = new;
         }
         let vrows = &store.rows(query.layer, blk as usize, true)[seg_off..];
@@ -218,6 +218,31 @@ pub fn attend_at(
         }
     }
     Ok(())
+}
+
+/// `x = exp(x - m)` for every element of `row` (`m` finite, at least every finite `x`; `-inf`
+/// gives exactly 0); returns the sum of the results. The AVX-512 kernel's exponential is
+/// within a few ulps of `f32::exp` and its sum is taken in another order than the scalar
+/// twin's.
+fn exp_shift_sum(lvl: SimdLevel, row: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if lvl >= SimdLevel::Avx512 {
+        // SAFETY: `lvl` is capped at `simd::detect()` by the caller (AVX-512F/BW/VL/DQ
+        // present); the kernel reads and writes `row.len()` values at its start.
+        return unsafe { x86::exp_shift_sum512(row.as_mut_ptr(), row.len(), m) };
+    }
+    let _ = lvl;
+    exp_shift_sum_scalar(row, m)
+}
+
+/// Scalar twin of [`exp_shift_sum`].
+fn exp_shift_sum_scalar(row: &mut [f32], m: f32) -> f32 {
+    let mut s = 0.0f32;
+    for x in row.iter_mut() {
+        *x = (*x - m).exp();
+        s += *x;
+    }
+    s
 }
 
 /// `out[h * n + j] = scale * dot(q_h, seg_j)`, `seg_j` the `head_dim` values at
@@ -244,10 +269,20 @@ fn block_scores(
             // F16C exist; the assert above keeps every row segment inside `rows` and every
             // output inside `out`; q holds g * hd values.
             unsafe {
+                use x86::{heads_path, scores512, scores512_groups};
                 match ty {
-                    KvType::F32 => x86::scores512::<0>(qp, g, hd, rp, stride, n, scale, op),
-                    KvType::F16 => x86::scores512::<1>(qp, g, hd, rp, stride, n, scale, op),
-                    KvType::Q8_0 => x86::scores512::<2>(qp, g, hd, rp, stride, n, scale, op),
+                    KvType::F32 if heads_path::<0>(hd) => {
+                        scores512_groups::<0>(qp, g, hd, rp, stride, n, scale, op)
+                    }
+                    KvType::F16 if heads_path::<1>(hd) => {
+                        scores512_groups::<1>(qp, g, hd, rp, stride, n, scale, op)
+                    }
+                    KvType::Q8_0 if heads_path::<2>(hd) => {
+                        scores512_groups::<2>(qp, g, hd, rp, stride, n, scale, op)
+                    }
+                    KvType::F32 => scores512::<0>(qp, g, hd, rp, stride, n, scale, op),
+                    KvType::F16 => scores512::<1>(qp, g, hd, rp, stride, n, scale, op),
+                    KvType::Q8_0 => scores512::<2>(qp, g, hd, rp, stride, n, scale, op),
                 }
             }
             return;
@@ -294,10 +329,20 @@ fn block_accumulate(
             // SAFETY: `lvl` is capped at `simd::detect()` (AVX-512F/BW/VL/DQ, AVX2, FMA, F16C);
             // the assert keeps segments inside `rows` and weights inside `p`; acc holds g * hd.
             unsafe {
+                use x86::{accum512, accum512_groups, heads_path};
                 match ty {
-                    KvType::F32 => x86::accum512::<0>(pp, g, hd, rp, stride, n, ap),
-                    KvType::F16 => x86::accum512::<1>(pp, g, hd, rp, stride, n, ap),
-                    KvType::Q8_0 => x86::accum512::<2>(pp, g, hd, rp, stride, n, ap),
+                    KvType::F32 if heads_path::<0>(hd) => {
+                        accum512_groups::<0>(pp, g, hd, rp, stride, n, ap)
+                    }
+                    KvType::F16 if heads_path::<1>(hd) => {
+                        accum512_groups::<1>(pp, g, hd, rp, stride, n, ap)
+                    }
+                    KvType::Q8_0 if heads_path::<2>(hd) => {
+                        accum512_groups::<2>(pp, g, hd, rp, stride, n, ap)
+                    }
+                    KvType::F32 => accum512::<0>(pp, g, hd, rp, stride, n, ap),
+                    KvType::F16 => accum512::<1>(pp, g, hd, rp, stride, n, ap),
+                    KvType::Q8_0 => accum512::<2>(pp, g, hd, rp, stride, n, ap),
                 }
             }
             return;
@@ -604,6 +649,261 @@ mod x86 {
         }
     }
 
+    /// `exp(x)` of 16 values `x <= 0` (or `-inf`), within a few ulps of `f32::exp`: `x =
+    /// k ln 2 + r` with `|r| <= ln 2 / 2`, a degree-6 polynomial for `e^r`, scaled by `2^k`
+    /// (`vscalefps`). Below -87.3 (`e^x` under the smallest normal float, and `-inf`) it gives
+    /// 0.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    fn exp_neg512(x: __m512) -> __m512 {
+        let live = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(-87.33655));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.33655));
+        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        // ln 2 split into a high part exact in products with k and the rest.
+        let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693_145_75), x);
+        let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428_606_8e-6), r);
+        // Taylor coefficients 1/i! for i = 6 down to 0 (Horner).
+        let mut p = _mm512_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k))
+    }
+
+    /// AVX-512 kernel of `exp_shift_sum`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL/DQ, AVX2, FMA, F16C available; `row` holds `n` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn exp_shift_sum512(row: *mut f32, n: usize, m: f32) -> f32 {
+        let mv = _mm512_set1_ps(m);
+        let mut sum = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY: i..i+16 (or the masked rest) lies inside the n values (caller).
+        unsafe {
+            while i < n {
+                let keep: u16 = if n - i >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << (n - i)) - 1
+                };
+                let x = _mm512_maskz_loadu_ps(keep, row.add(i));
+                let e = _mm512_maskz_mov_ps(keep, exp_neg512(_mm512_sub_ps(x, mv)));
+                _mm512_mask_storeu_ps(row.add(i), keep, e);
+                sum = _mm512_add_ps(sum, e);
+                i += 16;
+            }
+        }
+        _mm512_reduce_add_ps(sum)
+    }
+
+    /// Sum of each of 8 vectors: lane `i` of the result is the sum of `v[i]`'s lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    fn reduce8(v: &[__m256; 8]) -> __m256 {
+        let a0 = _mm256_hadd_ps(v[0], v[1]);
+        let a1 = _mm256_hadd_ps(v[2], v[3]);
+        let a2 = _mm256_hadd_ps(v[4], v[5]);
+        let a3 = _mm256_hadd_ps(v[6], v[7]);
+        // Lane i (of each half): vector i's (of 0..4, then 4..8) half sums.
+        let b0 = _mm256_hadd_ps(a0, a1);
+        let b1 = _mm256_hadd_ps(a2, a3);
+        let lo = _mm256_permute2f128_ps::<0x20>(b0, b1);
+        let hi = _mm256_permute2f128_ps::<0x31>(b0, b1);
+        _mm256_add_ps(lo, hi)
+    }
+
+    /// Scores of `G` heads of the group at once (`q`: their `G * hd` values, `out`: their
+    /// `G * n` scores, row stride `n`): each key segment is loaded and converted once for all
+    /// heads, and the 16 partial sums of 8 cells per head are reduced together.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL/DQ, AVX2, FMA, F16C available; `hd` a multiple of 16 (of 32 for Q8_0);
+    /// `q` holds `G * hd` values, `out` `G * n`; segment `j < n` starts at `rows + j * stride`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn scores512_heads<const T: u8, const G: usize>(
+        q: *const f32,
+        hd: usize,
+        rows: *const u8,
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: *mut f32,
+    ) {
+        let sc = _mm256_set1_ps(scale);
+        let mut part = [[_mm256_setzero_ps(); 8]; G];
+        for j in 0..n {
+            // SAFETY: within the bounds the caller guarantees.
+            unsafe {
+                let seg = rows.add(j * stride);
+                let mut acc = [_mm512_setzero_ps(); G];
+                if T == 2 {
+                    for b in 0..hd / 32 {
+                        let blk = seg.add(34 * b);
+                        let (k0, k1) = (q8x16(blk.add(2)), q8x16(blk.add(18)));
+                        let d = _mm512_set1_ps(f16_scale(blk));
+                        for (h, a) in acc.iter_mut().enumerate() {
+                            let qb = q.add(h * hd + 32 * b);
+                            let t = _mm512_mul_ps(k0, _mm512_loadu_ps(qb));
+                            let t = _mm512_fmadd_ps(k1, _mm512_loadu_ps(qb.add(16)), t);
+                            *a = _mm512_fmadd_ps(d, t, *a);
+                        }
+                    }
+                } else {
+                    for c in (0..hd).step_by(16) {
+                        let k = load16::<T>(seg, c);
+                        for (h, a) in acc.iter_mut().enumerate() {
+                            *a = _mm512_fmadd_ps(k, _mm512_loadu_ps(q.add(h * hd + c)), *a);
+                        }
+                    }
+                }
+                for (h, a) in acc.iter().enumerate() {
+                    part[h][j % 8] =
+                        _mm256_add_ps(_mm512_castps512_ps256(*a), _mm512_extractf32x8_ps::<1>(*a));
+                }
+                if j % 8 == 7 || j + 1 == n {
+                    // Lanes past j belong to earlier cells or none: not stored.
+                    let j0 = j - j % 8;
+                    let keep = (1u8 << (j - j0)).wrapping_mul(2).wrapping_sub(1);
+                    for (h, p) in part.iter().enumerate() {
+                        let s = _mm256_mul_ps(reduce8(p), sc);
+                        _mm256_mask_storeu_ps(out.add(h * n + j0), keep, s);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Value pass of `G` heads at once (`p`: their `G * n` weights, row stride `n`; `acc`:
+    /// their `G * hd` outputs): each value segment is loaded and converted once per 64 columns
+    /// for all heads, whose outputs stay in registers across the block's rows. A zero weight
+    /// adds nothing (masked cells are never read into an output).
+    ///
+    /// # Safety
+    /// As [`scores512_heads`], with `p` holding `G * n` weights and `acc` `G * hd` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn accum512_heads<const T: u8, const G: usize>(
+        p: *const f32,
+        hd: usize,
+        rows: *const u8,
+        stride: usize,
+        n: usize,
+        acc: *mut f32,
+    ) {
+        for c0 in (0..hd).step_by(64) {
+            let kn = ((hd - c0) / 16).min(4);
+            // SAFETY: columns c0..c0 + 16 kn of every head are inside acc; segments and
+            // weights are within the bounds the caller guarantees.
+            unsafe {
+                let mut r = [[_mm512_setzero_ps(); 4]; G];
+                for (h, rh) in r.iter_mut().enumerate() {
+                    for (k, rk) in rh.iter_mut().enumerate().take(kn) {
+                        *rk = _mm512_loadu_ps(acc.add(h * hd + c0 + 16 * k));
+                    }
+                }
+                for j in 0..n {
+                    let w: [f32; G] = std::array::from_fn(|h| *p.add(h * n + j));
+                    if w.iter().all(|&x| x == 0.0) {
+                        continue;
+                    }
+                    let seg = rows.add(j * stride);
+                    let mut v = [_mm512_setzero_ps(); 4];
+                    let mut d = [1.0f32; 2];
+                    for (k, vk) in v.iter_mut().enumerate().take(kn) {
+                        let c = c0 + 16 * k;
+                        *vk = if T == 2 {
+                            let blk = seg.add(34 * (c / 32));
+                            d[k / 2] = f16_scale(blk);
+                            q8x16(blk.add(2 + 16 * (k % 2)))
+                        } else {
+                            load16::<T>(seg, c)
+                        };
+                    }
+                    for (h, rh) in r.iter_mut().enumerate() {
+                        let live = if w[h] != 0.0 { 0xFFFF } else { 0 };
+                        for (k, rk) in rh.iter_mut().enumerate().take(kn) {
+                            let wk = _mm512_set1_ps(if T == 2 { w[h] * d[k / 2] } else { w[h] });
+                            *rk = _mm512_mask3_fmadd_ps(wk, v[k], *rk, live);
+                        }
+                    }
+                }
+                for (h, rh) in r.iter().enumerate() {
+                    for (k, rk) in rh.iter().enumerate().take(kn) {
+                        _mm512_storeu_ps(acc.add(h * hd + c0 + 16 * k), *rk);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the head-group kernels take `hd` for type `T`.
+    pub(super) fn heads_path<const T: u8>(hd: usize) -> bool {
+        hd.is_multiple_of(if T == 2 { 32 } else { 16 })
+    }
+
+    /// [`scores512_heads`] over all `g` heads, up to 4 at a time.
+    ///
+    /// # Safety
+    /// As [`scores512`], with `heads_path::<T>(hd)`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn scores512_groups<const T: u8>(
+        q: *const f32,
+        g: usize,
+        hd: usize,
+        rows: *const u8,
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: *mut f32,
+    ) {
+        let mut h0 = 0;
+        while h0 < g {
+            // SAFETY: heads h0..h0 + 4 (or fewer) of q and out, within the caller's bounds.
+            unsafe {
+                let (qh, oh) = (q.add(h0 * hd), out.add(h0 * n));
+                match g - h0 {
+                    1 => scores512_heads::<T, 1>(qh, hd, rows, stride, n, scale, oh),
+                    2 => scores512_heads::<T, 2>(qh, hd, rows, stride, n, scale, oh),
+                    3 => scores512_heads::<T, 3>(qh, hd, rows, stride, n, scale, oh),
+                    _ => scores512_heads::<T, 4>(qh, hd, rows, stride, n, scale, oh),
+                }
+            }
+            h0 += 4;
+        }
+    }
+
+    /// [`accum512_heads`] over all `g` heads, up to 4 at a time.
+    ///
+    /// # Safety
+    /// As [`accum512`], with `heads_path::<T>(hd)`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn accum512_groups<const T: u8>(
+        p: *const f32,
+        g: usize,
+        hd: usize,
+        rows: *const u8,
+        stride: usize,
+        n: usize,
+        acc: *mut f32,
+    ) {
+        let mut h0 = 0;
+        while h0 < g {
+            // SAFETY: heads h0..h0 + 4 (or fewer) of p and acc, within the caller's bounds.
+            unsafe {
+                let (ph, ah) = (p.add(h0 * n), acc.add(h0 * hd));
+                match g - h0 {
+                    1 => accum512_heads::<T, 1>(ph, hd, rows, stride, n, ah),
+                    2 => accum512_heads::<T, 2>(ph, hd, rows, stride, n, ah),
+                    3 => accum512_heads::<T, 3>(ph, hd, rows, stride, n, ah),
+                    _ => accum512_heads::<T, 4>(ph, hd, rows, stride, n, ah),
+                }
+            }
+            h0 += 4;
+        }
+    }
+
     // ---------------------------------------------------------------- AVX2
 
     #[inline]
@@ -905,6 +1205,9 @@ mod tests {
             (KvType::F16, 24, 3, 5),
             (KvType::Q8_0, 32, 2, 7),
             (KvType::F16, 128, 1, 32),
+            // 80 columns: a partial 64-column chunk in the value pass; Q8_0 with 96.
+            (KvType::F16, 80, 1, 16),
+            (KvType::Q8_0, 96, 1, 16),
         ];
         for (ty, hd, n_kv_heads, bs) in cases {
             let layout = KvLayout {
@@ -931,7 +1234,8 @@ mod tests {
                 },
                 Mask::Custom(&every_third),
             ];
-            for g in [1, 3] {
+            // 5 heads: a group of 4 and one more in the head-group kernels.
+            for g in [1, 3, 5] {
                 let q = rng.normals(g * hd, 1.0);
                 for mask in masks {
                     let query = Query {
@@ -962,6 +1266,60 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The AVX-512 exponential of the softmax against its scalar twin (`f32::exp`): a few
+    /// ulps over the range scores take, exactly 0 for `-inf` and below the normal range, and
+    /// the sums within f32 rounding; row lengths with a masked tail.
+    #[test]
+    fn exp_shift_sum_matches_scalar() {
+        let mut rng = Rng(9);
+        let levels: Vec<SimdLevel> = SimdLevel::available()
+            .into_iter()
+            .filter(|&l| l >= SimdLevel::Avx512)
+            .take(1)
+            .collect();
+        for &lvl in &levels {
+            for n in [1usize, 5, 16, 23, 64] {
+                for spread in [0.01f32, 1.0, 10.0, 60.0] {
+                    let mut row: Vec<f32> = rng.normals(n, spread);
+                    let masked = n / 2 + 1; // a masked cell (row[0] keeps the maximum finite)
+                    if n > 1 {
+                        row[masked] = f32::NEG_INFINITY;
+                    }
+                    if n > 5 {
+                        row[1] = -200.0;
+                        row[2] = -87.0;
+                    }
+                    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.25;
+                    let mut want = row.clone();
+                    let ws = exp_shift_sum_scalar(&mut want, m);
+                    let mut got = row.clone();
+                    let gs = exp_shift_sum(lvl, &mut got, m);
+                    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        let tol = 4.0 * f32::EPSILON * w;
+                        assert!(
+                            (g - w).abs() <= tol || (w < f32::MIN_POSITIVE && g == 0.0),
+                            "n={n} spread={spread} i={i} x={}: {g} vs {w}",
+                            row[i] - m
+                        );
+                    }
+                    if n > 1 {
+                        assert_eq!(got[masked], 0.0);
+                    }
+                    assert!((gs - ws).abs() <= 8.0 * f32::EPSILON * ws, "{gs} vs {ws}");
+                }
+            }
+        }
+        let line = format!(
+            "simd coverage: attention softmax exp: scalar vs {:?} (this CPU: {})\n",
+            levels.iter().map(|l| l.name()).collect::<Vec<_>>(),
+            simd::detect().name()
+        );
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        if simd::detect() >= SimdLevel::Avx512 {
+            assert!(!levels.is_empty());
         }
     }
 
@@ -1014,6 +1372,53 @@ mod tests {
         };
         attend(&s, &table, 10, &qb, &mut out, &mut scratch).unwrap();
         assert!(out.iter().all(|x| x.is_finite()));
+    }
+
+    /// A masked cell is never read into the output: non-finite keys and values stored in
+    /// it (garbage of a cell beyond the query, say) change nothing, at every level and type.
+    #[test]
+    fn masked_cells_with_non_finite_values_change_nothing() {
+        let mut rng = Rng(13);
+        for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+            let (hd, g, bs) = (64, 3, 8);
+            let layout = KvLayout {
+                ty,
+                n_layers: 1,
+                kv_dim: hd,
+                block_size: bs,
+            };
+            let mut s = KvStorage::new(layout, 4).unwrap();
+            let table = [2u32, 0, 3];
+            let n_kv = 20;
+            fill(&mut s, &table, n_kv, &mut rng);
+            let q = rng.normals(g * hd, 1.0);
+            let hidden = |i: usize| i != 5 && i != 17;
+            let query = Query {
+                layer: 0,
+                kv_head: 0,
+                head_dim: hd,
+                q: &q,
+                scale: 0.125,
+                mask: Mask::Custom(&hidden),
+            };
+            let mut scratch = Scratch::default();
+            let mut want = Vec::new();
+            for lvl in SimdLevel::available() {
+                let mut out = vec![f32::NAN; g * hd];
+                attend_at(lvl, &s, &table, n_kv, &query, &mut out, &mut scratch).unwrap();
+                want.push(out);
+            }
+            for (i, bad) in [(5usize, f32::NAN), (17, f32::INFINITY)] {
+                let row = vec![bad; hd];
+                s.write(0, table[i / bs], i % bs, &row, &row).unwrap();
+            }
+            for (lvl, want) in SimdLevel::available().into_iter().zip(&want) {
+                let mut out = vec![f32::NAN; g * hd];
+                attend_at(lvl, &s, &table, n_kv, &query, &mut out, &mut scratch).unwrap();
+                assert!(out.iter().all(|x| x.is_finite()), "{ty:?} {lvl:?}");
+                assert_eq!(&out, want, "{ty:?} {lvl:?}");
+            }
+        }
     }
 
     #[test]

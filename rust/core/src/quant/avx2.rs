@@ -180,3 +180,78 @@ macro_rules! natural_kernel {
 }
 
 natural_kernel!(dot_row, "avx2,fma,f16c", dot_maddubs);
+
+/// [`dot_row`] of one row with `N` tokens at once: each block is unpacked once for all tokens
+/// (the activation-independent part; Q8_0's sign adjustment needs the token). For every token
+/// the f32 operations are exactly those of `dot_row` (two alternating accumulators, the tail
+/// block into the first, `mins` as there), so `out[i]` has the same bits as
+/// `dot_row::<T>(row, qa[i], ds[i], nb)`: a token's result does not depend on the others.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `row` covers `nb` blocks of type `T`; every `qa[i]` covers
+/// `32 * nb` quants and every `ds[i]` `2 * nb` floats.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_row_tokens<const T: u8, const N: usize>(
+    row: *const u8,
+    qa: &[*const i8; N],
+    ds: &[*const f32; N],
+    nb: usize,
+) -> [f32; N] {
+    let ts = block_bytes(T);
+    let mut acc0 = [_mm256_setzero_ps(); N];
+    let mut acc1 = [_mm256_setzero_ps(); N];
+    let mut mins = [0.0f32; N];
+    let zero = _mm256_setzero_si256();
+    let mut b = 0;
+    // SAFETY: b < nb keeps every pointer inside the caller-guaranteed ranges; `unpack` with a
+    // zero activation vector returns the weights (Q8_0: the signed weights' absolute values
+    // and the sign-adjusted zero, which is unused).
+    unsafe {
+        while b + 2 <= nb {
+            let (w0, _, d0, m0) = unpack::<T>(row.add(b * ts), zero);
+            let (w1, _, d1, m1) = unpack::<T>(row.add(b * ts + ts), zero);
+            let (s0, s1) = if T == T_Q8_0 {
+                (
+                    _mm256_loadu_si256(row.add(b * ts + 2).cast()),
+                    _mm256_loadu_si256(row.add(b * ts + ts + 2).cast()),
+                )
+            } else {
+                (zero, zero)
+            };
+            for i in 0..N {
+                let mut a0 = _mm256_loadu_si256(qa[i].add(b * 32).cast());
+                let mut a1 = _mm256_loadu_si256(qa[i].add(b * 32 + 32).cast());
+                if T == T_Q8_0 {
+                    a0 = _mm256_sign_epi8(a0, s0);
+                    a1 = _mm256_sign_epi8(a1, s1);
+                }
+                let p0 = _mm256_cvtepi32_ps(dot_maddubs(w0, a0));
+                let p1 = _mm256_cvtepi32_ps(dot_maddubs(w1, a1));
+                let d = ds[i];
+                acc0[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *d.add(2 * b)), acc0[i]);
+                acc1[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(d1 * *d.add(2 * b + 2)), acc1[i]);
+                mins[i] += m0 * *d.add(2 * b + 1) + m1 * *d.add(2 * b + 3);
+            }
+            b += 2;
+        }
+        if b < nb {
+            let (w0, _, d0, m0) = unpack::<T>(row.add(b * ts), zero);
+            let s0 = if T == T_Q8_0 {
+                _mm256_loadu_si256(row.add(b * ts + 2).cast())
+            } else {
+                zero
+            };
+            for i in 0..N {
+                let mut a0 = _mm256_loadu_si256(qa[i].add(b * 32).cast());
+                if T == T_Q8_0 {
+                    a0 = _mm256_sign_epi8(a0, s0);
+                }
+                let p0 = _mm256_cvtepi32_ps(dot_maddubs(w0, a0));
+                let d = ds[i];
+                acc0[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *d.add(2 * b)), acc0[i]);
+                mins[i] += m0 * *d.add(2 * b + 1);
+            }
+        }
+        std::array::from_fn(|i| hsum256(_mm256_add_ps(acc0[i], acc1[i])) + mins[i])
+    }
+}

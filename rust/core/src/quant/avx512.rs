@@ -1,9 +1,11 @@
 //! AVX-512 VNNI kernels for the legacy block types against Q8 activations:
 //! - `dot_row2`: one row times one token, two blocks per 512-bit `vpdpbusd`, 8 blocks reduced
 //!   to exact per-block sums in 8 lanes (decode path);
-//! - `tile`: `R` rows times `G * 16` tokens over the packed activation layout (prefill path).
+//! - `tile`: `R` rows times `G * 16` tokens over the wide packed activation layout (prefill);
+//! - `tile8` and `tile4`: rows times up to 8 or 4 tokens over the narrow packed layouts
+//!   (decode of a few sequences), with 256-bit vectors so that few lanes are wasted.
 //!
-//! Both follow the canonical f32 order of `legacy::vec_dot_scalar` (8 slot accumulators,
+//! All follow the canonical f32 order of `legacy::vec_dot_scalar` (8 slot accumulators,
 //! block `b` into slot `b % 8`, fixed final tree), so for every (row, token) they return the
 //! same bits as each other and as the scalar reference: a token's result does not depend on
 //! the batch it is in.
@@ -385,6 +387,285 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
                 }
                 _mm512_storeu_ps(out[r][g].as_mut_ptr(), a[0]);
             }
+        }
+    }
+}
+
+/// Unpacks one block into two 256-bit vectors of 16 unsigned weight bytes, each copied to both
+/// 128-bit halves (elements 0..16 and 16..32), returning them with `d` and `m_eff` broadcast to
+/// all lanes; the 256-bit twin of [`unpack_bcast`] for the narrow tile.
+///
+/// # Safety
+/// The features in the attribute are available; `blk` points at a whole block of type `T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_bcast256<const T: u8>(blk: *const u8) -> (__m256i, __m256i, __m256, __m256) {
+    let lo4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: every offset is inside one block of type `T` (caller): the 8 bytes converted to
+    // floats start the block (every block type has at least 18 bytes).
+    unsafe {
+        // d (and m for Q4_1/Q5_1) in lanes 0 (and 1).
+        let h = _mm_cvtph_ps(_mm_loadl_epi64(blk.cast()));
+        let dv = _mm256_broadcastss_ps(h);
+        match T {
+            T_Q4_0 | T_Q4_1 | T_Q5_0 | T_Q5_1 => {
+                let off = match T {
+                    T_Q4_0 => 2,
+                    T_Q4_1 => 4,
+                    T_Q5_0 => 6,
+                    _ => 8,
+                };
+                let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk.add(off).cast()));
+                let mut lo = _mm256_and_si256(q, lo4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), lo4);
+                if T == T_Q5_0 || T == T_Q5_1 {
+                    let hoff = if T == T_Q5_0 { 2 } else { 4 };
+                    let qh = u32_load(blk.add(hoff));
+                    // Bit j of the mask selects byte j: the element's fifth bit, in both halves.
+                    let mlo = (qh & 0xFFFF) * 0x1_0001;
+                    let mhi = (qh >> 16) * 0x1_0001;
+                    let h = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(mlo, h));
+                    hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(mhi, h));
+                }
+                // -8 d and -16 d are exact, as in the scalar reference.
+                let mv = match T {
+                    T_Q4_0 => _mm256_mul_ps(dv, _mm256_set1_ps(-8.0)),
+                    T_Q5_0 => _mm256_mul_ps(dv, _mm256_set1_ps(-16.0)),
+                    _ => _mm256_broadcastss_ps(_mm_movehdup_ps(h)),
+                };
+                (lo, hi, dv, mv)
+            }
+            _ => {
+                let flip = _mm256_set1_epi8(-128);
+                let lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk.add(2).cast()));
+                let hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk.add(18).cast()));
+                (
+                    _mm256_xor_si256(lo, flip),
+                    _mm256_xor_si256(hi, flip),
+                    dv,
+                    _mm256_mul_ps(dv, _mm256_set1_ps(-128.0)),
+                )
+            }
+        }
+    }
+}
+
+/// Tokens of one narrow packed group (see `q8::Pack::Narrow`).
+pub(crate) const NARROW_LANES: usize = 8;
+
+/// `R` weight rows times up to 8 tokens in the narrow packed layout (decode of a few
+/// sequences): a 32-byte line holds 4 consecutive quants of one block for each of the 8
+/// tokens, so one 256-bit `vpdpbusd` with 4 weight bytes broadcast advances 8 (row, token)
+/// dot products by 4 elements. Each row's block is unpacked once for all tokens; the 8 lines
+/// of a block are loaded once for all `R` rows. `lines` is block 0's first line (`nb * 8`
+/// lines of 32 bytes), `pd`/`ps` the per-(block, lane) scales (`nb * 8` floats each);
+/// `out[r][lane]` receives the dot of row `r` with token `lane` (zero-padded lanes give
+/// values to ignore).
+///
+/// The f32 operations per (row, token) are those of the canonical order
+/// (`legacy::vec_dot_scalar`), so the results are bit-identical to the scalar reference, to
+/// `dot_row2` and to `tile`: the exact per-block integer sum (split over two accumulators,
+/// which integer addition makes order-free), then per slot `fma(m, sa, fma(isum, d * da, acc))`.
+///
+/// # Safety
+/// The features in the attribute are available; each `rows[r]` covers `nb` blocks of type `T`;
+/// `lines` covers `nb * 8` 32-byte lines (32-byte aligned) and `pd`/`ps` cover `nb * 8` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn tile8<const T: u8, const R: usize>(
+    rows: &[*const u8; R],
+    nb: usize,
+    lines: *const u8,
+    pd: *const f32,
+    ps: *const f32,
+    out: &mut [[f32; NARROW_LANES]; R],
+) {
+    let ts = block_bytes(T);
+    let mut slots = [[_mm256_setzero_ps(); 8]; R];
+    // SAFETY: b < nb, k < 8 and r < R keep every access inside the ranges above.
+    unsafe {
+        for s in 0..nb.min(8) {
+            let mut facc = [_mm256_setzero_ps(); R];
+            let mut b = s;
+            while b < nb {
+                let da = _mm256_loadu_ps(pd.add(b * NARROW_LANES));
+                let sa = _mm256_loadu_ps(ps.add(b * NARROW_LANES));
+                let base = lines.add(b * 8 * 32);
+                let a: [__m256i; 8] =
+                    std::array::from_fn(|k| _mm256_load_si256(base.add(k * 32).cast()));
+                for r in 0..R {
+                    let (lo, hi, dv, mv) = unpack_bcast256::<T>(rows[r].add(b * ts));
+                    let z = _mm256_setzero_si256();
+                    let i0 = _mm256_dpbusd_epi32(z, _mm256_shuffle_epi32::<0x00>(lo), a[0]);
+                    let i1 = _mm256_dpbusd_epi32(z, _mm256_shuffle_epi32::<0x00>(hi), a[4]);
+                    let i0 = _mm256_dpbusd_epi32(i0, _mm256_shuffle_epi32::<0x55>(lo), a[1]);
+                    let i1 = _mm256_dpbusd_epi32(i1, _mm256_shuffle_epi32::<0x55>(hi), a[5]);
+                    let i0 = _mm256_dpbusd_epi32(i0, _mm256_shuffle_epi32::<0xAA>(lo), a[2]);
+                    let i1 = _mm256_dpbusd_epi32(i1, _mm256_shuffle_epi32::<0xAA>(hi), a[6]);
+                    let i0 = _mm256_dpbusd_epi32(i0, _mm256_shuffle_epi32::<0xFF>(lo), a[3]);
+                    let i1 = _mm256_dpbusd_epi32(i1, _mm256_shuffle_epi32::<0xFF>(hi), a[7]);
+                    let isum = _mm256_add_epi32(i0, i1);
+                    let sc = _mm256_mul_ps(dv, da);
+                    let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, facc[r]);
+                    facc[r] = _mm256_fmadd_ps(mv, sa, f);
+                }
+                b += 8;
+            }
+            for r in 0..R {
+                slots[r][s] = facc[r];
+            }
+        }
+        for r in 0..R {
+            let a = &mut slots[r];
+            for h in [4, 2, 1] {
+                for j in 0..h {
+                    a[j] = _mm256_add_ps(a[j], a[j + h]);
+                }
+            }
+            _mm256_storeu_ps(out[r].as_mut_ptr(), a[0]);
+        }
+    }
+}
+
+/// Tokens of one quarter-width packed group (see `q8::Pack::Narrow4`).
+pub(crate) const NARROW4_LANES: usize = 4;
+
+/// Unpacks block `b` of two rows into `[row A | row B]` vectors: `lo` holds elements 0..16 of
+/// A in the low 128 bits and of B in the high 128 bits, `hi` elements 16..32 likewise (unsigned
+/// bytes, Q8_0 offset by 128); `dv`/`mv` hold `d` and `m_eff` of A in the low four lanes and of
+/// B in the high four.
+///
+/// # Safety
+/// The features in the attribute are available; `a` and `b` point at whole blocks of type `T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_pair<const T: u8>(
+    a: *const u8,
+    b: *const u8,
+) -> (__m256i, __m256i, __m256, __m256) {
+    let lo4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: every offset is inside one block of type `T` (caller); the 8 bytes converted to
+    // floats start the block (every block type has at least 18 bytes).
+    unsafe {
+        let ha = _mm_cvtph_ps(_mm_loadl_epi64(a.cast()));
+        let hb = _mm_cvtph_ps(_mm_loadl_epi64(b.cast()));
+        let h = _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(ha), hb);
+        let dv = _mm256_permute_ps::<0x00>(h);
+        let pair = |off: usize| {
+            _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.add(off).cast())),
+                _mm_loadu_si128(b.add(off).cast()),
+            )
+        };
+        match T {
+            T_Q4_0 | T_Q4_1 | T_Q5_0 | T_Q5_1 => {
+                let off = match T {
+                    T_Q4_0 => 2,
+                    T_Q4_1 => 4,
+                    T_Q5_0 => 6,
+                    _ => 8,
+                };
+                let q = pair(off);
+                let mut lo = _mm256_and_si256(q, lo4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), lo4);
+                if T == T_Q5_0 || T == T_Q5_1 {
+                    let hoff = if T == T_Q5_0 { 2 } else { 4 };
+                    let (qa, qb) = (u32_load(a.add(hoff)), u32_load(b.add(hoff)));
+                    // Bit j of the mask selects byte j: the element's fifth bit.
+                    let mlo = (qa & 0xFFFF) | (qb << 16);
+                    let mhi = (qa >> 16) | (qb & 0xFFFF_0000);
+                    let h = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(mlo, h));
+                    hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(mhi, h));
+                }
+                // -8 d and -16 d are exact, as in the scalar reference.
+                let mv = match T {
+                    T_Q4_0 => _mm256_mul_ps(dv, _mm256_set1_ps(-8.0)),
+                    T_Q5_0 => _mm256_mul_ps(dv, _mm256_set1_ps(-16.0)),
+                    _ => _mm256_permute_ps::<0x55>(h),
+                };
+                (lo, hi, dv, mv)
+            }
+            _ => {
+                let flip = _mm256_set1_epi8(-128);
+                (
+                    _mm256_xor_si256(pair(2), flip),
+                    _mm256_xor_si256(pair(18), flip),
+                    dv,
+                    _mm256_mul_ps(dv, _mm256_set1_ps(-128.0)),
+                )
+            }
+        }
+    }
+}
+
+/// `2 * P` weight rows (pairs) times up to 4 tokens in the quarter-width packed layout: a
+/// 16-byte line holds 4 consecutive quants of one block for each of the 4 tokens and is
+/// broadcast to both 128-bit halves, while the halves of the weight vector hold two different
+/// rows, so one 256-bit `vpdpbusd` advances 2 rows x 4 tokens by 4 elements and no lane is
+/// wasted from 4 tokens on. `lines` is block 0's first line (`nb * 8` lines of 16 bytes),
+/// `pd`/`ps` the per-(block, lane) scales (`nb * 4` floats each); `out[p][h * 4 + lane]`
+/// receives the dot of row `2p + h` with token `lane`.
+///
+/// Same canonical order as [`tile8`]: bit-identical to the scalar reference per (row, token).
+///
+/// # Safety
+/// The features in the attribute are available; each `rows[i]` covers `nb` blocks of type `T`;
+/// `lines` covers `nb * 8` 16-byte lines (16-byte aligned) and `pd`/`ps` cover `nb * 4` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn tile4<const T: u8, const P: usize>(
+    rows: &[[*const u8; 2]; P],
+    nb: usize,
+    lines: *const u8,
+    pd: *const f32,
+    ps: *const f32,
+    out: &mut [[f32; 2 * NARROW4_LANES]; P],
+) {
+    let ts = block_bytes(T);
+    let mut slots = [[_mm256_setzero_ps(); 8]; P];
+    // SAFETY: b < nb, k < 8 and p < P keep every access inside the ranges above.
+    unsafe {
+        for s in 0..nb.min(8) {
+            let mut facc = [_mm256_setzero_ps(); P];
+            let mut b = s;
+            while b < nb {
+                let da = _mm256_broadcast_ps(&*pd.add(b * NARROW4_LANES).cast::<__m128>());
+                let sa = _mm256_broadcast_ps(&*ps.add(b * NARROW4_LANES).cast::<__m128>());
+                let base = lines.add(b * 8 * 16);
+                let a: [__m256i; 8] = std::array::from_fn(|k| {
+                    _mm256_broadcastsi128_si256(_mm_load_si128(base.add(k * 16).cast()))
+                });
+                for p in 0..P {
+                    let [ra, rb] = rows[p];
+                    let (lo, hi, dv, mv) = unpack_pair::<T>(ra.add(b * ts), rb.add(b * ts));
+                    let z = _mm256_setzero_si256();
+                    let i0 = _mm256_dpbusd_epi32(z, _mm256_shuffle_epi32::<0x00>(lo), a[0]);
+                    let i1 = _mm256_dpbusd_epi32(z, _mm256_shuffle_epi32::<0x00>(hi), a[4]);
+                    let i0 = _mm256_dpbusd_epi32(i0, _mm256_shuffle_epi32::<0x55>(lo), a[1]);
+                    let i1 = _mm256_dpbusd_epi32(i1, _mm256_shuffle_epi32::<0x55>(hi), a[5]);
+                    let i0 = _mm256_dpbusd_epi32(i0, _mm256_shuffle_epi32::<0xAA>(lo), a[2]);
+                    let i1 = _mm256_dpbusd_epi32(i1, _mm256_shuffle_epi32::<0xAA>(hi), a[6]);
+                    let i0 = _mm256_dpbusd_epi32(i0, _mm256_shuffle_epi32::<0xFF>(lo), a[3]);
+                    let i1 = _mm256_dpbusd_epi32(i1, _mm256_shuffle_epi32::<0xFF>(hi), a[7]);
+                    let isum = _mm256_add_epi32(i0, i1);
+                    let sc = _mm256_mul_ps(dv, da);
+                    let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, facc[p]);
+                    facc[p] = _mm256_fmadd_ps(mv, sa, f);
+                }
+                b += 8;
+            }
+            for p in 0..P {
+                slots[p][s] = facc[p];
+            }
+        }
+        for p in 0..P {
+            let a = &mut slots[p];
+            for h in [4, 2, 1] {
+                for j in 0..h {
+                    a[j] = _mm256_add_ps(a[j], a[j + h]);
+                }
+            }
+            _mm256_storeu_ps(out[p].as_mut_ptr(), a[0]);
         }
     }
 }

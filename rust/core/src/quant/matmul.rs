@@ -1,18 +1,27 @@
 //! Matrix multiplication `out[t * rows + r] = dot(W row r, token t)` on the current rayon pool.
 //!
-//! Two paths:
+//! Three paths:
 //! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
-//!   every token while it is hot in L1 (decode, few tokens, non-VNNI CPUs, K-quant and float
-//!   weights);
-//! - tiled (legacy weights, AVX-512 VNNI, activations packed by `quantize_acts` for at least
-//!   `PACK_MIN_TOKENS` tokens): tasks own a range of rows (and of 16-token groups when rows are
-//!   few); inside, 4 rows x 32 tokens are computed per kernel call with weights unpacked once per
+//!   every token while it is hot in L1 (one token, non-VNNI CPUs, K-quant and float weights;
+//!   legacy weights at the AVX2 levels unpack each block once for up to 4 tokens);
+//! - narrow tile (legacy weights, AVX-512 VNNI, 2 to 8 tokens packed narrow by
+//!   `quantize_acts`): row chunks as above; inside, 4 rows x all tokens per kernel call with
+//!   each weight block unpacked once for every token (`tile4`: 2 rows x 4 tokens per 256-bit
+//!   vector for up to 4 tokens, `tile8`: 1 row x 8 tokens for up to 8); rows ahead are
+//!   prefetched as in the per-row path, so a step of a few sequences streams the weights once;
+//! - wide tile (legacy weights, AVX-512 VNNI, activations packed for `PACK_MIN_TOKENS` (9)
+//!   tokens or more): tasks own a range of rows (and of 16-token groups when rows are few);
+//!   inside, 4 rows x 32 tokens are computed per kernel call with weights unpacked once per
 //!   block and activations of the token groups staying in L1 across rows.
+//!
+//! At AVX-512 VNNI every path follows the canonical order of `legacy::vec_dot_scalar`, so a
+//! token's outputs are bit-identical whatever path its batch takes (batch invariance); at the
+//! AVX2 levels every token goes through the same per-row kernel.
 //!
 //! No allocation happens inside the parallel loops.
 
 use super::legacy;
-use super::q8::{self, QuantizedActs};
+use super::q8::{self, Pack, QuantizedActs};
 use super::simd::{self, SimdLevel};
 use super::QMatrix;
 use crate::error::{invalid, Result};
@@ -78,6 +87,23 @@ fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// Like [`prefetch`] but into L2 only (`prefetcht1`): for kernels that reread a larger set of
+/// activations from L1 for every row.
+#[inline]
+fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes.len()).step_by(64) {
+        // SAFETY: as in `prefetch`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                bytes.as_ptr().add(off).cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// How many rows ahead the per-row path prefetches (measured on SmolLM2 decode, 2 threads:
 /// 2 rows ahead gave 175 tok/s, 4 and 8 rows ahead ~200 tok/s).
 const PREFETCH_ROWS: usize = 8;
@@ -86,9 +112,22 @@ const PREFETCH_ROWS: usize = 8;
 #[cfg(test)]
 pub(crate) const TILE_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
 
+/// Lowest level of the narrow tile kernels (legacy weights, 2 to 8 tokens packed narrow).
+#[cfg(test)]
+pub(crate) const NARROW_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
+
+/// Lowest level of `dot_row_tokens`'s several-token kernel (AVX2, run at the AVX2 and AVX-512
+/// levels; at VNNI the one-token kernel runs per token).
+#[cfg(test)]
+pub(crate) const ROW_TOKENS_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
+
 enum Plan {
     /// Rows split into chunks of `chunk`; each row dotted with every token.
     PerRow { chunk: usize },
+    /// Rows split into chunks of `chunk` (a multiple of 4); 4 rows at a time times all (at
+    /// most 8) tokens of the narrow packed activations (either width).
+    #[cfg(target_arch = "x86_64")]
+    Narrow { chunk: usize },
     /// Tiles of `row_chunk` rows x `group_chunk` 16-token groups (packed VNNI activations).
     #[cfg(target_arch = "x86_64")]
     Tiled {
@@ -163,7 +202,21 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             });
         }
         #[cfg(target_arch = "x86_64")]
-        if level >= SimdLevel::Avx512Vnni && a.has_packed() && legacy::is_legacy(w.ty) {
+        let narrow = matches!(a.pack, Pack::Narrow4 | Pack::Narrow8);
+        if level >= SimdLevel::Avx512Vnni && narrow && legacy::is_legacy(w.ty) {
+            let chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
+            let n_tasks = rows.div_ceil(chunk);
+            return Ok(MatmulJob {
+                w,
+                a,
+                out,
+                level,
+                plan: Plan::Narrow { chunk },
+                n_tasks,
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if level >= SimdLevel::Avx512Vnni && a.pack == Pack::Wide && legacy::is_legacy(w.ty) {
             let groups = n.div_ceil(q8::GROUP);
             let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
             let row_chunks = rows.div_ceil(row_chunk);
@@ -218,18 +271,29 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 for r in i * chunk..(i * chunk + PREFETCH_ROWS).min(end) {
                     prefetch(w.row(r));
                 }
+                let mut vals = [0f32; super::DOT_ROW_TOKENS];
                 for r in i * chunk..end {
                     let row = w.row(r);
                     if r + PREFETCH_ROWS < end {
                         prefetch(w.row(r + PREFETCH_ROWS));
                     }
-                    for t in 0..n {
-                        let v = super::dot_row(w.ty, row, a, t, self.level);
-                        // SAFETY: r < rows and t < n: inside `out` (length n * rows, checked
-                        // when planning); row r belongs to this task only.
-                        unsafe { self.out.write(t * rows + r, v) };
+                    for t0 in (0..n).step_by(vals.len()) {
+                        let v = &mut vals[..(n - t0).min(super::DOT_ROW_TOKENS)];
+                        super::dot_row_tokens(w.ty, row, a, t0, self.level, v);
+                        for (k, &x) in v.iter().enumerate() {
+                            // SAFETY: r < rows and t0 + k < n: inside `out` (length n * rows,
+                            // checked when planning); row r belongs to this task only.
+                            unsafe { self.out.write((t0 + k) * rows + r, x) };
+                        }
                     }
                 }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Plan::Narrow { chunk } => {
+                let r0 = i * chunk;
+                let r1 = (r0 + chunk).min(w.rows);
+                // SAFETY: forwarded contract; this task owns rows r0..r1 (all tokens).
+                unsafe { narrow::range(w, a, self.out, r0, r1) };
             }
             #[cfg(target_arch = "x86_64")]
             Plan::Tiled {
@@ -245,6 +309,159 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 let g1 = (g0 + group_chunk).min(groups);
                 // SAFETY: forwarded contract; this task owns rows r0..r1 x groups g0..g1.
                 unsafe { tiled::range(w, a, self.out, r0, r1, g0, g1) };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod narrow {
+    use super::*;
+    use crate::quant::avx2::{T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0};
+    use crate::quant::avx512::{tile4, tile8, NARROW4_LANES, NARROW_LANES};
+    use crate::quant::GgmlType;
+
+    /// How many rows ahead the narrow path prefetches, into L2 (see `range_t`).
+    const PREFETCH_ROWS_NARROW: usize = 16;
+
+    /// # Safety
+    /// Only at level Avx512Vnni with narrow packed activations; the caller owns rows r0..r1 of
+    /// `out` (every token) exclusively.
+    pub(super) unsafe fn range(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
+        r0: usize,
+        r1: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match w.ty {
+                GgmlType::Q4_0 => range_t::<T_Q4_0>(w, a, out, r0, r1),
+                GgmlType::Q4_1 => range_t::<T_Q4_1>(w, a, out, r0, r1),
+                GgmlType::Q5_0 => range_t::<T_Q5_0>(w, a, out, r0, r1),
+                GgmlType::Q5_1 => range_t::<T_Q5_1>(w, a, out, r0, r1),
+                _ => range_t::<T_Q8_0>(w, a, out, r0, r1),
+            }
+        }
+    }
+
+    /// Rows `r0..r1`: 4-row kernel calls, then the remaining rows; rows ahead are prefetched
+    /// into L2 (decode streams the weights from memory; prefetching into L1 measured slower,
+    /// as the lines evict the activations the kernel rereads for every row).
+    unsafe fn range_t<const T: u8>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
+        r0: usize,
+        r1: usize,
+    ) {
+        let pf = PREFETCH_ROWS_NARROW;
+        for r in r0..(r0 + pf).min(r1) {
+            prefetch_l2(w.row(r));
+        }
+        let four = a.pack == Pack::Narrow4;
+        let mut r = r0;
+        while r + 4 <= r1 {
+            for p in (r + pf).min(r1)..(r + 4 + pf).min(r1) {
+                prefetch_l2(w.row(p));
+            }
+            // SAFETY: forwarded contract; rows r..r+4 lie in r0..r1.
+            unsafe {
+                if four {
+                    call4::<T, 2>(w, a, out, r, 4)
+                } else {
+                    call8::<T, 4>(w, a, out, r)
+                }
+            };
+            r += 4;
+        }
+        while r < r1 {
+            // SAFETY: forwarded contract; rows r..min(r + 2, r1) lie in r0..r1.
+            unsafe {
+                if four {
+                    call4::<T, 1>(w, a, out, r, (r1 - r).min(2))
+                } else {
+                    call8::<T, 1>(w, a, out, r)
+                }
+            };
+            r += if four { 2 } else { 1 };
+        }
+    }
+
+    /// Rows `r..r + 4` (or `r + 1`) with the 8-lane kernel.
+    #[inline]
+    unsafe fn call8<const T: u8, const R: usize>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
+        r: usize,
+    ) {
+        let nb = w.cols / 32;
+        let rows: [*const u8; R] = std::array::from_fn(|i| w.row(r + i).as_ptr());
+        let mut res = [[0f32; NARROW_LANES]; R];
+        // The slices prove the packed buffers cover `nb` blocks (panics otherwise): 8 lines
+        // of 32 bytes per block are 4 `Line`s.
+        let lines = &a.packed[..nb * 4];
+        let pd = &a.pd[..nb * NARROW_LANES];
+        let ps = &a.ps[..nb * NARROW_LANES];
+        // SAFETY: the caller only takes this path at level Avx512Vnni (detected); each row slice
+        // has `nb` blocks of type T (QMatrix invariant); the packed slices above cover them and
+        // `Line`s are 64-byte aligned.
+        unsafe {
+            tile8::<T, R>(
+                &rows,
+                nb,
+                lines.as_ptr().cast(),
+                pd.as_ptr(),
+                ps.as_ptr(),
+                &mut res,
+            )
+        };
+        let n = a.n_tokens;
+        for (i, lanes) in res.iter().enumerate() {
+            for (t, &v) in lanes.iter().enumerate().take(n) {
+                // SAFETY: t < n and r + i < rows: inside `out`; the caller owns these rows.
+                unsafe { out.write(t * w.rows + r + i, v) };
+            }
+        }
+    }
+
+    /// Rows `r..r + count` (`count <= 2 * P`) with the 4-lane kernel, in pairs; a missing
+    /// second row of the last pair repeats the first and is not written.
+    #[inline]
+    unsafe fn call4<const T: u8, const P: usize>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
+        r: usize,
+        count: usize,
+    ) {
+        let nb = w.cols / 32;
+        let row = |i: usize| w.row(r + i.min(count - 1)).as_ptr();
+        let rows: [[*const u8; 2]; P] = std::array::from_fn(|p| [row(2 * p), row(2 * p + 1)]);
+        let mut res = [[0f32; 2 * NARROW4_LANES]; P];
+        // 8 lines of 16 bytes per block are 2 `Line`s.
+        let lines = &a.packed[..nb * 2];
+        let pd = &a.pd[..nb * NARROW4_LANES];
+        let ps = &a.ps[..nb * NARROW4_LANES];
+        // SAFETY: as in `call8`.
+        unsafe {
+            tile4::<T, P>(
+                &rows,
+                nb,
+                lines.as_ptr().cast(),
+                pd.as_ptr(),
+                ps.as_ptr(),
+                &mut res,
+            )
+        };
+        let n = a.n_tokens;
+        for i in 0..count {
+            for t in 0..n {
+                let v = res[i / 2][(i % 2) * NARROW4_LANES + t];
+                // SAFETY: t < n and r + i < rows: inside `out`; the caller owns these rows.
+                unsafe { out.write(t * w.rows + r + i, v) };
             }
         }
     }
@@ -297,6 +514,11 @@ mod tiled {
         let mut rb = r0;
         while rb < r1 {
             let rb1 = (rb + ROW_BLOCK).min(r1);
+            // The next row block into L2 while this one is computed (decode of 9+ sequences
+            // streams the weights: 12% less CPU per step at 16 sequences, 8% at 32).
+            for r in rb1..(rb1 + ROW_BLOCK).min(r1) {
+                prefetch_l2(w.row(r));
+            }
             let mut g = g0;
             while g < g1 {
                 if g + 2 <= g1 {
@@ -388,6 +610,7 @@ mod tests {
     use super::*;
     use crate::quant::q8::quantize_acts_impl;
     use crate::quant::{dequantize, GgmlType};
+    use crate::quant::{legacy, DOT_ROW_TOKENS};
     use half::f16;
 
     struct Rng(u64);
@@ -470,9 +693,16 @@ mod tests {
                 for n in [1usize, 3, 8, 17, 33, 40] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
                     let mut plain = QuantizedActs::new();
-                    quantize_acts_impl(&mut plain, &x, n, cols, ty, false).unwrap();
-                    let mut packed = QuantizedActs::new();
-                    quantize_acts_impl(&mut packed, &x, n, cols, ty, n >= 8).unwrap();
+                    quantize_acts_impl(&mut plain, &x, n, cols, ty, Pack::None).unwrap();
+                    let packed: Vec<QuantizedActs> = [Pack::Narrow4, Pack::Narrow8, Pack::Wide]
+                        .into_iter()
+                        .map(|p| {
+                            let mut a = QuantizedActs::new();
+                            quantize_acts_impl(&mut a, &x, n, cols, ty, p).unwrap();
+                            a
+                        })
+                        .filter(|a| a.has_packed())
+                        .collect();
                     let mut want = vec![0f32; n * rows];
                     matmul_level(&w, &plain, &mut want, SimdLevel::Scalar).unwrap();
                     // Scale for the tolerance: sum of |w| * |a| per output.
@@ -487,21 +717,21 @@ mod tests {
                         }
                     }
                     for &level in &kernels {
-                        // Packed activations take the tile kernel at tile levels (from 8
-                        // tokens here); elsewhere they would rerun the per-row kernel.
-                        let packed = Some(&packed).filter(|p| p.has_packed());
-                        let packed = packed.filter(|_| tiles.contains(&level));
+                        // Packed activations take a tile kernel at tile levels (narrow up to 8
+                        // tokens, wide at any count); elsewhere they would rerun the per-row
+                        // kernel.
+                        let packed = packed.iter().filter(|_| tiles.contains(&level));
                         for acts in std::iter::once(&plain).chain(packed) {
                             let mut got = vec![f32::NAN; n * rows];
                             matmul_level(&w, acts, &mut got, level).unwrap();
                             for i in 0..n * rows {
                                 assert!(
                                     (got[i] - want[i]).abs() <= 1e-4 * norm[i],
-                                    "{} {}x{cols} n={n} {} packed={} i={i}: {} vs {}",
+                                    "{} {}x{cols} n={n} {} packed={:?} i={i}: {} vs {}",
                                     ty.name(),
                                     rows,
                                     level.name(),
-                                    acts.has_packed(),
+                                    acts.pack,
                                     got[i],
                                     want[i]
                                 );
@@ -540,7 +770,7 @@ mod tests {
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
                 let tok: Vec<f32> = (0..cols).map(|_| rng.f() * 3.0).collect();
                 let mut a1 = QuantizedActs::new();
-                quantize_acts_impl(&mut a1, &tok, 1, cols, ty, false).unwrap();
+                quantize_acts_impl(&mut a1, &tok, 1, cols, ty, Pack::None).unwrap();
                 let mut scalar = vec![0f32; rows];
                 matmul_level(&w, &a1, &mut scalar, SimdLevel::Scalar).unwrap();
                 for &level in &levels {
@@ -554,8 +784,11 @@ mod tests {
                         for pos in [0, n / 2, n - 1] {
                             let mut x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
                             x[pos * cols..(pos + 1) * cols].copy_from_slice(&tok);
-                            // Packing as the engine decides, and forced (tile path at any n).
-                            for pack in [n >= q8::PACK_MIN_TOKENS, true] {
+                            // Packing as the engine decides, and each one forced (the tile
+                            // paths at any n they take).
+                            let engine = Pack::for_tokens(n, SimdLevel::Avx512Vnni);
+                            let all = [Pack::None, Pack::Narrow4, Pack::Narrow8, Pack::Wide];
+                            for pack in std::iter::once(engine).chain(all) {
                                 let mut a = QuantizedActs::new();
                                 quantize_acts_impl(&mut a, &x, n, cols, ty, pack).unwrap();
                                 let mut out = vec![0f32; n * rows];
@@ -564,7 +797,7 @@ mod tests {
                                     assert_eq!(
                                         out[pos * rows + r].to_bits(),
                                         alone[r].to_bits(),
-                                        "{} cols={cols} {} n={n} pos={pos} pack={pack} r={r}: \
+                                        "{} cols={cols} {} n={n} pos={pos} pack={pack:?} r={r}: \
                                          {} vs {}",
                                         ty.name(),
                                         level.name(),
@@ -578,6 +811,118 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The decode kernels for a few tokens against their scalar twin, bit for bit, at every
+    /// shape they take apart: 1 to 8 tokens, row counts that leave a 4-row kernel call, a pair
+    /// or a single row over, rows of fewer and more than 8 blocks (partly filled slots), every
+    /// legacy weight type.
+    /// - AVX-512 VNNI: the 4-lane (`tile4`, 1..=4 tokens) and 8-lane (`tile8`, 1..=8 tokens)
+    ///   narrow tiles through the matmul entry, against `legacy::vec_dot_scalar` (their twin:
+    ///   the canonical order they follow);
+    /// - AVX2 (also run at the AVX-512 level): `dot_row_tokens`, 1 to 4 tokens per call,
+    ///   against the one-token `dot_row` kernel it shares its f32 order with, and within the
+    ///   usual tolerance of the scalar twin.
+    #[test]
+    fn narrow_kernels_match_scalar_twin() {
+        let mut rng = Rng(21);
+        let narrow = simd::coverage::simd_kernels(&NARROW_KERNELS);
+        let multi = simd::coverage::simd_kernels(&ROW_TOKENS_KERNELS);
+        for ty in LEGACY {
+            for &(rows, cols) in &[
+                (1usize, 32usize),
+                (2, 96),
+                (3, 288),
+                (5, 576),
+                (7, 64),
+                (13, 1536),
+            ] {
+                let data = random_weights(ty, rows, cols, &mut rng);
+                let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+                let nb = cols / 32;
+                for n in 1..=8usize {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0).collect();
+                    let mut plain = QuantizedActs::new();
+                    quantize_acts_impl(&mut plain, &x, n, cols, ty, Pack::None).unwrap();
+                    // The scalar twin on the token-major activations.
+                    let mut twin = vec![0f32; n * rows];
+                    for r in 0..rows {
+                        for t in 0..n {
+                            let qa = &plain.qs[t * cols..(t + 1) * cols];
+                            let ds = &plain.ds[2 * t * nb..2 * (t + 1) * nb];
+                            twin[t * rows + r] = legacy::vec_dot_scalar(ty, w.row(r), qa, ds);
+                        }
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    for &level in &narrow {
+                        for pack in [Pack::Narrow4, Pack::Narrow8] {
+                            let mut a = QuantizedActs::new();
+                            quantize_acts_impl(&mut a, &x, n, cols, ty, pack).unwrap();
+                            if !a.has_packed() {
+                                continue; // more tokens than this layout's lanes
+                            }
+                            let mut got = vec![f32::NAN; n * rows];
+                            matmul_level(&w, &a, &mut got, level).unwrap();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&twin),
+                                "{} {rows}x{cols} n={n} {pack:?} {}:\n{got:?}\nvs\n{twin:?}",
+                                ty.name(),
+                                level.name()
+                            );
+                        }
+                    }
+                    for &level in &multi {
+                        for r in 0..rows {
+                            for t0 in 0..n {
+                                let k = (n - t0).min(DOT_ROW_TOKENS);
+                                let mut got = vec![f32::NAN; k];
+                                crate::quant::dot_row_tokens(
+                                    ty,
+                                    w.row(r),
+                                    &plain,
+                                    t0,
+                                    level,
+                                    &mut got,
+                                );
+                                for (i, &g) in got.iter().enumerate() {
+                                    let one =
+                                        crate::quant::dot_row(ty, w.row(r), &plain, t0 + i, level);
+                                    assert_eq!(
+                                        g.to_bits(),
+                                        one.to_bits(),
+                                        "{} {rows}x{cols} r={r} tokens {t0}..{} #{i} {}: {g} vs {one}",
+                                        ty.name(),
+                                        t0 + k,
+                                        level.name()
+                                    );
+                                    let want = twin[(t0 + i) * rows + r];
+                                    let mag: f32 = {
+                                        let mut wr = vec![0f32; cols];
+                                        dequantize(ty, w.row(r), &mut wr).unwrap();
+                                        let xt = &x[(t0 + i) * cols..(t0 + i + 1) * cols];
+                                        wr.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum()
+                                    };
+                                    assert!(
+                                        (g - want).abs() <= 1e-4 * mag + 1e-6,
+                                        "{} r={r} t={} {}: {g} vs scalar {want}",
+                                        ty.name(),
+                                        t0 + i,
+                                        level.name()
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        simd::coverage::report("legacy matmul, narrow tiles", &NARROW_KERNELS, &narrow);
+        simd::coverage::report(
+            "legacy row dot, several tokens",
+            &ROW_TOKENS_KERNELS,
+            &multi,
+        );
     }
 
     #[test]
@@ -783,29 +1128,32 @@ mod tests {
         ] {
             let data = random_weights(ty, rows, cols, &mut rng);
             let w = QMatrix::new(ty, rows, cols, &data).unwrap();
-            // (n, force packing): small batches also with the tile path forced, to tune
-            // PACK_MIN_TOKENS (both paths give identical bits).
+            // (n, forced packing): small batches also with other paths forced, to tune the
+            // thresholds of `Pack::for_tokens` (every path gives identical bits).
+            let f = Some;
             for (n, force) in [
-                (1usize, false),
-                (4, false),
-                (4, true),
-                (16, false),
-                (16, true),
-                (32, false),
-                (512, false),
+                (1usize, None),
+                (2, None),
+                (2, f(Pack::None)),
+                (4, None),
+                (4, f(Pack::None)),
+                (4, f(Pack::Wide)),
+                (8, None),
+                (8, f(Pack::None)),
+                (8, f(Pack::Wide)),
+                (16, None),
+                (32, None),
+                (512, None),
             ] {
-                if rows > 10000 && n > 1 && n < 512 {
+                if rows > 10000 && n > 8 && n < 512 {
                     continue;
                 }
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
                 let mut out = vec![0f32; n * rows];
                 let mut a = QuantizedActs::new();
-                let quant = |a: &mut QuantizedActs| {
-                    if force {
-                        quantize_acts_impl(a, &x, n, cols, ty, true).unwrap();
-                    } else {
-                        q8::quantize_acts_into(a, &x, n, cols, ty).unwrap();
-                    }
+                let quant = |a: &mut QuantizedActs| match force {
+                    Some(p) => quantize_acts_impl(a, &x, n, cols, ty, p).unwrap(),
+                    None => q8::quantize_acts_into(a, &x, n, cols, ty).unwrap(),
                 };
                 quant(&mut a);
                 let tq = std::time::Instant::now();
@@ -814,6 +1162,7 @@ mod tests {
                 let iters = match (n, rows > 10000) {
                     (1, false) => 2000,
                     (1, true) => 40,
+                    (2..=8, true) => 20,
                     (2..=32, _) => 200,
                     (_, false) => 20,
                     _ => 2,
@@ -845,7 +1194,12 @@ mod tests {
                         "{} {rows}x{cols} n={n}{} threads={threads}: best {:.3} ms, {:.1} GFLOP/s \
                          (quantize acts {:.3} ms) level={}",
                         ty.name(),
-                        if a.has_packed() { " tile" } else { " per-row" },
+                        match a.pack {
+                            Pack::None => " per-row",
+                            Pack::Narrow4 => " narrow4",
+                            Pack::Narrow8 => " narrow8",
+                            Pack::Wide => " tile",
+                        },
                         best * 1e3,
                         2.0 * (rows * cols * n) as f64 / best / 1e9,
                         dq * 1e3,

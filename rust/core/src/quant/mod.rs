@@ -208,6 +208,74 @@ pub(crate) fn dot_row(
     }
 }
 
+/// Tokens per call of [`dot_row_tokens`] (the AVX2 kernel's accumulators for 4 tokens fill
+/// the 16 AVX2 registers).
+pub(crate) const DOT_ROW_TOKENS: usize = 4;
+
+/// `out[i]` = [`dot_row`] of `row` with token `t0 + i` of `a`, for at most
+/// [`DOT_ROW_TOKENS`] tokens: legacy weights at the AVX2 levels (below VNNI) unpack each
+/// block once for all of them (`avx2::dot_row_tokens`, same bits as `dot_row` per token);
+/// elsewhere one `dot_row` per token.
+#[inline]
+pub(crate) fn dot_row_tokens(
+    ty: GgmlType,
+    row: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    level: SimdLevel,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if a.kind == ActKind::Q8 && (SimdLevel::Avx2..SimdLevel::Avx512Vnni).contains(&level) {
+        let n = out.len();
+        assert!(n <= DOT_ROW_TOKENS && t0 + n <= a.n_tokens);
+        let cols = a.cols;
+        let nb = cols / legacy::QK;
+        assert_eq!(
+            row.len(),
+            nb * ty.type_size(),
+            "weight row has the wrong length"
+        );
+        let qa: [*const i8; DOT_ROW_TOKENS] =
+            std::array::from_fn(|i| a.qs[(t0 + i.min(n - 1)) * cols..].as_ptr());
+        let ds: [*const f32; DOT_ROW_TOKENS] =
+            std::array::from_fn(|i| a.ds[2 * (t0 + i.min(n - 1)) * nb..].as_ptr());
+        macro_rules! run {
+            ($n:literal) => {{
+                let q: &[*const i8; $n] = qa[..$n].try_into().expect("length");
+                let d: &[*const f32; $n] = ds[..$n].try_into().expect("length");
+                // SAFETY: AVX2/FMA/F16C were detected (`level` >= Avx2 never exceeds
+                // detection); the row holds `nb` blocks (asserted) and each token pointer
+                // starts a token's `cols` quants and `2 * nb` scales inside `a` (t0 + i <
+                // n_tokens, asserted).
+                let v = unsafe {
+                    use avx2::{T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0};
+                    let r = row.as_ptr();
+                    match ty {
+                        GgmlType::Q4_0 => avx2::dot_row_tokens::<T_Q4_0, $n>(r, q, d, nb),
+                        GgmlType::Q4_1 => avx2::dot_row_tokens::<T_Q4_1, $n>(r, q, d, nb),
+                        GgmlType::Q5_0 => avx2::dot_row_tokens::<T_Q5_0, $n>(r, q, d, nb),
+                        GgmlType::Q5_1 => avx2::dot_row_tokens::<T_Q5_1, $n>(r, q, d, nb),
+                        _ => avx2::dot_row_tokens::<T_Q8_0, $n>(r, q, d, nb),
+                    }
+                };
+                out.copy_from_slice(&v);
+            }};
+        }
+        match n {
+            0 => {}
+            1 => run!(1),
+            2 => run!(2),
+            3 => run!(3),
+            _ => run!(4),
+        }
+        return;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = dot_row(ty, row, a, t0 + i, level);
+    }
+}
+
 /// Lowest level of each SIMD kernel of the legacy row dot (see `simd::coverage`).
 #[cfg(test)]
 pub(crate) const LEGACY_DOT_KERNELS: [SimdLevel; 2] = [SimdLevel::Avx2, SimdLevel::Avx512Vnni];

@@ -4,9 +4,10 @@
 //!
 //! - Legacy weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0): blocks of 32 int8 `qa` with f32 scale
 //!   `da = amax / 127` and `sa = da * sum(qa)` (like ggml's Q8_1 but with f32 scales). Values
-//!   round to nearest, ties away from zero. Stored contiguously per token. When the tile kernel
-//!   for many tokens will be used (AVX-512 VNNI), a second "packed" copy interleaves 16 tokens:
-//!   for every block and every 4-element group, 16 tokens x 4 bytes in one 64-byte line.
+//!   round to nearest, ties away from zero. Stored contiguously per token. When a tile kernel
+//!   will be used (AVX-512 VNNI, see [`Pack`]), a second "packed" copy interleaves the tokens:
+//!   for every block and every 4-element group, 16 tokens x 4 bytes in one 64-byte line (wide,
+//!   9 tokens and more), or 8 tokens x 4 bytes in one 32-byte line (narrow, 2 to 8 tokens).
 //! - K-quant weights: Q8_K blocks of 256 per token.
 //! - Float weights: a plain f32 copy.
 
@@ -16,11 +17,44 @@ use super::simd::{self, SimdLevel};
 use super::types::GgmlType;
 use crate::error::{invalid, Error, Result};
 
-/// Tokens interleaved in one packed group.
+/// Tokens interleaved in one wide packed group.
 pub(crate) const GROUP: usize = 16;
-/// Packing is done only from this many tokens on (below it the per-row kernels win; measured
-/// break-even at about 4 tokens on a 16-lane tile). Both paths give bit-identical results.
-pub(crate) const PACK_MIN_TOKENS: usize = 4;
+/// Tokens of the one group of the 4-lane and the 8-lane narrow packings.
+pub(crate) const NARROW4: usize = 4;
+pub(crate) const NARROW8: usize = 8;
+/// The narrow packings are built from this many tokens on (one token takes the per-row
+/// kernel, which streams a row once for it anyway).
+pub(crate) const NARROW_MIN_TOKENS: usize = 2;
+/// The wide packing is built from this many tokens on (up to 8 tokens fit a narrow tile,
+/// which wastes fewer lanes on them). All paths give bit-identical results.
+pub(crate) const PACK_MIN_TOKENS: usize = NARROW8 + 1;
+
+/// Which interleaved copy of Q8 activations is built next to the token-major one, and so
+/// which kernel the matmul runs (AVX-512 VNNI only): none (per-row kernels), narrow with 4
+/// lanes (16-byte lines, 2 to 4 tokens), narrow with 8 lanes (32-byte lines, 5 to 8 tokens) or
+/// wide (groups of 16, 64-byte lines, from `PACK_MIN_TOKENS` tokens).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pack {
+    None,
+    Narrow4,
+    Narrow8,
+    Wide,
+}
+
+impl Pack {
+    /// The packing the engine builds for `n_tokens` tokens at `level`.
+    pub(crate) fn for_tokens(n_tokens: usize, level: SimdLevel) -> Pack {
+        if level < SimdLevel::Avx512Vnni || n_tokens < NARROW_MIN_TOKENS {
+            Pack::None
+        } else if n_tokens <= NARROW4 {
+            Pack::Narrow4
+        } else if n_tokens < PACK_MIN_TOKENS {
+            Pack::Narrow8
+        } else {
+            Pack::Wide
+        }
+    }
+}
 
 /// 64 activation bytes aligned to a cache line.
 #[derive(Clone, Copy)]
@@ -43,10 +77,14 @@ pub struct QuantizedActs {
     pub(crate) qs: Vec<i8>,
     /// Q8: per block the pair `(da, sa = da * sum(qa))`, interleaved: `2 * n_tokens * cols / 32`.
     pub(crate) ds: Vec<f32>,
-    /// Q8 packed copy (empty when not built): line `(g * nb + b) * 8 + k` holds bytes
-    /// `4k..4k+4` of block `b` for tokens `16g..16g+16` (zero for padding tokens).
+    /// Which packed copy `packed`, `pd` and `ps` hold.
+    pub(crate) pack: Pack,
+    /// Q8 packed copy (empty when not built). Wide: line `(g * nb + b) * 8 + k` holds bytes
+    /// `4k..4k+4` of block `b` for tokens `16g..16g+16` (zero for padding tokens). Narrow with
+    /// `L` = 8 or 4 lanes: the `4L`-byte line `b * 8 + k` (`16 / L` per `Line`) holds bytes
+    /// `4k..4k+4` of block `b` for tokens `0..L` (zero for padding tokens).
     pub(crate) packed: Vec<Line>,
-    /// Packed scales: `(g * nb + b) * 16 + lane`.
+    /// Packed scales: `(g * nb + b) * 16 + lane` (wide), `b * L + lane` (narrow).
     pub(crate) pd: Vec<f32>,
     pub(crate) ps: Vec<f32>,
     /// Q8_K: `n_tokens * cols / 256` blocks.
@@ -63,6 +101,7 @@ impl Default for QuantizedActs {
             cols: 0,
             qs: Vec::new(),
             ds: Vec::new(),
+            pack: Pack::None,
             packed: Vec::new(),
             pd: Vec::new(),
             ps: Vec::new(),
@@ -91,8 +130,10 @@ impl QuantizedActs {
         act_kind(ty) == Some(self.kind)
     }
 
+    /// Whether a packed copy was built (either width).
+    #[cfg(test)]
     pub(crate) fn has_packed(&self) -> bool {
-        !self.packed.is_empty()
+        self.pack != Pack::None
     }
 }
 
@@ -170,7 +211,7 @@ pub fn quantize_acts_into(
     cols: usize,
     for_type: GgmlType,
 ) -> Result<()> {
-    let pack = simd::level() >= SimdLevel::Avx512Vnni && n_tokens >= PACK_MIN_TOKENS;
+    let pack = Pack::for_tokens(n_tokens, simd::level());
     quantize_acts_impl(a, x, n_tokens, cols, for_type, pack)
 }
 
@@ -180,7 +221,7 @@ pub(crate) fn quantize_acts_impl(
     n_tokens: usize,
     cols: usize,
     for_type: GgmlType,
-    pack: bool,
+    pack: Pack,
 ) -> Result<()> {
     let level = simd::level();
     let kind = act_kind(for_type).ok_or_else(|| {
@@ -206,6 +247,7 @@ pub(crate) fn quantize_acts_impl(
     a.kind = kind;
     a.n_tokens = n_tokens;
     a.cols = cols;
+    a.pack = Pack::None;
     a.packed.clear();
     a.pd.clear();
     a.ps.clear();
@@ -237,8 +279,17 @@ pub(crate) fn quantize_acts_impl(
             a.ds.clear();
             a.ds.resize(2 * n_tokens * nb, 0.0);
             quantize_blocks(x, &mut a.qs, &mut a.ds, level);
-            if pack {
-                pack_q8(a);
+            match pack {
+                Pack::Wide if n_tokens > 0 => pack_q8(a),
+                // More tokens than lanes: a narrow layout cannot hold them (callers that force
+                // a packing in tests get the per-row path instead).
+                Pack::Narrow4 if n_tokens <= NARROW4 && n_tokens > 0 => {
+                    pack_q8_narrow::<NARROW4>(a, Pack::Narrow4)
+                }
+                Pack::Narrow8 if n_tokens <= NARROW8 && n_tokens > 0 => {
+                    pack_q8_narrow::<NARROW8>(a, Pack::Narrow8)
+                }
+                _ => {}
             }
         }
     }
@@ -321,6 +372,34 @@ mod x86 {
     }
 }
 
+/// Builds the `L`-lane interleaved copy of Q8 activations of at most `L` tokens (see
+/// [`QuantizedActs::packed`]).
+fn pack_q8_narrow<const L: usize>(a: &mut QuantizedActs, kind: Pack) {
+    let (n, cols) = (a.n_tokens, a.cols);
+    debug_assert!(n <= L && 64 % (4 * L) == 0);
+    let nb = cols / QK;
+    let line = 4 * L;
+    // 8 lines of 4L bytes per block.
+    let per_block = 8 * line / 64;
+    a.packed.resize(nb * per_block, Line([0; 64]));
+    a.pd.resize(nb * L, 0.0);
+    a.ps.resize(nb * L, 0.0);
+    for (b, blk) in a.packed.chunks_exact_mut(per_block).enumerate() {
+        for t in 0..n {
+            let off = t * cols + b * QK;
+            let src = &a.qs[off..off + QK];
+            for k in 0..8 {
+                let at = k * line + 4 * t;
+                let dst = &mut blk[at / 64].0[at % 64..at % 64 + 4];
+                dst.copy_from_slice(&src[4 * k..4 * k + 4]);
+            }
+            a.pd[b * L + t] = a.ds[2 * (t * nb + b)];
+            a.ps[b * L + t] = a.ds[2 * (t * nb + b) + 1];
+        }
+    }
+    a.pack = kind;
+}
+
 /// Builds the 16-token interleaved copy of Q8 activations (see [`QuantizedActs::packed`]).
 fn pack_q8(a: &mut QuantizedActs) {
     let (n, cols) = (a.n_tokens, a.cols);
@@ -348,6 +427,7 @@ fn pack_q8(a: &mut QuantizedActs) {
             }
         }
     }
+    a.pack = Pack::Wide;
 }
 
 #[cfg(test)]
@@ -383,7 +463,7 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         let mut a = QuantizedActs::new();
-        quantize_acts_impl(&mut a, &x, n, cols, GgmlType::Q4_1, true).unwrap();
+        quantize_acts_impl(&mut a, &x, n, cols, GgmlType::Q4_1, Pack::Wide).unwrap();
         let nb = cols / 32;
         assert_eq!(a.packed.len(), 2 * nb * 8);
         for t in 0..32 {
@@ -402,6 +482,64 @@ mod tests {
                 assert_eq!(a.pd[(g * nb + b) * 16 + lane], want_d);
             }
         }
+    }
+
+    #[test]
+    fn narrow_layouts_match_token_major() {
+        let cols = 96;
+        let nb = cols / 32;
+        for (pack, lanes) in [(Pack::Narrow4, NARROW4), (Pack::Narrow8, NARROW8)] {
+            for n in 1..=lanes {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 53 % 97) as f32 - 48.0) / 5.0)
+                    .collect();
+                let mut a = QuantizedActs::new();
+                quantize_acts_impl(&mut a, &x, n, cols, GgmlType::Q5_1, pack).unwrap();
+                assert_eq!(a.pack, pack);
+                let bytes: Vec<i8> = a.packed.iter().flat_map(|l| l.0).collect();
+                assert_eq!(bytes.len(), nb * 8 * 4 * lanes);
+                for t in 0..lanes {
+                    for b in 0..nb {
+                        for e in 0..32 {
+                            let got = bytes[(b * 8 + e / 4) * 4 * lanes + 4 * t + e % 4];
+                            let want = if t < n {
+                                a.qs[t * cols + b * 32 + e]
+                            } else {
+                                0
+                            };
+                            assert_eq!(got, want, "{pack:?} n={n} t={t} b={b} e={e}");
+                        }
+                        let (d, s) = if t < n {
+                            (a.ds[2 * (t * nb + b)], a.ds[2 * (t * nb + b) + 1])
+                        } else {
+                            (0.0, 0.0)
+                        };
+                        assert_eq!((a.pd[b * lanes + t], a.ps[b * lanes + t]), (d, s));
+                    }
+                }
+            }
+            // More tokens than lanes: no packed copy (the per-row path takes them).
+            let x = vec![1.0f32; (lanes + 1) * cols];
+            let mut a = QuantizedActs::new();
+            quantize_acts_impl(&mut a, &x, lanes + 1, cols, GgmlType::Q4_0, pack).unwrap();
+            assert_eq!(a.pack, Pack::None);
+        }
+        let level = SimdLevel::Avx512Vnni;
+        let want = [
+            Pack::None,
+            Pack::None,
+            Pack::Narrow4,
+            Pack::Narrow4,
+            Pack::Narrow4,
+        ];
+        for (n, &p) in want.iter().enumerate() {
+            assert_eq!(Pack::for_tokens(n, level), p, "n={n}");
+        }
+        for n in 5..=8 {
+            assert_eq!(Pack::for_tokens(n, level), Pack::Narrow8);
+        }
+        assert_eq!(Pack::for_tokens(9, level), Pack::Wide);
+        assert_eq!(Pack::for_tokens(4, SimdLevel::Avx512), Pack::None);
     }
 
     #[test]
