@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
@@ -224,13 +225,38 @@ def _stored(arr: np.ndarray, wtype: str) -> tuple[np.ndarray, np.ndarray, GGMLQu
     raise ValueError(f"unsupported weight type {wtype}")
 
 
-def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
+def tokenizer_fields(path: Path | str) -> list[tuple[str, Any, Any, Any]]:
+    """The ``tokenizer.*`` metadata of the GGUF file at ``path`` as (key, value, value type,
+    array element type) for :func:`write_model`'s ``tokenizer``: a tiny random body can then
+    carry a real model's vocabulary (and chat template)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    out = []
+    for key, f in GGUFReader(path).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), vtype, sub))
+    return out
+
+
+def write_model(
+    path: Path | str,
+    spec: Spec,
+    tokenizer: list[tuple[str, Any, Any, Any]] | None = None,
+) -> dict[str, np.ndarray]:
     """Writes a random model to ``path``; returns name -> float64 weights as stored.
 
     Matrices are numpy ``(out_features, in_features)`` (ggml dims ``[in, out]``).
+    ``tokenizer``: the ``tokenizer.*`` keys to write instead of the tiny vocabulary (see
+    :func:`tokenizer_fields`); the vocabulary's size sets the embedding's rows.
     """
     rng = np.random.default_rng(spec.seed)
-    d, hd, ff, nv = spec.n_embd, spec.hd, spec.n_ff, N_VOCAB
+    nv = N_VOCAB
+    if tokenizer is not None:
+        nv = next(len(v) for k, v, _t, _s in tokenizer if k == "tokenizer.ggml.tokens")
+    d, hd, ff = spec.n_embd, spec.hd, spec.n_ff
     qd, kvd = spec.n_head * hd, spec.n_head_kv * hd
     # Scales chosen so attention is peaked (scores of a few units) and logits spread out.
     mats: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, 1.0, (nv, d))}
@@ -282,12 +308,16 @@ def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
         w.add_float32(f"{a}.rope.scaling.factor", spec.factor)
         if spec.scaling == "yarn":
             w.add_uint32(f"{a}.rope.scaling.original_context_length", spec.orig_ctx)
-    tokens, merges = tiny_vocab()
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", [1] * len(tokens))
-    w.add_array("tokenizer.ggml.merges", merges)
+    if tokenizer is not None:
+        for key, value, vtype, sub in tokenizer:
+            w.add_key_value(key, value, vtype, sub_type=sub)
+    else:
+        tokens, merges = tiny_vocab()
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_string("tokenizer.ggml.pre", "default")
+        w.add_array("tokenizer.ggml.tokens", tokens)
+        w.add_array("tokenizer.ggml.token_type", [1] * len(tokens))
+        w.add_array("tokenizer.ggml.merges", merges)
 
     stored: dict[str, np.ndarray] = {}
     for name, arr in mats.items():

@@ -137,6 +137,54 @@ def test_complete_sampling_options_take_effect(model_path: Path) -> None:
     assert ok_json(*sampled, "--top-k", "1", "Once upon a time") == greedy
 
 
+REPEAT_PROMPT = "red blue green, red blue green, red blue green, red"
+CHAT_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+SAMPLED = {"temperature": 1.5, "seed": 1}
+
+
+@pytest.mark.parametrize(
+    ("flags", "options", "base"),
+    [
+        (["--min-p", "0.3"], {"min_p": 0.3}, SAMPLED),
+        (["--typical-p", "0.5"], {"typical_p": 0.5}, SAMPLED),
+        (["--repeat-penalty", "1.5"], {"repeat_penalty": 1.5}, {}),
+        (
+            ["--repeat-penalty", "1.5", "--repeat-last-n", "3"],
+            {"repeat_penalty": 1.5, "penalty_last_n": 3},
+            {},
+        ),
+        (["--presence-penalty", "1.5"], {"presence_penalty": 1.5}, {}),
+        (["--frequency-penalty", "0.7"], {"frequency_penalty": 0.7}, {}),
+        (
+            ["--logit-bias", "2240=4.5", "--logit-bias", "4461=-inf"],  # 4461: " blue"
+            {"logit_bias": {2240: 4.5, 4461: float("-inf")}},
+            {},
+        ),
+    ],
+)
+def test_complete_bias_penalty_and_filter_flags_reach_their_options(
+    model_path: Path, flags: list[str], options: dict[str, object], base: dict[str, object]
+) -> None:
+    """Each flag gives what ``Model.generate`` gives with its option (and something else
+    than without it: the flag is not ignored)."""
+    model = kvserve.Model.load(model_path, threads=2)
+    want = model.generate(REPEAT_PROMPT, 12, **base, **options)  # type: ignore[arg-type]
+    assert want.tokens != model.generate(REPEAT_PROMPT, 12, **base).tokens  # type: ignore[arg-type]
+    base_flags = [f"--{k.replace('_', '-')}={v}" for k, v in base.items()]
+    args = ("complete", "--model", str(model_path), "-n", "12", "--json", *base_flags, *flags)
+    assert ok_json(*args, REPEAT_PROMPT) == {"text": want.text, "tokens": want.tokens}
+
+
+def test_complete_ignore_eos_continues_past_the_end(model_path: Path, vocab: Vocab) -> None:
+    base = ("complete", "--model", str(model_path), "-n", "12", "--json")
+    stopped = ok_json(*base, CHAT_PROMPT)
+    tokens = stopped["tokens"]
+    assert isinstance(tokens, list) and len(tokens) < 12  # ends at <|im_end|>
+    longer = ok_json(*base, "--ignore-eos", CHAT_PROMPT)["tokens"]
+    assert isinstance(longer, list) and len(longer) == 12
+    assert longer[: len(tokens)] == tokens and longer[len(tokens)] == vocab.eos
+
+
 def _golden(name: str) -> dict[str, object]:
     """A prompt of the llama.cpp golden data (tests/fixtures/llama_smollm2.json)."""
     fixture = Path(__file__).parent / "fixtures" / "llama_smollm2.json"
@@ -285,6 +333,14 @@ def test_bad_model_file_is_one_line_error(
             r"\(choose from '?f16'?, '?q8_0'?, '?f32'?\)",
         ),
         (["complete"], "kvserve: error: the following arguments are required: PROMPT"),
+        (
+            ["complete", "--logit-bias", "13", "x"],
+            "kvserve: error: argument --logit-bias: expected TOKEN=BIAS .*, got '13'",
+        ),
+        (
+            ["complete", "--logit-bias", "a=1", "x"],
+            "kvserve: error: argument --logit-bias: expected TOKEN=BIAS .*, got 'a=1'",
+        ),
         (["frobnicate"], r"kvserve: error: argument COMMAND: invalid choice: 'frobnicate' .*"),
     ],
 )
@@ -341,6 +397,16 @@ def test_bad_argument_values_are_one_line_errors(model_path: Path) -> None:
     assert "temperature" in assert_one_line_error(proc)
     proc = run_cli("complete", "--model", str(model_path), "--top-p", "0", "--json", PROMPT)
     assert "top_p" in assert_one_line_error(proc)
+    for flags, name in (
+        (["--typical-p", "0"], "typical_p"),
+        (["--repeat-penalty", "0"], "repeat_penalty"),
+        (["--repeat-last-n", "-2"], "penalty_last_n"),
+        (["--presence-penalty", "5"], "presence_penalty"),
+        (["--logit-bias", "999999=1"], "logit_bias"),
+        (["--logit-bias", "13=inf"], "logit_bias"),
+    ):
+        proc = run_cli("complete", "--model", str(model_path), *flags, "--json", PROMPT)
+        assert name in assert_one_line_error(proc), flags
 
 
 def test_bad_kvserve_threads_env_is_one_line_error(

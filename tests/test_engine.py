@@ -9,13 +9,16 @@ preemption must not change what a request generates.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from sampling_reference import ref_log_softmax
 
 import kvserve
 from kvserve import Engine, GenerateResult, KvCacheFull, Model
@@ -36,6 +39,8 @@ STATS_KEYS = {
     "running",
     "waiting",
     "sessions",
+    "session_misses",
+    "kv_blocks_evicted",
     "decode_tok_s",
 }
 
@@ -147,6 +152,38 @@ def test_agenerate_matches_generate(engine: Engine, oracle: Model) -> None:
 
     got = asyncio.run(main())
     assert got == sequential(oracle, p, 5)
+
+
+def test_events_stream_pieces_then_the_result(engine: Engine, oracle: Model) -> None:
+    """``events`` yields the text pieces, then the GenerateResult (what generate returns);
+    a prompt of token ids is fed as it is."""
+    p = prompts(1, "Events")[0]
+    want = sequential(oracle, p, 6)
+    ids = oracle.tokenize(p, add_special=True, parse_special=True)
+
+    async def main(prompt: str | list[int]) -> list[str | GenerateResult]:
+        return [item async for item in engine.events(prompt, max_tokens=6)]
+
+    for prompt in (p, ids):
+        *pieces, result = asyncio.run(main(prompt))
+        assert all(isinstance(x, str) and x for x in pieces)
+        assert "".join(pieces) == want.text  # type: ignore[arg-type]
+        assert isinstance(result, GenerateResult)
+        assert (result.text, result.tokens, result.finish_reason, result.prompt_tokens) == (
+            want.text,
+            want.tokens,
+            want.finish_reason,
+            want.prompt_tokens,
+        )
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [([], "no tokens"), ([1, -1], "prompt token 1 is -1"), ([10**9], "prompt token 0 is")],
+)
+def test_events_check_token_id_prompts(engine: Engine, ids: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        engine.events(ids, max_tokens=2)
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(
@@ -264,6 +301,19 @@ def test_cancellation_frees_the_blocks(engine: Engine) -> None:
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"min_p": 2.0}, r"min_p must be in \[0, 1\]"),
         ({"prompt": "word " * 600}, "ctx_size=512"),
+        ({"typical_p": 0.0}, r"typical_p must be in \(0, 1\]"),
+        ({"typical_p": 2.0}, r"typical_p must be in \(0, 1\]"),
+        ({"repeat_penalty": -1.0}, "repeat_penalty must be a finite number > 0"),
+        ({"repeat_penalty": 0.0}, "repeat_penalty must be a finite number > 0"),
+        ({"presence_penalty": -2.5}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": 9.0}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"penalty_last_n": -5}, "penalty_last_n must be an integer >= -1"),
+        ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\]"),
+        ({"logprobs": 50}, r"logprobs must be an integer in \[0, 20\]"),
+        ({"logit_bias": {7: float("nan")}}, r"logit_bias\[7\] must be a finite number or -inf"),
+        ({"logit_bias": {7: float("inf")}}, r"logit_bias\[7\] must be a finite number or -inf"),
+        ({"logit_bias": {-7: 1.0}}, "logit_bias keys must be token ids >= 0"),
+        ({"logit_bias": {10**6: 1.0}}, "logit_bias token id 1000000 is out of range"),
     ],
 )
 def test_bad_arguments_raise_before_anything_is_queued(
@@ -413,3 +463,101 @@ def test_an_unknown_option_is_a_type_error_everywhere(engine: Engine, served: Mo
         engine.stream("Hello", temprature=0.5)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="temprature"):
         served.generate("Hello", 2, temprature=0.5)  # type: ignore[call-arg]
+
+
+# -- bias, penalties, logprobs ------------------------------------------------------------------
+ALL_OPTIONS: dict = {
+    "temperature": 0.9,
+    "top_k": 60,
+    "typical_p": 0.6,
+    "top_p": 0.95,
+    "min_p": 0.02,
+    "repeat_penalty": 1.2,
+    "presence_penalty": 0.3,
+    "frequency_penalty": 0.2,
+    "penalty_last_n": 32,
+    "logit_bias": {13: -math.inf, 28: 1.5},
+    "seed": 7,
+    "logprobs": 3,
+}
+
+
+def close_logprobs(a: GenerateResult, b: GenerateResult) -> None:
+    """Same tokens and pieces; log-probabilities equal up to the batch's float rounding."""
+    assert a.logprobs is not None and b.logprobs is not None
+    assert [(e.token, e.piece) for e in a.logprobs] == [(e.token, e.piece) for e in b.logprobs]
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert abs(x.logprob - y.logprob) < 1e-4
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_greedy_logit_bias_forces_a_token(engine: Engine, oracle: Model) -> None:
+    target = oracle.tokenize(" banana", add_special=False)[0]
+    p = prompts(1, "Bias")[0]
+    got = engine.generate(p, max_tokens=5, logit_bias={target: 100.0})
+    assert got.tokens == [target] * 5
+    assert got.tokens == oracle.generate(p, 5, logit_bias={target: 100.0}).tokens
+
+
+def test_every_option_gives_the_same_tokens_alone_and_in_a_batch(
+    engine: Engine, oracle: Model
+) -> None:
+    """A seeded request with every option on gives Model.generate's tokens, alone and beside
+    three other requests (plain greedy, greedy with penalties and bias, sampled): the rows of
+    one step go through the batched argmax and through per-request samplers."""
+    p = "Once upon a time, in a quiet town,"
+    want = oracle.generate(p, 12, **ALL_OPTIONS)
+    alone = engine.generate(p, max_tokens=12, **ALL_OPTIONS)
+    assert (alone.tokens, alone.text, alone.finish_reason) == (
+        want.tokens,
+        want.text,
+        want.finish_reason,
+    )
+    close_logprobs(alone, want)
+    others = prompts(3, "Beside")
+    other_kw: list[dict] = [
+        {},
+        {"repeat_penalty": 1.4, "logit_bias": {28: -math.inf}, "frequency_penalty": 0.5},
+        {"temperature": 0.7, "seed": 1, "typical_p": 0.8},
+    ]
+    other_want = [oracle.generate(q, 10, **kw) for q, kw in zip(others, other_kw)]
+
+    async def main() -> list[GenerateResult]:
+        jobs = [engine.agenerate(q, max_tokens=10, **kw) for q, kw in zip(others, other_kw)]
+        jobs.insert(1, engine.agenerate(p, max_tokens=12, **ALL_OPTIONS))
+        return await asyncio.gather(*jobs)
+
+    busy = asyncio.run(main())
+    assert busy[1].tokens == alone.tokens and busy[1].text == alone.text
+    close_logprobs(busy[1], alone)
+    assert [b.tokens for b in busy[:1] + busy[2:]] == [w.tokens for w in other_want]
+    assert other_want[1].tokens != sequential(oracle, others[1], 10).tokens  # penalties acted
+    assert want.tokens != oracle.generate(p, 12).tokens  # sampling acted
+
+
+def test_logprobs_match_an_independent_decode(engine: Engine, oracle: Model) -> None:
+    """Each token's logprob is the log-softmax of the logits an independent decode on the
+    oracle model gives for the same tokens (1e-4); ``top`` holds N tokens, most probable
+    first; for greedy the chosen token is top[0]."""
+    p = prompts(1, "Logprobs")[0]
+    assert engine.generate(p, max_tokens=2).logprobs is None
+    for kw in ({"logprobs": 4}, {"logprobs": 2, "temperature": 1.5, "seed": 4}):
+        res = engine.generate(p, max_tokens=8, ignore_eos=True, **kw)  # type: ignore[arg-type]
+        n = int(kw["logprobs"])
+        assert res.logprobs is not None and len(res.logprobs) == len(res.tokens) == 8
+        ids = oracle.tokenize(p, add_special=True, parse_special=True) + res.tokens
+        ctx = oracle.new_context(len(ids))
+        logits = ctx.decode(ids, list(range(len(ids))), [0] * len(ids), [True] * len(ids))
+        view = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(len(ids), -1)
+        k = len(ids) - len(res.tokens)
+        for step, (entry, tok) in enumerate(zip(res.logprobs, res.tokens)):
+            lsm = ref_log_softmax(view[k - 1 + step])
+            assert entry.token == tok and entry.piece == oracle.token_to_piece(tok)
+            assert abs(entry.logprob - lsm[tok]) < 1e-4, step
+            assert len(entry.top) == n
+            assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:]))
+            for t, lp in entry.top:
+                assert abs(lp - lsm[t]) < 1e-4
+            assert entry.top[0][0] == int(np.argmax(lsm))
+            if "temperature" not in kw:
+                assert entry.top[0][0] == tok

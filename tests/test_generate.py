@@ -2,19 +2,23 @@
 
 Oracles besides the engine's own low-level context: llama.cpp's recorded greedy continuations
 (tests/fixtures/llama_smollm2.json), the GGUF vocabulary read with ``gguf`` (tests/gguf_vocab.py),
-Python's incremental UTF-8 decoder, and numpy re-derivations of the sampling filters.
+Python's incremental UTF-8 decoder, and numpy re-derivations of the sampling filters
+(tests/sampling_reference.py for bias, penalties, typical-p and the seeded draw).
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import math
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf_vocab import Vocab
+from sampling_reference import ref_adjust, ref_distribution, ref_draw, ref_log_softmax
 
 import kvserve
 import kvserve._core
@@ -59,10 +63,11 @@ def decode_steps(
     n: int,
     kv_type: str = "f16",
     forced: list[int] | None = None,
+    choose: Callable[[np.ndarray, list[int]], int] | None = None,
 ) -> tuple[list[int], list[np.ndarray]]:
     """The generation loop written out on the low-level context (prompt in one call, then one
-    token per call): the tokens, ``forced`` or else the argmax, and the logits row (float64)
-    each was chosen from."""
+    token per call): the tokens, ``forced``, else ``choose(row, prompt + tokens so far)``, else
+    the argmax, and the logits row (float64) each was chosen from."""
     k = len(prompt_tokens)
     ctx = model.new_context(k + n, kv_type=kv_type)
     logits = ctx.decode(prompt_tokens, list(range(k)), [0] * k, [False] * (k - 1) + [True])
@@ -70,7 +75,12 @@ def decode_steps(
     seen: list[np.ndarray] = []
     for step in range(n):
         row = rows(logits)[-1].astype(np.float64)
-        tok = int(np.argmax(row)) if forced is None else forced[step]
+        if forced is not None:
+            tok = forced[step]
+        elif choose is not None:
+            tok = choose(row, list(prompt_tokens) + tokens)
+        else:
+            tok = int(np.argmax(row))
         seen.append(row)
         tokens.append(tok)
         if step + 1 < n:
@@ -317,6 +327,18 @@ def test_empty_prompt_starts_from_bos(model: Model, vocab: Vocab) -> None:
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"top_p": 1.5}, "top_p must be in"),
         ({"kv_type": "q4"}, "q4"),
+        ({"typical_p": 0.0}, r"typical_p must be in \(0, 1\]"),
+        ({"typical_p": 1.5}, r"typical_p must be in \(0, 1\]"),
+        ({"repeat_penalty": 0.0}, "repeat_penalty must be a finite number > 0"),
+        ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": -2.5}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"penalty_last_n": -2}, "penalty_last_n must be an integer >= -1"),
+        ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\]"),
+        ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\]"),
+        ({"logit_bias": {5: float("nan")}}, r"logit_bias\[5\] must be a finite number or -inf"),
+        ({"logit_bias": {5: float("inf")}}, r"logit_bias\[5\] must be a finite number or -inf"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias keys must be token ids >= 0"),
+        ({"logit_bias": {49152: 1.0}}, "logit_bias token id 49152 is out of range.*49152 tokens"),
     ],
 )
 def test_bad_generation_arguments_raise(model: Model, kwargs: dict, match: str) -> None:
@@ -384,3 +406,118 @@ def test_one_model_shared_by_threads_generating_different_prompts(model: Model) 
 
     assert outputs(results) == outputs(list(alone))
     assert all(r is not None for r in results)
+
+
+# -- bias, penalties, typical-p, logprobs -------------------------------------------------------
+def test_greedy_logit_bias_forces_and_bans_tokens(model: Model) -> None:
+    """Greedy is the argmax after the bias: +100 on a token makes it every token; -inf (or
+    -100) on the row's best token makes the first token the row's second best."""
+    prompt_tokens = model.tokenize(PROMPT, add_special=True, parse_special=True)
+    _, seen = decode_steps(model, prompt_tokens, 1)
+    order = np.argsort(-seen[0], kind="stable")
+    target = model.tokenize(" banana", add_special=False)[0]
+    assert target not in order[:20]  # not something greedy would pick anyway
+    forced = model.generate(PROMPT, 6, logit_bias={target: 100.0})
+    assert forced.tokens == [target] * 6
+    for ban in (-math.inf, -100.0):
+        banned = model.generate(PROMPT, 1, logit_bias={int(order[0]): ban})
+        assert banned.tokens == [int(order[1])]
+
+
+REPEAT_PROMPT = "red blue green, red blue green, red blue green, red blue green, red"
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repeat_penalty": 1.5},  # the default window: 64 tokens, the prompt's included
+        {
+            "repeat_penalty": 1.2,
+            "presence_penalty": 0.6,
+            "frequency_penalty": 0.5,
+            "penalty_last_n": -1,
+        },
+        {"frequency_penalty": 1.5, "penalty_last_n": 4},
+    ],
+)
+def test_greedy_with_penalties_matches_a_reference_loop(
+    model: Model, penalties: dict[str, float]
+) -> None:
+    """Greedy generation with penalties equals a loop on the low-level context that applies
+    the penalty rule by hand (tests/sampling_reference.py) to the prompt + tokens so far."""
+    prompt_tokens = model.tokenize(REPEAT_PROMPT, add_special=True, parse_special=True)
+
+    def choose(row: np.ndarray, history: list[int]) -> int:
+        return int(np.argmax(ref_adjust(row, history, **penalties)))  # type: ignore[arg-type]
+
+    want, _ = decode_steps(model, prompt_tokens, 16, choose=choose)
+    got = model.generate(REPEAT_PROMPT, 16, ignore_eos=True, **penalties)  # type: ignore[arg-type]
+    plain = model.generate(REPEAT_PROMPT, 16, ignore_eos=True)
+    assert got.tokens == want
+    assert plain.tokens != want  # the precondition: the penalties changed the output
+    assert "".join(model.stream(REPEAT_PROMPT, 16, ignore_eos=True, **penalties)) == got.text  # type: ignore[arg-type]
+
+
+ALL_OPTIONS: dict = {
+    "temperature": 0.9,
+    "top_k": 60,
+    "typical_p": 0.6,
+    "top_p": 0.95,
+    "min_p": 0.02,
+    "repeat_penalty": 1.2,
+    "presence_penalty": 0.3,
+    "frequency_penalty": 0.2,
+    "penalty_last_n": 32,
+    "logit_bias": {13: -math.inf, 28: 1.5},
+}
+
+
+@pytest.mark.parametrize("options", [ALL_OPTIONS, {**ALL_OPTIONS, "min_p": 0.15}])
+def test_seeded_sampling_with_every_option_makes_the_reference_draws(
+    model: Model, options: dict
+) -> None:
+    """Each token of a seeded generation with every option on is the token the reference
+    chain draws, with the same random stream, from the logits an independent decode gives
+    for the same tokens (replayed on the low-level context). (Two settings: with a large
+    min_p, top-p rarely matters; with a small one, min_p rarely does.)"""
+    prompt = "Once upon a time"
+    res = model.generate(prompt, 16, seed=7, ignore_eos=True, **options)
+    prompt_tokens = model.tokenize(prompt, add_special=True, parse_special=True)
+    _, seen = decode_steps(model, prompt_tokens, len(res.tokens), forced=res.tokens)
+    rng = np.random.default_rng(7)
+    history = list(prompt_tokens)
+    for step, (tok, row) in enumerate(zip(res.tokens, seen)):
+        p = ref_distribution(row, history, **options)
+        assert ref_draw(p, rng) == tok, f"step {step}"
+        history.append(tok)
+    assert res.tokens != model.generate(prompt, 16, ignore_eos=True).tokens
+
+
+def test_logprobs_are_the_models_own_log_softmax(model: Model, vocab: Vocab) -> None:
+    """``logprobs=N``: per generated token its piece, its log-probability under the raw logits
+    of an independent decode (log-softmax, 1e-4) and the N most probable tokens in order; for
+    greedy the chosen token is top[0]. Bias, penalties and temperature do not change them."""
+    assert model.generate(PROMPT, 4).logprobs is None
+    prompt_tokens = model.tokenize(PROMPT, add_special=True, parse_special=True)
+    for kw in (
+        {},
+        {"temperature": 1.3, "repeat_penalty": 1.5, "logit_bias": {28: 2.0}, "seed": 3},
+    ):
+        res = model.generate(PROMPT, 8, logprobs=5, **kw)  # type: ignore[arg-type]
+        assert res.logprobs is not None and len(res.logprobs) == len(res.tokens) > 0
+        _, seen = decode_steps(model, prompt_tokens, len(res.tokens), forced=res.tokens)
+        for entry, tok, row in zip(res.logprobs, res.tokens, seen):
+            lsm = ref_log_softmax(row)
+            assert (entry.token, entry.piece) == (tok, vocab.piece(tok))
+            assert abs(entry.logprob - lsm[tok]) < 1e-4
+            assert len(entry.top) == 5
+            assert [t for t, _ in entry.top] == [
+                int(i) for i in np.argsort(-lsm, kind="stable")[:5]
+            ]
+            np.testing.assert_allclose(
+                [lp for _, lp in entry.top], lsm[[t for t, _ in entry.top]], atol=1e-4
+            )
+            if not kw:
+                assert entry.top[0][0] == tok
+        if kw:
+            assert any(e.top[0][0] != e.token for e in res.logprobs)  # sampled off the argmax

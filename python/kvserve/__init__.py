@@ -17,6 +17,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .models import FetchError
+from .sampling import TokenLogprob
+from .sessions import SessionFileError, SessionInfo
 
 if TYPE_CHECKING:
     from ._model import EngineError, GenerateResult, KvCacheFull, Model, ModelError, generate
@@ -42,6 +44,9 @@ __all__ = [
     "KvCacheFull",
     "Model",
     "ModelError",
+    "SessionFileError",
+    "SessionInfo",
+    "TokenLogprob",
     "__version__",
     "generate",
 ]

@@ -40,6 +40,9 @@ class Model:
     def n_embd(self) -> int: ...
     @property
     def threads(self) -> int: ...
+    @property
+    def identity(self) -> str:
+        """The weights' 128-bit identity as 32 hex digits (part of prefix keys and sessions)."""
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = False
     ) -> list[int]: ...
@@ -53,6 +56,7 @@ class Model:
         block_size: int = 16,
         kv_memory: int | None = None,
         prefix_cache: bool = True,
+        memory_tokens: int | None = None,
     ) -> Context: ...
     def metadata(self) -> dict[str, object]: ...
     def _inject_worker_panic(self, layer: int | None) -> None:
@@ -86,6 +90,13 @@ class Context:
         """Map the longest cached prefix of ``tokens`` (whole blocks, at most
         ``len(tokens) - 1`` tokens) into the empty sequence ``seq``; returns its length ``n``.
         Decode ``tokens[n:]`` at positions ``n, n+1, ...`` next."""
+    def seq_state_read(self, seq: int) -> bytes:
+        """The state of ``seq``: positions, token ids and K/V rows as stored (f16/q8_0/f32
+        bytes), with the weights identity and K/V format."""
+    def seq_state_write(self, seq: int, data: bytes) -> int:
+        """Writes a state from :meth:`seq_state_read` into the empty sequence ``seq`` without
+        recomputing it; returns its token count. All or nothing (``ValueError``,
+        ``KvCacheFull``)."""
     def stats(self) -> dict[str, int | str]: ...
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""

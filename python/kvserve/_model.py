@@ -20,7 +20,7 @@ import threading
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +28,11 @@ from typing_extensions import Unpack
 
 from . import models
 from .options import SamplingOptions, resolve
+from .sampling import TokenLogprob, token_logprobs
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .chat import ChatTemplate, Message
 
 try:
     from . import _core
@@ -42,7 +46,15 @@ KvCacheFull = _core.KvCacheFull
 EngineError = _core.EngineError
 ModelError = _core.ModelError
 
-__all__ = ["EngineError", "GenerateResult", "KvCacheFull", "Model", "ModelError", "generate"]
+__all__ = [
+    "EngineError",
+    "GenerateResult",
+    "KvCacheFull",
+    "Model",
+    "ModelError",
+    "TokenLogprob",
+    "generate",
+]
 
 StrPath = Union[str, "os.PathLike[str]"]
 
@@ -58,13 +70,15 @@ FINISH_CONTEXT = "context"  # the context window is full
 class GenerateResult:
     """Generated text and token ids (the prompt is not included); ``prompt_tokens`` counts the
     prompt's tokens and ``cached_tokens`` those whose K/V was reused from the model's prefix
-    cache instead of computed."""
+    cache instead of computed. ``logprobs`` (when the ``logprobs`` option asked for them, else
+    None): one :class:`kvserve.sampling.TokenLogprob` per generated token, in order."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = FINISH_LENGTH
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _check_simd_env() -> None:
@@ -74,6 +88,13 @@ def _check_simd_env() -> None:
         raise ValueError(
             f"KVSERVE_SIMD={raw!r} is not a SIMD level; valid values: {', '.join(SIMD_LEVELS)}"
         )
+
+
+def token_logprob(model: Model, row: npt.ArrayLike, token: int, n: int) -> TokenLogprob:
+    """``token``'s entry for ``GenerateResult.logprobs``: its log-probability under the raw
+    logits ``row`` it was picked from and the ``n`` most probable tokens of that row."""
+    logprob, top = token_logprobs(row, token, n)
+    return TokenLogprob(token, model.token_to_piece(token), logprob, top)
 
 
 def prompt_ids(model: Model, prompt: str) -> list[int]:
@@ -92,10 +113,13 @@ class Model:
 
     ``threads``: worker threads for the engine; ``None`` lets the engine decide
     (``KVSERVE_THREADS`` or the number of physical cores). A ``KVSERVE_SIMD`` value that names
-    no SIMD level is a ``ValueError``.
+    no SIMD level is a ``ValueError``. ``chat_template``: a Jinja chat template that replaces the
+    GGUF's ``tokenizer.chat_template`` (as llama-server's ``--chat-template-file``).
     """
 
-    def __init__(self, path: StrPath, threads: int | None = None) -> None:
+    def __init__(
+        self, path: StrPath, threads: int | None = None, *, chat_template: str | None = None
+    ) -> None:
         spath = os.fspath(path)
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -103,11 +127,19 @@ class Model:
         self.path = Path(spath)
         self.threads = threads
         self._core = _core.Model(spath, threads)
+        self._chat_template_source = chat_template
+        self._chat_template: ChatTemplate | None = None
 
     @classmethod
-    def load(cls, path: StrPath | None = None, threads: int | None = None) -> Model:
+    def load(
+        cls,
+        path: StrPath | None = None,
+        threads: int | None = None,
+        *,
+        chat_template: str | None = None,
+    ) -> Model:
         """Load ``path``, or the default model (downloaded and cached on first use) if None."""
-        return cls(models.pull() if path is None else path, threads)
+        return cls(models.pull() if path is None else path, threads, chat_template=chat_template)
 
     def __repr__(self) -> str:
         return f"Model(path={str(self.path)!r}, arch={self.arch!r}, n_vocab={self.n_vocab})"
@@ -164,6 +196,49 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return self._core.is_eog(token)
 
+    # -- chat ---------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (see :mod:`kvserve.chat`), compiled on first use: the
+        ``chat_template`` given at load, else the GGUF's ``tokenizer.chat_template``, else
+        ChatML. A template that does not compile is a ``ValueError``."""
+        if self._chat_template is None:
+            from .chat import ChatTemplate
+
+            source = self._chat_template_source
+            if source is None:
+                meta = self._core.metadata().get("tokenizer.chat_template")
+                source = meta if isinstance(meta, str) and meta else None
+
+            def text(tok: int | None) -> str:
+                return "" if tok is None else self._core.token_to_piece(tok, True).decode()
+
+            add_eos = self._core.metadata().get("tokenizer.ggml.add_eos_token") is True
+            self._chat_template = ChatTemplate(
+                source,
+                bos_token=text(self.bos),
+                eos_token=text(self.eos),
+                add_bos=self.add_bos,
+                add_eos=add_eos,
+            )
+        return self._chat_template
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for ``messages`` as llama.cpp's ``llama-server`` builds it (its
+        ``/apply-template``): the chat template's output, less a leading BOS text that the
+        tokenizer adds anyway. Bad messages and template errors are ``ValueError``."""
+        return self.chat_template.prompt(messages, add_generation_prompt)
+
+    def tokenize_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The token ids a chat prompt feeds the model: :meth:`apply_chat_template`'s text
+        tokenized as generation tokenizes prompts (the model's BOS rule, special-token text
+        parsed), so the ids hold exactly one BOS when the model uses one."""
+        return prompt_ids(self, self.apply_chat_template(messages, add_generation_prompt))
+
     def new_context(
         self, n_ctx: int = 4096, kv_type: str = "f16", kv_memory: int | None = None
     ) -> _core.Context:
@@ -186,15 +261,7 @@ class Model:
     ) -> GenerateResult:
         """Complete ``prompt``; see the module docs for when generation ends and
         :class:`kvserve.options.SamplingOptions` for ``options``."""
-        run = _Run(self, prompt, max_tokens, n_ctx, kv_type, options)
-        text = "".join(run)
-        return GenerateResult(
-            text=text,
-            tokens=run.tokens,
-            finish_reason=run.finish_reason,
-            prompt_tokens=len(run.prompt_tokens),
-            cached_tokens=run.cached_tokens,
-        )
+        return _Run(self, prompt, max_tokens, n_ctx, kv_type, options).result()
 
     def stream(
         self,
@@ -207,6 +274,20 @@ class Model:
     ) -> Iterator[str]:
         """Like :meth:`generate`, yielding text pieces (complete characters) as they come."""
         yield from _Run(self, prompt, max_tokens, n_ctx, kv_type, options)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        *,
+        n_ctx: int | None = None,
+        kv_type: str = "f16",
+        **options: Unpack[SamplingOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (the chat template with the generation prompt, then
+        :meth:`generate` from :meth:`tokenize_chat`'s ids); the result holds the reply only."""
+        ids = self.tokenize_chat(messages)
+        return _Run(self, ids, max_tokens, n_ctx, kv_type, options).result()
 
 
 def _last_row(logits: _core.Logits) -> npt.NDArray[np.float32]:
@@ -222,7 +303,7 @@ class _Run:
     def __init__(
         self,
         model: Model,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int,
         n_ctx: int | None,
         kv_type: str,
@@ -234,12 +315,13 @@ class _Run:
         if n_ctx is not None and n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.model = model
-        opts = resolve(options)
+        opts = resolve(options, n_vocab=model.n_vocab)
         self.sampler = opts.sampler
+        self.n_logprobs = opts.logprobs
         self.stops = opts.stops
         self.ignore_eos = opts.ignore_eos
         self.max_tokens = max_tokens
-        self.prompt_tokens = prompt_ids(model, prompt)
+        self.prompt_tokens = prompt_ids(model, prompt) if isinstance(prompt, str) else prompt
         n_prompt = len(self.prompt_tokens)
         limit = model.n_ctx_train if model.n_ctx_train > 0 else 4096
         self.n_ctx = n_ctx if n_ctx is not None else min(limit, n_prompt + max(max_tokens, 1))
@@ -248,8 +330,21 @@ class _Run:
                 f"the prompt has {n_prompt} tokens but the context holds {self.n_ctx}"
             )
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if opts.logprobs is None else []
         self.finish_reason = FINISH_LENGTH
         self.cached_tokens = 0
+
+    def result(self) -> GenerateResult:
+        """Runs the generation to its end."""
+        text = "".join(self)
+        return GenerateResult(
+            text=text,
+            tokens=self.tokens,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_tokens),
+            cached_tokens=self.cached_tokens,
+            logprobs=self.logprobs,
+        )
 
     def _token_ids(self) -> Generator[int, None, None]:
         if self.max_tokens == 0:
@@ -264,12 +359,17 @@ class _Run:
         logits = ctx.decode(toks[m:], list(range(m, n)), [0] * k, [False] * (k - 1) + [True])
         pos = n
         is_eog = self.model.is_eog
+        history = list(toks)  # the penalties' history: prompt, then generated tokens
         while True:
-            tok = self.sampler(_last_row(logits))
+            row = _last_row(logits)
+            tok = self.sampler(row, history)
             if is_eog(tok) and not self.ignore_eos:
                 self.finish_reason = FINISH_STOP
                 return
+            if self.logprobs is not None and self.n_logprobs is not None:
+                self.logprobs.append(token_logprob(self.model, row, tok, self.n_logprobs))
             self.tokens.append(tok)
+            history.append(tok)
             yield tok
             if len(self.tokens) >= self.max_tokens:
                 self.finish_reason = FINISH_LENGTH

@@ -1,7 +1,9 @@
 """The ``kvserve`` command line (also ``python -m kvserve``).
 
-Subcommands: ``pull``, ``tokenize``, ``complete``, ``bench``, ``info``. Without ``--model`` the
-default model is used (downloaded and cached on first use).
+Subcommands: ``serve``, ``pull``, ``tokenize``, ``complete``, ``chat``, ``bench``, ``info``.
+Without ``--model`` the default model is used (downloaded and cached on first use). Every
+``serve`` flag also reads a ``KVSERVE_*`` environment variable (the flag wins), shown by
+``serve --help``.
 
 Guarantees: every expected failure (missing or malformed model file, download error, bad
 argument value, full context) prints exactly one line ``kvserve: error: <message>`` on stderr
@@ -85,6 +87,19 @@ def _int_list(text: str) -> list[int]:
 _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """``TOKEN=BIAS``: a token id and the bias added to its logit (``-inf`` bans it)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN=BIAS (a token id and a number, e.g. 13=-inf), got {text!r}"
+        ) from None
+
+
 def _load(args: argparse.Namespace) -> Model:
     from ._model import Model
 
@@ -114,24 +129,60 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_complete(args: argparse.Namespace) -> int:
-    model = _load(args)
-    kwargs: dict[str, Any] = {
+def _generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of Model.generate/stream from the flags of _generation_args."""
+    return {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        "min_p": args.min_p,
+        "typical_p": args.typical_p,
+        "repeat_penalty": args.repeat_penalty,
+        "penalty_last_n": args.repeat_last_n,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "logit_bias": dict(args.logit_bias or []),
+        "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         "stop": args.stop,
         "n_ctx": args.ctx_size,
         "kv_type": args.kv_type,
     }
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    model = _load(args)
+    kwargs = _generation_kwargs(args)
     prompt = _read_text(args.prompt)
     if args.json:
         result = model.generate(prompt, **kwargs)
         _print_json({"text": result.text, "tokens": result.tokens})
         return 0
     for piece in model.stream(prompt, **kwargs):
+        _write(piece)
+    if sys.stdout.isatty():
+        _write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ._model import Model
+
+    template = None
+    if args.chat_template_file is not None:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            template = f.read()
+    model = Model.load(args.model, threads=_threads(args), chat_template=template)
+    kwargs = _generation_kwargs(args)
+    messages = [{"role": "user", "content": _read_text(args.message)}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    if args.json:
+        result = model.chat(messages, **kwargs)
+        _print_json({"text": result.text, "tokens": result.tokens})
+        return 0
+    for piece in model.stream(model.apply_chat_template(messages), **kwargs):
         _write(piece)
     if sys.stdout.isatty():
         _write("\n")
@@ -164,6 +215,189 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"prefill ({args.n_prompt} tokens): {result['prefill_tok_s']:.1f} tok/s\n"
             f"decode  ({args.n_gen} tokens): {result['decode_tok_s']:.1f} tok/s\n"
         )
+    return 0
+
+
+# -- serve ------------------------------------------------------------------------------------
+def _size(text: str) -> int:
+    from .engine import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 2GiB or 512MiB, got {text!r}"
+        ) from None
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    """An environment variable's boolean: 1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0.0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _nonneg_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return value
+
+
+# (flags, metavar, environment variable, type, default, help) of `kvserve serve`. A flag's value
+# wins over its environment twin, which wins over the default (a string default is parsed).
+_SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, str]] = [
+    (("-m", "--model"), "PATH", "KVSERVE_MODEL", str, None,
+     "GGUF model file or registered model name (default: the default model, downloaded on"
+     " first use)"),
+    (("--chat-template-file",), "PATH", "KVSERVE_CHAT_TEMPLATE_FILE", str, None,
+     "a Jinja chat template to use instead of the model's"),
+    (("--host",), "ADDR", "KVSERVE_HOST", str, "127.0.0.1", "address to listen on"),
+    (("--port",), "N", "KVSERVE_PORT", _port, 8080, "port to listen on (0: any free port)"),
+    (("-t", "--threads"), "N", "KVSERVE_THREADS", _positive_int, None,
+     "worker threads (default: the number of physical cores)"),
+    (("-np", "--parallel"), "N", "KVSERVE_PARALLEL", _positive_int, 16,
+     "sequences decoded at once"),
+    (("-c", "--ctx-size"), "N", "KVSERVE_CTX_SIZE", _positive_int, 4096,
+     "most tokens (prompt + output) of one sequence"),
+    (("--kv-memory",), "SIZE", "KVSERVE_KV_MEMORY", _size, None,
+     "K/V pool size such as 2GiB (default: room for parallel x ctx-size tokens)"),
+    (("--kv-type",), "{f16,q8_0,f32}", "KVSERVE_KV_TYPE", _choice("f16", "q8_0", "f32"), "f16",
+     "K/V element type (q8_0: half the memory of f16)"),
+    (("--batch-tokens",), "N", "KVSERVE_BATCH_TOKENS", _positive_int, 512,
+     "prompt tokens computed per step (chunked prefill)"),
+    (("--context-shift",), "", "KVSERVE_CONTEXT_SHIFT", _bool, False,
+     "when a sequence fills --ctx-size, drop the older half of its tokens (after n_keep) and"
+     " go on, as llama.cpp's --context-shift (a request's context_shift field overrides it)"),
+    (("--session-dir",), "PATH", "KVSERVE_SESSION_DIR", str, None,
+     "where /v1/sessions/{id}/save writes and /v1/sessions/restore reads session files"
+     " (created if missing; default: no session files)"),
+    (("--kv-high-watermark",), "F", "KVSERVE_KV_HIGH_WATERMARK", _fraction, 0.9,
+     "when the K/V pool's usage passes this share, idle sessions are evicted ..."),
+    (("--kv-low-watermark",), "F", "KVSERVE_KV_LOW_WATERMARK", _fraction, 0.7,
+     "... down to this share"),
+    (("--session-ttl",), "SECONDS", "KVSERVE_SESSION_TTL", _seconds, None,
+     "drop a session idle this long (default: never)"),
+    (("--max-sessions",), "N", "KVSERVE_MAX_SESSIONS", _positive_int, None,
+     "most sessions held (default: no limit; one more replaces the least recently used idle"
+     " one)"),
+    (("--max-queue",), "N", "KVSERVE_MAX_QUEUE", _nonneg_int, 256,
+     "sequences that may wait beyond --parallel; past that 503 with Retry-After"),
+    (("--api-key",), "KEY", "KVSERVE_API_KEY", str, None,
+     "require 'Authorization: Bearer KEY' on every route but /health"),
+    (("--api-key-file",), "PATH", "KVSERVE_API_KEY_FILE", str, None,
+     "read the API key from the first line of this file"),
+    (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, "8MiB",
+     "largest request body (413 beyond it)"),
+    (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
+     "log lines as text, or one JSON object per line"),
+]  # fmt: skip
+
+
+def _dest(flags: tuple[str, ...]) -> str:
+    return flags[-1].lstrip("-").replace("-", "_")
+
+
+def _serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Each serve flag's value: the flag, else its environment variable, else the default."""
+    settings: dict[str, Any] = {}
+    for flags, _metavar, env, parse, default, _help in _SERVE_FLAGS:
+        value = getattr(args, _dest(flags))
+        raw = os.environ.get(env, "").strip()
+        if value is None and raw:
+            try:
+                value = parse(raw)
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise ValueError(f"{env}: {e}") from None
+        if value is None:
+            value = parse(default) if isinstance(default, str) else default
+        settings[_dest(flags)] = value
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from . import models
+    from .server import ServerConfig, serve
+
+    s = _serve_settings(args)
+    if s["api_key"] is not None and s["api_key_file"] is not None:
+        raise ValueError("give the API key with --api-key or with --api-key-file, not both")
+    api_key = s["api_key"]
+    if s["api_key_file"] is not None:
+        with open(s["api_key_file"], encoding="utf-8") as f:
+            api_key = f.readline().strip()
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty")
+    if s["kv_low_watermark"] > s["kv_high_watermark"]:
+        raise ValueError(
+            f"--kv-low-watermark ({s['kv_low_watermark']}) must not be above"
+            f" --kv-high-watermark ({s['kv_high_watermark']})"
+        )
+    template = None
+    if s["chat_template_file"] is not None:
+        with open(s["chat_template_file"], encoding="utf-8") as f:
+            template = f.read()
+    model = s["model"]
+    if model is None or (model in REGISTRY and not os.path.exists(model)):
+        model = str(models.pull(model))  # progress bar on a terminal; cached after the first
+    serve(
+        ServerConfig(
+            model=model,
+            chat_template=template,
+            host=s["host"],
+            port=s["port"],
+            threads=s["threads"],
+            parallel=s["parallel"],
+            ctx_size=s["ctx_size"],
+            kv_memory=s["kv_memory"],
+            kv_type=s["kv_type"],
+            batch_tokens=s["batch_tokens"],
+            context_shift=s["context_shift"],
+            session_dir=s["session_dir"],
+            kv_high_watermark=s["kv_high_watermark"],
+            kv_low_watermark=s["kv_low_watermark"],
+            session_ttl=s["session_ttl"],
+            max_sessions=s["max_sessions"],
+            max_queue=s["max_queue"],
+            api_key=api_key,
+            log_format=s["log_format"],
+            max_body=s["max_body"],
+        )
+    )
     return 0
 
 
@@ -238,6 +472,30 @@ def build_parser() -> argparse.ArgumentParser:
             )
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API (the main job)",
+        description="Serve a model to many clients over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, "
+        "/apply-template, /health, /metrics). Each flag can also be set by the environment "
+        "variable in brackets; the flag wins.",
+    )
+    for flags, metavar, env, parse, default, text in _SERVE_FLAGS:
+        shown = "" if default is None else f"; default: {default}"
+        if parse is _bool:  # a switch: present = on; its variable takes 1/0, true/false, ...
+            p.add_argument(
+                *flags, dest=_dest(flags), action="store_const", const=True, help=f"{text} [{env}]"
+            )
+        else:
+            p.add_argument(
+                *flags,
+                dest=_dest(flags),
+                metavar=metavar,
+                type=parse,
+                help=f"{text} [{env}{shown}]",
+            )
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("pull", help="download and cache a registered model; print its path")
     p.add_argument(
         "name",
@@ -259,25 +517,84 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", metavar="TEXT")
     p.set_defaults(func=cmd_tokenize)
 
+    def generation_args(p: argparse.ArgumentParser) -> None:
+        """Sampling, stop and context flags (read back by _generation_kwargs)."""
+        p.add_argument("-n", "--max-tokens", type=_nonneg_int, default=128, help="default: 128")
+        p.add_argument(
+            "--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)"
+        )
+        p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off (default)")
+        p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+        p.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+        p.add_argument(
+            "--typical-p",
+            type=float,
+            default=1.0,
+            help="locally typical sampling; 1.0 = off (default)",
+        )
+        p.add_argument(
+            "--repeat-penalty",
+            type=float,
+            default=1.0,
+            help="penalize tokens of the last --repeat-last-n tokens; 1.0 = off (default)",
+        )
+        p.add_argument(
+            "--repeat-last-n",
+            type=int,
+            default=64,
+            metavar="N",
+            help="tokens (prompt included) the penalties look at; 0 = off, -1 = all (default: 64)",
+        )
+        p.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (default)")
+        p.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (default)")
+        p.add_argument(
+            "--logit-bias",
+            type=_logit_bias,
+            action="append",
+            metavar="TOKEN=BIAS",
+            help="add BIAS to token id TOKEN's logit; -inf bans it (repeatable)",
+        )
+        p.add_argument(
+            "--ignore-eos",
+            action="store_true",
+            help="keep generating past end-of-generation tokens",
+        )
+        p.add_argument("-s", "--seed", type=int, help="random seed for sampling")
+        p.add_argument(
+            "--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)"
+        )
+        p.add_argument(
+            "-c",
+            "--ctx-size",
+            type=_positive_int,
+            help="context size (default: prompt + max tokens)",
+        )
+        p.add_argument(
+            "--kv-type",
+            choices=("f16", "q8_0", "f32"),
+            default="f16",
+            help="K/V cache element type (q8_0: half the memory of f16)",
+        )
+
     p = sub.add_parser("complete", help="continue PROMPT ('-' reads stdin)")
     model_args(p)
-    p.add_argument("-n", "--max-tokens", type=_nonneg_int, default=128, help="default: 128")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
-    p.add_argument("-s", "--seed", type=int, help="random seed for sampling")
-    p.add_argument("--stop", action="append", metavar="TEXT", help="stop before TEXT (repeatable)")
-    p.add_argument(
-        "-c", "--ctx-size", type=_positive_int, help="context size (default: prompt + max tokens)"
-    )
-    p.add_argument(
-        "--kv-type",
-        choices=("f16", "q8_0", "f32"),
-        default="f16",
-        help="K/V cache element type (q8_0: half the memory of f16)",
-    )
+    generation_args(p)
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser(
+        "chat", help="reply to MESSAGE, one user turn in the model's chat template ('-': stdin)"
+    )
+    model_args(p)
+    generation_args(p)
+    p.add_argument("--system", metavar="TEXT", help="a system message before MESSAGE")
+    p.add_argument(
+        "--chat-template-file",
+        metavar="PATH",
+        help="a Jinja chat template to use instead of the model's",
+    )
+    p.add_argument("message", metavar="MESSAGE")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="measure prefill and decode speed")
     model_args(p)

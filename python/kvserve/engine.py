@@ -22,10 +22,11 @@ One step:
    back to the waiting queue with its place and is later resumed by recomputing its prompt and
    generated tokens, with prefix reuse), and the batch is rebuilt and retried. Only a request
    that cannot fit when it runs alone fails (``KvCacheFull``);
-5. sample every row at once (greedy rows with one argmax over the batch; sampled rows with
-   each request's own seeded generator, so a seeded request gives the same tokens whatever
-   else is in the batch), deliver the text, check end-of-generation, stop strings, max_tokens
-   and ``ctx_size``, and retire finished sequences.
+5. sample every row at once (greedy rows without logit bias or penalties with one argmax over
+   the batch; the others with each request's own sampler: bias and penalties over its tokens,
+   then argmax or its own seeded generator, so a seeded request gives the same tokens whatever
+   else is in the batch), deliver the text (and the token's logprobs when asked), check
+   end-of-generation, stop strings, max_tokens and ``ctx_size``, and retire finished sequences.
 
 Per-step cost: O(R + T + W_admitted) Python work plus the argmax/sampling over R rows of
 ``n_vocab`` logits, where R is the number of running sequences (at most ``parallel``), T the
@@ -37,6 +38,34 @@ scans the R running sequences for its victim.
 Generation follows :meth:`kvserve.Model.generate` exactly (same tokenization, stop rules,
 ``finish_reason`` and text assembly), so a greedy request gives the tokens that model's own
 generation gives for the same prompt.
+
+Sessions (``session_id=``; the bookkeeping lives in :mod:`kvserve.sessions`):
+- A session is a named conversation: its tokens (every prompt and output so far) and, while it
+  is *resident*, a sequence of the context that holds their K/V between requests (a *parked*
+  sequence: sequence ids are not limited to ``parallel``; at most ``parallel`` sequences run).
+  A request on a session continues it: its prompt is tokenized without BOS and appended to the
+  session's tokens, and the request starts from the parked sequence, so only the new tokens are
+  computed (``cached_tokens`` counts the rest). A finished turn (``stop``/``length``) decodes
+  its last output token too before it parks (one more row in the next step, no logits), so the
+  next turn computes only its own tokens. A turn that fails or is cancelled leaves the session
+  as it was. An unknown id starts a new session (the prompt as usual, with BOS).
+- One request at a time per session: a second request on a busy session waits until the
+  first has finished (FIFO per session; the waiting time counts as ``waiting``), and so do
+  ``save_session``/``drop_session`` called on a busy session.
+- Reclaim: after every step, when the pool's usage (referenced blocks / total) is above
+  ``kv_high_watermark``, idle resident sessions are *evicted* — lowest priority (of their last
+  request) first, least recently used first within a priority — until usage is at most
+  ``kv_low_watermark``. When the pool is short for running requests (admission or a decode),
+  idle sessions are evicted first, then the K/V of sessions whose next request is still
+  waiting, and only then is a running request preempted. Evicting releases the sequence (its
+  full blocks stay in the prefix index as cached blocks) and keeps the tokens: the session's
+  next turn recomputes its K/V, mapping what is still cached (``session_misses`` counts such
+  turns). A session idle for ``session_ttl`` seconds is dropped (tokens too); with
+  ``max_sessions`` set, creating or loading one more drops the least recently used idle
+  session (an error if every session is busy).
+- ``save_session`` writes a session (tokens, random generator state, and the K/V of its cells
+  as stored) to a checksummed file atomically; ``load_session`` restores it without
+  recomputation. Session operations run on the engine thread between steps.
 """
 
 from __future__ import annotations
@@ -49,9 +78,9 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import numpy as np
 from typing_extensions import Unpack
@@ -66,12 +95,28 @@ from ._model import (
     Model,
     StrPath,
     prompt_ids,
+    token_logprob,
 )
 from .options import RequestOptions, resolve
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprob
+from .sessions import (
+    Session,
+    SessionFileError,
+    SessionInfo,
+    SessionTable,
+    Turn,
+    check_header,
+    read_session_file,
+    write_session_file,
+)
 from .textstream import TextStream
 
-__all__ = ["Engine", "parse_size"]
+if TYPE_CHECKING:
+    from .chat import Message
+
+__all__ = ["Engine", "SessionFileError", "SessionInfo", "parse_size"]
+
+T = TypeVar("T")
 
 # Seconds of recent steps that ``decode_tok_s`` averages over.
 _RATE_WINDOW_S = 10.0
@@ -145,10 +190,12 @@ def _resolve(fut: asyncio.Future[Any], value: Any, error: BaseException | None) 
 
 
 class _End:
-    """The last item of a stream's queue: the request's error, or None when it finished."""
+    """The last item of a stream's queue: the request's error (None when it finished) and its
+    result."""
 
-    def __init__(self, error: BaseException | None) -> None:
+    def __init__(self, error: BaseException | None, result: GenerateResult | None = None) -> None:
         self.error = error
+        self.result = result
 
 
 class _LoopSink(_Sink):
@@ -172,7 +219,7 @@ class _LoopSink(_Sink):
 
     def done(self, result: GenerateResult) -> None:
         if self.queue is not None:
-            self._call(self.queue.put_nowait, _End(None))
+            self._call(self.queue.put_nowait, _End(None, result))
         else:
             self._call(_resolve, self.result, result, None)
 
@@ -194,8 +241,9 @@ class _Request:
         stops: list[str],
         ignore_eos: bool,
         priority: int,
+        logprobs: int | None = None,
     ) -> None:
-        self.ids = ids  # prompt, then the generated tokens
+        self.ids = ids  # prompt, then the generated tokens (the penalties' history)
         self.n_prompt = len(ids)
         self.max_tokens = max_tokens
         self.sampler = sampler
@@ -211,14 +259,88 @@ class _Request:
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
         self.text = TextStream(stops)
         self.pieces: list[str] = []
+        # Context shift: the sequence holds ids[:keep] + ids[keep + shift:] at positions 0, 1,
+        # ...; n_done and the plan's indices count in that view (see context()).
+        self.context_shift = False
+        self.keep = 0
+        self.shift = 0
+        # logprobs: alternatives per token (None: not asked); one entry per delivered token,
+        # appended as each is delivered (``pending_logprob``: the entry of the token just picked).
+        self.n_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        self.pending_logprob: TokenLogprob | None = None
+        self.turn: Turn | None = None  # the session part (session requests only)
 
     @property
     def n_generated(self) -> int:
         return len(self.ids) - self.n_prompt
 
     @property
-    def greedy(self) -> bool:
-        return self.sampler.params.is_greedy
+    def n_tokens(self) -> int:
+        """Tokens of the sequence's context (prompt and output less what shifts dropped)."""
+        return len(self.ids) - self.shift
+
+    def context(self, a: int = 0, b: int | None = None) -> list[int]:
+        """Tokens ``[a, b)`` of the context (``b`` None: to its end); token ``i`` sits at
+        position ``i``. Without a shift this is ``ids[a:b]`` (no copy for the whole)."""
+        ids, keep, shift = self.ids, self.keep, self.shift
+        if b is None:
+            b = len(ids) - shift
+        if shift == 0:
+            return ids if (a, b) == (0, len(ids)) else ids[a:b]
+        if b <= keep:
+            return ids[a:b]
+        if a >= keep:
+            return ids[a + shift : b + shift]
+        return ids[a:keep] + ids[keep + shift : b + shift]
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without bias or penalties: the token is the argmax of the raw logits."""
+        return self.sampler.params.is_plain_greedy
+
+
+class _Call:
+    """Work a caller hands to the engine thread (session operations); ``session_id``: run it
+    when that session is idle (FIFO behind its requests)."""
+
+    def __init__(self, fn: Callable[[], Any], session_id: str | None) -> None:
+        self.fn = fn
+        self.session_id = session_id
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        if self.future.done():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:  # handed to the caller
+            self.future.set_exception(e)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _check_state(kv: bytes, tokens: list[int], path: StrPath) -> None:
+    """A session's K/V state must hold exactly ``tokens`` at positions ``0..n-1`` (the core's
+    sequence state layout, rust/core/src/kv/state.rs: the cell count at byte 44, then the
+    positions and the token ids as little-endian 32-bit integers)."""
+    n = len(tokens)
+    ok = len(kv) >= 48 + 8 * n and int.from_bytes(kv[44:48], "little") == n
+    if ok and n:
+        cells = np.frombuffer(kv, dtype="<i4", count=2 * n, offset=48)
+        ok = bool(np.array_equal(cells[:n], np.arange(n))) and cells[n:].tolist() == tokens
+    if not ok:
+        raise SessionFileError(
+            f"session file {path}: its K/V state does not hold the session's {n} tokens"
+        )
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -247,7 +369,16 @@ class Engine:
     (shared with its other contexts of the same ``kv_type``); if it exists already and is in
     use, it is shared as it is. ``batch_tokens``: tokens per step for prompts (chunked prefill;
     generating sequences always get their one token). ``prefix_cache``: reuse and publish
-    cached prompt prefixes.
+    cached prompt prefixes. ``context_shift``: the default of the per-request option (a
+    sequence that reaches ``ctx_size`` drops the older half of its context after ``n_keep``
+    tokens and goes on, as llama.cpp's ``--context-shift``; off: it finishes with
+    ``finish_reason="context"``).
+
+    Sessions (module docs): ``kv_high_watermark`` / ``kv_low_watermark`` (0 < low <= high <= 1):
+    idle sessions are evicted when the pool's usage passes the high mark, down to the low mark;
+    ``session_ttl``: seconds an idle session is kept (None: no limit); ``max_sessions``: most
+    sessions held at once (None: no limit). The engine's context may use the whole K/V pool, so
+    idle sessions can hold whatever the running requests leave; the reclaim rules keep it so.
     """
 
     def __init__(
@@ -261,6 +392,11 @@ class Engine:
         kv_type: str = "f16",
         batch_tokens: int = 512,
         prefix_cache: bool = True,
+        context_shift: bool = False,
+        kv_high_watermark: float = 0.9,
+        kv_low_watermark: float = 0.7,
+        session_ttl: float | None = None,
+        max_sessions: int | None = None,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -269,20 +405,36 @@ class Engine:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < kv_low_watermark <= kv_high_watermark <= 1.0:
+            raise ValueError(
+                "watermarks must satisfy 0 < kv_low_watermark <= kv_high_watermark <= 1, got"
+                f" {kv_low_watermark} and {kv_high_watermark}"
+            )
+        if session_ttl is not None and not session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 seconds or None, got {session_ttl}")
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1 or None, got {max_sessions}")
         kv_bytes = None if kv_memory is None else parse_size(kv_memory)
         self.model = _load_model(model, threads)
+        # The context may use the whole pool (its token limit is the pool): idle sessions are
+        # parked beside the running sequences, and the reclaim policy, not the context's
+        # n_ctx, decides how much they keep. The pool is sized for parallel x ctx_size tokens
+        # unless kv_memory says otherwise.
         self._ctx = self.model.core.new_context(
             parallel * ctx_size,
             kv_type=kv_type,
             kv_memory=kv_bytes,
             prefix_cache=prefix_cache,
+            memory_tokens=None if kv_bytes is not None else parallel * ctx_size,
         )
         st = self._ctx.stats()
+        self.kv_type = str(st["kv_type"])
         self._block = int(st["block_size"])
         pool_tokens = int(st["blocks_total"]) * self._block
         self.parallel = parallel
         self.batch_tokens = batch_tokens
         self.prefix_cache = prefix_cache
+        self.context_shift = bool(context_shift)
         self.ctx_size = ctx_size
         # The longest sequence that can exist: ctx_size, unless the pool holds less.
         self._seq_limit = min(ctx_size, self._ctx.n_ctx, pool_tokens)
@@ -302,11 +454,20 @@ class Engine:
         self._n_waiting = 0
         self._running: dict[int, _Request] = {}  # sequence id -> request
         self._free_seqs = list(range(parallel - 1, -1, -1))
+        self._next_seq = parallel  # sequence ids beyond: parked sessions hold ids too
+        self._calls: list[_Call] = []  # session operations for the engine thread
+        self._sessions = SessionTable()
+        self.kv_high_watermark = kv_high_watermark
+        self.kv_low_watermark = kv_low_watermark
+        self.session_ttl = session_ttl
+        self.max_sessions = max_sessions
         # Counters (written by the engine thread, read by stats()).
         self._prompt_tokens = 0
         self._cached_prompt_tokens = 0
         self._generated_tokens = 0
         self._preemptions = 0
+        self._evictions = 0
+        self._session_misses = 0
         self._recent: deque[tuple[float, int, float]] = deque()  # (end, tokens, seconds)
         self._is_eog = self.model.is_eog
         self._piece = self.model.token_to_piece
@@ -330,17 +491,64 @@ class Engine:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, prompt: str, max_tokens: int, options: RequestOptions) -> _Request:
-        """Validates everything and builds the request (nothing is queued yet)."""
+    def _request(
+        self, prompt: str | Sequence[int], max_tokens: int, options: RequestOptions
+    ) -> _Request:
+        """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
+        text or the token ids to feed as they are."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        opts = resolve(options, engine=True)  # TypeError / ValueError naming the argument
-        ids = prompt_ids(self.model, prompt)
-        if len(ids) > self._seq_limit:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
+        # TypeError / ValueError naming the argument
+        opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
+        ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else self._ids(prompt)
+        turn = None
+        n = len(ids)
+        if opts.session_id is not None:
+            # Text continues the session (no second BOS); token ids (a chat) give the whole
+            # conversation, which reuses the longest prefix the session holds.
+            cont = (
+                self.model.tokenize(prompt, add_special=False, parse_special=True)
+                if isinstance(prompt, str)
+                else None
             )
-        return _Request(ids, max_tokens, opts.sampler, opts.stops, opts.ignore_eos, opts.priority)
+            turn = Turn(opts.session_id, ids, cont)
+            s = self._sessions.get(opts.session_id)  # a snapshot, to check the length early
+            if s is not None and s.ids and cont is not None:
+                n = len(s.ids) + len(cont)
+        if n > self._seq_limit:
+            what = "the prompt" if n == len(ids) else "the session with this prompt"
+            raise ValueError(f"{what} has {n} tokens, more than {self._limit_name} allows")
+        req = _Request(
+            ids,
+            max_tokens,
+            opts.sampler,
+            opts.stops,
+            opts.ignore_eos,
+            opts.priority,
+            logprobs=opts.logprobs,
+        )
+        req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
+        req.keep = self._keep(opts.n_keep)
+        req.turn = turn
+        return req
+
+    def _keep(self, n_keep: int) -> int:
+        """Tokens a context shift keeps at the start (llama.cpp's server rule: ``n_keep``, plus
+        the BOS when the model adds one, at most the limit less 4)."""
+        if n_keep >= self._seq_limit:
+            raise ValueError(f"n_keep must be < {self._limit_name}, got {n_keep}")
+        return max(0, min(self._seq_limit - 4, n_keep + int(self.model.add_bos)))
+
+    def _ids(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` checked as a prompt of token ids (a ``ValueError`` naming the bad one)."""
+        ids = list(tokens)
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        n_vocab = self.model.n_vocab
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, not a token id in [0, {n_vocab})")
+        return ids
 
     def _submit(self, req: _Request) -> None:
         with self._cond:
@@ -365,8 +573,11 @@ class Engine:
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """Complete ``prompt`` (blocking; any thread). ``options``: see
-        :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``)."""
-        req = self._request(prompt, max_tokens, options)
+        :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``,
+        ``session_id``: continue that session, see the module docs)."""
+        return self._wait(self._request(prompt, max_tokens, options))
+
+    def _wait(self, req: _Request) -> GenerateResult:
         sink = _FutureSink()
         req.sink = sink
         self._submit(req)
@@ -383,7 +594,9 @@ class Engine:
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """:meth:`generate` for asyncio; cancelling the task cancels the request."""
-        req = self._request(prompt, max_tokens, options)
+        return await self._await(self._request(prompt, max_tokens, options))
+
+    async def _await(self, req: _Request) -> GenerateResult:
         sink = _LoopSink(asyncio.get_running_loop(), stream=False)
         req.sink = sink
         self._submit(req)
@@ -403,9 +616,24 @@ class Engine:
         request is queued when iteration starts. Closing the iterator early (``break``,
         ``aclose()``) or cancelling its task cancels the request."""
         req = self._request(prompt, max_tokens, options)
-        return self._stream(req)
+        return cast("AsyncGenerator[str, None]", self._stream(req))  # only str without results
 
-    async def _stream(self, req: _Request) -> AsyncGenerator[str, None]:
+    def events(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str | GenerateResult, None]:
+        """:meth:`stream` that ends with the request's :class:`GenerateResult` (finish reason,
+        token counts, tokens): text pieces (``str``) as they come, then the result as the last
+        item. ``prompt`` is text, or token ids fed as they are (no BOS added; each checked
+        against the vocabulary). This is what a server needs to stream and then report usage."""
+        req = self._request(prompt, max_tokens, options)
+        return self._stream(req, with_result=True)
+
+    async def _stream(
+        self, req: _Request, with_result: bool = False
+    ) -> AsyncGenerator[str | GenerateResult, None]:
         sink = _LoopSink(asyncio.get_running_loop(), stream=True)
         assert sink.queue is not None
         req.sink = sink
@@ -416,10 +644,97 @@ class Engine:
                 if isinstance(item, _End):
                     if item.error is not None:
                         raise item.error
+                    if with_result and item.result is not None:
+                        yield item.result
                     break
                 yield item
         finally:
             self._cancel(req)
+
+    # -- chat --------------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (blocking; any thread): the model's chat template with the
+        generation prompt (:meth:`Model.tokenize_chat`), then as :meth:`generate`. Bad messages
+        and template errors raise ``ValueError`` at the call, before anything is queued. With
+        ``session_id``, ``messages`` is the whole conversation: the turn reuses the longest
+        prefix of its tokens that the session holds and computes the rest."""
+        return self._wait(self._request(self.model.tokenize_chat(messages), max_tokens, options))
+
+    async def achat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """:meth:`chat` for asyncio; cancelling the task cancels the request."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return await self._await(req)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str, None]:
+        """:meth:`stream` for a chat: the reply's text pieces; arguments and messages are
+        checked at the call."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return cast("AsyncGenerator[str, None]", self._stream(req))
+
+    # -- sessions ------------------------------------------------------------------------------
+    def _on_engine(self, fn: Callable[[], T], session_id: str | None = None) -> T:
+        """Runs ``fn`` on the engine thread between steps (after the requests queued on
+        ``session_id`` before it) and returns its result or raises its error."""
+        call = _Call(fn, session_id)
+        if threading.current_thread() is self._thread:
+            call.run()  # a callback on the engine thread: queueing would wait for ourselves
+        else:
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError("the engine is closed")
+                self._calls.append(call)
+                self._cond.notify()
+        result: T = call.future.result()
+        return result
+
+    def sessions(self) -> list[SessionInfo]:
+        """Every session held: id, token count, last use (wall time), whether its K/V is
+        resident, whether it is busy."""
+        return self._on_engine(lambda: [s.info() for s in self._sessions.values()])
+
+    def drop_session(self, session_id: str) -> None:
+        """Forgets a session (after the requests already queued on it): its tokens and its
+        K/V (full blocks stay cached for prefix reuse). ``KeyError`` for an unknown id."""
+        self._on_engine(lambda: self._drop_session(self._session(session_id)), session_id)
+
+    def save_session(self, session_id: str, path: StrPath) -> None:
+        """Writes the session (after the requests already queued on it) to ``path``: its
+        tokens, random generator state and the K/V of its cells in the pool's storage type,
+        versioned and checksummed, atomically (a temporary file in the same directory, renamed;
+        an interrupted save leaves an existing ``path`` as it was). An evicted session is
+        saved with the K/V the prefix cache still holds for it (its next turn computes the
+        rest). ``KeyError`` for an unknown id."""
+        header, kv = self._on_engine(lambda: self._snapshot(session_id), session_id)
+        write_session_file(path, header, kv)
+
+    def load_session(self, path: StrPath, session_id: str | None = None) -> str:
+        """Restores a session saved by :meth:`save_session` (by any engine of the same model
+        and ``kv_type``) under its saved id, or ``session_id``; returns the id. Its K/V is
+        written back as saved, not recomputed: its next turn computes only the new tokens.
+        A truncated, corrupt, other-version, other-model or other-``kv_type`` file raises
+        :class:`SessionFileError` (a ``ValueError``), an id in use ``ValueError``, no room in
+        the pool ``KvCacheFull``; in every case nothing was loaded."""
+        header, kv = read_session_file(path)
+        check_header(header, path, self.model.core.identity, self.kv_type)
+        sid = header["session_id"] if session_id is None else session_id
+        if not isinstance(sid, str) or not sid:
+            raise ValueError(f"session_id must be a non-empty string, got {sid!r}")
+        return self._on_engine(lambda: self._restore(sid, header, kv, path))
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
@@ -429,7 +744,10 @@ class Engine:
         sequences; ``kv_blocks_cached``: unreferenced blocks kept for prefix reuse).
         ``prompt_tokens``/``cached_prompt_tokens`` count admitted requests' prompts and the part
         reused at admission; ``decode_tok_s`` is tokens generated per second of step time over
-        the last 10 s. ``evictions`` and ``sessions`` stay 0 until sessions exist."""
+        the last 10 s. ``sessions``: sessions held; ``evictions``: times an idle session's K/V
+        was reclaimed; ``session_misses``: turns of an evicted session (recomputed);
+        ``kv_blocks_evicted``: cached blocks the pool evicted for new content (all users of the
+        model's pool, since it was made)."""
         st = self._ctx.stats()
         total = int(st["blocks_total"])
         used = int(st["blocks_referenced"])
@@ -451,11 +769,13 @@ class Engine:
             "cached_prompt_tokens": cached,
             "prefix_hit_rate": cached / prompt if prompt else 0.0,
             "generated_tokens": self._generated_tokens,
-            "evictions": 0,  # sessions are not implemented yet
+            "evictions": self._evictions,
             "preemptions": self._preemptions,
             "running": running,
             "waiting": waiting,
-            "sessions": 0,
+            "sessions": len(self._sessions),
+            "session_misses": self._session_misses,
+            "kv_blocks_evicted": int(st["blocks_evicted"]),
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
         }
 
@@ -468,20 +788,29 @@ class Engine:
                         self._closed
                         or self._inbox
                         or self._cancels
+                        or self._calls
                         or self._running
                         or self._n_waiting
                     ):
-                        self._cond.wait()
+                        timeout = self._ttl_timeout()
+                        if timeout is not None and timeout <= 0:
+                            break
+                        self._cond.wait(timeout)
                     if self._closed:
                         break
                     inbox, self._inbox = self._inbox, []
                     cancels, self._cancels = self._cancels, []
+                    calls, self._calls = self._calls, []
                     for req in inbox:
                         req.state = _WAITING
-                        heapq.heappush(self._waiting, (req.key, req))
                     self._n_waiting += len(inbox)
+                self._expire_sessions()
+                for req in inbox:
+                    self._accept(req)
                 for req in cancels:
                     self._drop(req)
+                for call in calls:
+                    self._run_call(call)
                 try:
                     self._step()
                 except Exception as e:  # a failed decode (EngineError) or a bug: fail the batch
@@ -495,11 +824,46 @@ class Engine:
         with self._cond:
             self._closed = True
             pending = self._inbox + [r for _, r in self._waiting] + list(self._running.values())
+            calls, self._calls = self._calls, []
             self._inbox, self._waiting, self._n_waiting = [], [], 0
+        for s in self._sessions.values():
+            for item in s.pending:
+                if isinstance(item, _Call):
+                    calls.append(item)
+                elif isinstance(item, _Request):
+                    pending.append(item)
+            s.pending.clear()
+            s.busy = None
+        for call in calls:
+            call.future.set_exception(RuntimeError("the engine is closed"))
         for req in pending:
             if req.state != _DONE:
                 self._finish(req, error=error)
         self._ctx.clear()
+
+    def _accept(self, req: _Request) -> None:
+        """A new request (state waiting): into the waiting queue, or for a session request into
+        its session's FIFO (it waits there while the session is busy)."""
+        turn = req.turn
+        if turn is None:
+            heapq.heappush(self._waiting, (req.key, req))
+            return
+        s = self._sessions.get(turn.session_id)
+        if s is None:
+            try:
+                s = self._new_session(turn.session_id)
+            except RuntimeError as e:
+                self._fail_waiting(req, e)
+                return
+        turn.session = s
+        s.pending.append(req)
+        if s.busy is None:
+            self._session_next(s)
+
+    def _fail_waiting(self, req: _Request, error: BaseException) -> None:
+        with self._cond:
+            self._n_waiting -= 1
+        self._finish(req, error=error)
 
     def _drop(self, req: _Request) -> None:
         """A cancelled request leaves: its sequence is removed (full blocks stay cached)."""
@@ -509,8 +873,16 @@ class Engine:
         if req.state != _DONE:
             self._finish(req, error=asyncio.CancelledError())
 
+    def _alloc_seq(self) -> int:
+        if self._free_seqs:
+            return self._free_seqs.pop()
+        self._next_seq += 1
+        return self._next_seq - 1
+
     def _release(self, req: _Request) -> None:
-        if req.state == _RUNNING:
+        """Removes ``req``'s sequence if it runs (also a finished session turn that is still
+        computing its last token)."""
+        if req.seq >= 0 and self._running.get(req.seq) is req:
             self._ctx.seq_rm(req.seq)
             with self._cond:
                 del self._running[req.seq]
@@ -520,7 +892,15 @@ class Engine:
     def _finish(
         self, req: _Request, reason: str = FINISH_LENGTH, error: BaseException | None = None
     ) -> None:
-        self._release(req)
+        turn = req.turn
+        if req.state == _DONE:  # a finished session turn still computing its last token
+            if turn is not None and turn.closing:
+                self._park(req)
+            return
+        if turn is not None and turn.session is not None and turn.session.busy is req:
+            self._end_turn(req, error is None)
+        else:
+            self._release(req)
         req.state = _DONE
         if error is not None:
             req.sink.fail(error)
@@ -538,29 +918,312 @@ class Engine:
                 finish_reason=reason,
                 prompt_tokens=req.n_prompt,
                 cached_tokens=max(req.cached_tokens, 0),
+                logprobs=req.logprobs,
             )
         )
 
     def _preempt(self, req: _Request) -> None:
         """Release ``req``'s blocks; it waits again with its place and is recomputed later."""
-        self._release(req)
+        turn = req.turn
+        self._release(req)  # a session's K/V goes too: its next admission recomputes it
+        self._preemptions += 1
+        if turn is not None and turn.session is not None:
+            turn.session.seq, turn.session.n_kv = -1, 0
+            if turn.closing:  # its result is out; the session just loses its K/V
+                turn.closing = False
+                self._session_idle(turn.session)
+                return
         req.state = _WAITING
         req.n_done = 0
         heapq.heappush(self._waiting, (req.key, req))
         with self._cond:
             self._n_waiting += 1
-        self._preemptions += 1
+
+    # -- sessions on the engine thread ----------------------------------------------------------
+    def _session(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise KeyError(session_id)
+        return s
+
+    def _new_session(self, sid: str) -> Session:
+        """A new, empty session; with ``max_sessions`` reached the least recently used idle
+        session is dropped first (``RuntimeError`` if every session is busy)."""
+        if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+            oldest = self._sessions.oldest_idle()
+            if oldest is None:
+                raise RuntimeError(
+                    f"max_sessions={self.max_sessions} sessions are held and all are busy"
+                )
+            self._drop_session(oldest)
+        s = Session(sid, time.monotonic())
+        self._sessions.add(s)
+        return s
+
+    def _drop_session(self, s: Session) -> None:
+        """Forgets ``s`` (idle): its sequence is removed (full blocks stay cached)."""
+        if s.resident:
+            self._ctx.seq_rm(s.seq)
+            self._free_seqs.append(s.seq)
+            s.seq, s.n_kv = -1, 0
+        self._sessions.remove(s)
+
+    def _evict(self, s: Session) -> None:
+        """Releases the K/V of a session that is not running (its tokens stay)."""
+        self._ctx.seq_rm(s.seq)
+        self._free_seqs.append(s.seq)
+        s.seq, s.n_kv = -1, 0
+        s.evicted = True
+        self._sessions.evicted(s)
+        self._evictions += 1
+
+    def _evict_one(self) -> bool:
+        """Frees K/V for running requests: the first idle session to evict, else the K/V of a
+        session whose next request still waits (O(waiting)); False if there is none."""
+        s = self._sessions.victim()
+        if s is None:
+            for _, req in self._waiting:
+                t = req.turn
+                if req.state == _WAITING and t is not None and t.session and t.session.resident:
+                    s = t.session
+                    break
+        if s is None:
+            return False
+        self._evict(s)
+        return True
+
+    def _reclaim(self) -> None:
+        """Evicts idle sessions from the high watermark down to the low one (module docs)."""
+        if self._sessions.victim() is None:
+            return
+        st = self._ctx.stats()
+        total = int(st["blocks_total"])
+        used = int(st["blocks_referenced"])
+        if used <= self.kv_high_watermark * total:
+            return
+        while used > self.kv_low_watermark * total:
+            s = self._sessions.victim()
+            if s is None:
+                break
+            self._evict(s)
+            used = int(self._ctx.stats()["blocks_referenced"])
+
+    def _ttl_timeout(self) -> float | None:
+        """Seconds until the oldest idle session expires (None: nothing expires)."""
+        if self.session_ttl is None:
+            return None
+        s = self._sessions.oldest_idle()
+        if s is None:
+            return None
+        return s.last_use + self.session_ttl - time.monotonic()
+
+    def _expire_sessions(self) -> None:
+        while (t := self._ttl_timeout()) is not None and t <= 0:
+            s = self._sessions.oldest_idle()
+            assert s is not None
+            self._drop_session(s)
+
+    def _session_idle(self, s: Session) -> None:
+        """``s`` has finished its current work: it becomes idle and its queue moves on."""
+        s.busy = None
+        s.last_use, s.last_use_wall = time.monotonic(), time.time()
+        self._sessions.idle(s)
+        self._session_next(s)
+
+    def _session_next(self, s: Session) -> None:
+        """Starts the next work queued on the idle session ``s``: session operations run at
+        once, the next request is activated (it joins the waiting queue)."""
+        while s.busy is None and s.pending:
+            item = s.pending.popleft()
+            if isinstance(item, _Call):
+                item.run()
+                if self._sessions.get(s.id) is not s:  # dropped: the rest starts afresh
+                    rest = list(s.pending)
+                    s.pending.clear()
+                    for other in rest:
+                        if isinstance(other, _Call):
+                            self._run_call(other)
+                        elif isinstance(other, _Request) and other.state == _WAITING:
+                            self._accept(other)
+                    return
+            elif isinstance(item, _Request) and item.state == _WAITING:
+                self._activate(item, s)
+        if s.busy is None and not s.pending and not s.ids and self._sessions.get(s.id) is s:
+            self._drop_session(s)  # a new session whose first turn did not complete
+
+    def _activate(self, req: _Request, s: Session) -> None:
+        """The session's turn starts: the request's tokens are the session's plus its prompt
+        (a first turn: the prompt as usual), and it joins the waiting queue."""
+        turn = req.turn
+        assert turn is not None
+        if s.ids and turn.cont is not None:
+            ids = s.ids + turn.cont
+        else:
+            ids = turn.first
+        if len(ids) > self._seq_limit:
+            msg = f"the session with this prompt has {len(ids)} tokens, more than"
+            self._fail_waiting(req, ValueError(f"{msg} {self._limit_name} allows"))
+            return
+        req.ids = list(ids)
+        req.n_prompt = len(ids)
+        sampler = req.sampler
+        if s.rng_state is not None and sampler.seed is None and not sampler.params.is_greedy:
+            sampler.rng.bit_generator.state = s.rng_state  # the session's random stream
+        s.busy = req
+        self._sessions.busy(s)
+        heapq.heappush(self._waiting, (req.key, req))
+
+    def _attach(self, req: _Request) -> int:
+        """Gives the admitted session request its sequence: the parked one (reusing the longest
+        prefix it holds) or, for a session that is not resident, a new one with what the prefix
+        cache still has. Returns the tokens reused."""
+        turn = req.turn
+        assert turn is not None and turn.session is not None
+        s = turn.session
+        context = req.context()
+        turn.base = _common_prefix(s.ids, context)
+        if s.resident:
+            n = min(turn.base, s.n_kv, len(context) - 1)
+            if n < s.n_kv:
+                self._ctx.seq_rm(s.seq, n, -1)
+            req.seq = s.seq
+            return n
+        s.seq = req.seq = self._alloc_seq()
+        if req.cached_tokens < 0 and s.evicted:
+            self._session_misses += 1
+        s.evicted = False
+        return self._ctx.match_prefix(req.seq, context) if self.prefix_cache else 0
+
+    def _end_turn(self, req: _Request, ok: bool) -> None:
+        """The session's running or waiting request ends. Finished: the session takes its
+        tokens (and random state) and parks its sequence, after computing the last token's K/V
+        (``closing``). Failed or cancelled: the session keeps what it had before the turn."""
+        turn = req.turn
+        assert turn is not None and turn.session is not None
+        s = turn.session
+        if ok:
+            # What the sequence holds: after a context shift, the shifted context.
+            s.ids = list(req.context())
+            s.priority = req.priority
+            if not req.sampler.params.is_greedy:
+                s.rng_state = dict(req.sampler.rng.bit_generator.state)
+            if req.n_done < req.n_tokens <= self._seq_limit:
+                turn.closing = True  # decoded in the next step, then parked (_park)
+                return
+            self._park(req)
+            return
+        if req.state == _RUNNING:
+            keep = min(req.n_done, turn.base)
+            if req.shift:  # a context shift moved everything after req.keep
+                keep = min(keep, req.keep)
+            with self._cond:
+                del self._running[req.seq]
+            if keep > 0:
+                self._ctx.seq_rm(req.seq, keep, -1)
+                s.seq, s.n_kv = req.seq, keep
+            else:
+                self._ctx.seq_rm(req.seq)
+                self._free_seqs.append(req.seq)
+                s.seq, s.n_kv = -1, 0
+            req.seq = -1
+        self._session_idle(s)
+
+    def _park(self, req: _Request) -> None:
+        """The session's sequence stops running and stays, holding its K/V (idle session)."""
+        turn = req.turn
+        assert turn is not None and turn.session is not None
+        s = turn.session
+        turn.closing = False
+        with self._cond:
+            del self._running[req.seq]
+        s.seq, s.n_kv = req.seq, req.n_done
+        req.seq = -1
+        self._session_idle(s)
+
+    def _run_call(self, call: _Call) -> None:
+        """A session operation: now, or queued behind the work on its session."""
+        s = self._sessions.get(call.session_id) if call.session_id is not None else None
+        if s is not None and (s.busy is not None or s.pending):
+            s.pending.append(call)
+        else:
+            call.run()
+
+    def _snapshot(self, session_id: str) -> tuple[dict[str, Any], bytes]:
+        """The header and K/V state of a session file (engine thread; the caller writes)."""
+        s = self._session(session_id)
+        if s.resident:
+            kv = self._ctx.seq_state_read(s.seq)
+            n_kv = s.n_kv
+        else:  # evicted: what the prefix cache still holds
+            seq = self._alloc_seq()
+            try:
+                n_kv = self._ctx.match_prefix(seq, s.ids) if self.prefix_cache and s.ids else 0
+                kv = self._ctx.seq_state_read(seq)
+            finally:
+                self._ctx.seq_rm(seq)
+                self._free_seqs.append(seq)
+        header = {
+            "session_id": s.id,
+            "model_identity": self.model.core.identity,
+            "model_name": self.model.core.name,
+            "kv_type": self.kv_type,
+            "tokens": s.ids,
+            "n_kv": n_kv,
+            "rng_state": s.rng_state,
+            "priority": s.priority,
+            "saved_at": time.time(),
+        }
+        return header, kv
+
+    def _restore(self, sid: str, header: dict[str, Any], kv: bytes, path: StrPath) -> str:
+        """Creates session ``sid`` from a checked session file (engine thread)."""
+        if self._sessions.get(sid) is not None:
+            raise ValueError(f"a session {sid!r} exists; drop it first or load under another id")
+        tokens: list[int] = header["tokens"]
+        n_kv: int = header["n_kv"]
+        _check_state(kv, tokens[:n_kv], path)
+        seq = self._alloc_seq()
+        while True:
+            try:
+                n = self._ctx.seq_state_write(seq, kv)
+                break
+            except KvCacheFull:
+                if self._sessions.victim() is None:
+                    self._free_seqs.append(seq)
+                    raise
+                self._evict(self._sessions.victim())  # type: ignore[arg-type]
+            except ValueError as e:
+                self._free_seqs.append(seq)
+                raise SessionFileError(f"session file {path}: {e}") from e
+        try:
+            s = self._new_session(sid)
+        except RuntimeError:
+            self._ctx.seq_rm(seq)
+            self._free_seqs.append(seq)
+            raise
+        self._sessions.busy(s)  # re-enters the idle orders below, resident
+        s.ids = list(tokens)
+        s.seq, s.n_kv = (seq, n) if n > 0 else (-1, 0)
+        if n == 0:
+            self._free_seqs.append(seq)
+        s.priority = header["priority"]
+        s.rng_state = header.get("rng_state")
+        self._sessions.idle(s)
+        return sid
 
     def _blocks_to_fill(self, req: _Request, extra: int = 0) -> int:
         """Fresh blocks ``req`` needs to hold all its tokens (+ ``extra``) from ``n_done``."""
         b = self._block
-        return -(-(len(req.ids) + extra) // b) - (-(-req.n_done // b))
+        return -(-(req.n_tokens + extra) // b) - (-(-req.n_done // b))
+
+    def _available(self) -> int:
+        st = self._ctx.stats()
+        return int(st["blocks_free"]) + int(st["blocks_cached"])
 
     def _admit(self) -> None:
-        st = self._ctx.stats()
-        room = int(st["blocks_free"]) + int(st["blocks_cached"])
-        room -= sum(self._blocks_to_fill(r) for r in self._running.values())
-        prefill = sum(len(r.ids) - r.n_done - 1 for r in self._running.values())
+        avail = self._available()
+        room = avail - sum(self._blocks_to_fill(r) for r in self._running.values())
+        prefill = sum(r.n_tokens - r.n_done - 1 for r in self._running.values())
         deferred: list[tuple[tuple[int, int], _Request]] = []
         while self._waiting and len(self._running) < self.parallel:
             if prefill >= self.batch_tokens:
@@ -569,26 +1232,38 @@ class Engine:
             if req.state != _WAITING:  # cancelled while waiting
                 heapq.heappop(self._waiting)
                 continue
+            session = req.turn.session if req.turn is not None else None
+            resident = session is not None and session.resident
+            if resident:  # what the parked sequence already holds is not allocated again
+                assert session is not None
+                req.n_done = min(_common_prefix(session.ids, req.context()), session.n_kv)
             need = self._blocks_to_fill(req, extra=1)
+            while self._running and need > room and self._sessions.victim() is not None:
+                self._evict(self._sessions.victim())  # type: ignore[arg-type]
+                now = self._available()
+                room, avail = room + now - avail, now
             if self._running and need > room:
                 break  # wait for memory (FCFS: nobody overtakes the head)
             heapq.heappop(self._waiting)
-            if self.prefix_cache and self._computing_shared_prefix(req):
+            if self.prefix_cache and not resident and self._computing_shared_prefix(req):
                 deferred.append((key, req))  # its blocks come cached in a step or two
                 continue
+            if session is None:
+                req.seq = self._alloc_seq()
+                matched = self._ctx.match_prefix(req.seq, req.context()) if self.prefix_cache else 0
+            else:
+                matched = self._attach(req)
             with self._cond:
                 self._n_waiting -= 1
-                req.seq = self._free_seqs.pop()
                 self._running[req.seq] = req
             req.state = _RUNNING
-            matched = self._ctx.match_prefix(req.seq, req.ids) if self.prefix_cache else 0
             req.n_done = matched
             if req.cached_tokens < 0:  # first admission (not a resume after preemption)
                 req.cached_tokens = min(matched, req.n_prompt)
                 self._prompt_tokens += req.n_prompt
                 self._cached_prompt_tokens += req.cached_tokens
             room -= need
-            prefill += len(req.ids) - matched - 1
+            prefill += req.n_tokens - matched - 1
         for item in deferred:
             heapq.heappush(self._waiting, item)
 
@@ -597,17 +1272,18 @@ class Engine:
         starts with (then ``req`` waits and maps them from the prefix index instead of
         computing them a second time). O(prefilling requests x shared blocks)."""
         b = self._block
-        ids = req.ids
+        ids = req.context()
         usable = (len(ids) - 1) // b * b  # what match_prefix could map
         if usable == 0:
             return False
         head = ids[:b]
         for other in self._running.values():
-            if other.n_done >= min(usable, len(other.ids) - 1) or other.ids[:b] != head:
+            oids = other.context()
+            if other.n_done >= min(usable, len(oids) - 1) or oids[:b] != head:
                 continue  # it computed what it had (or nothing shared)
             shared = b
-            limit = min(usable, len(other.ids) // b * b)
-            while shared < limit and other.ids[shared : shared + b] == ids[shared : shared + b]:
+            limit = min(usable, len(oids) // b * b)
+            while shared < limit and oids[shared : shared + b] == ids[shared : shared + b]:
                 shared += b
             if shared > other.n_done // b * b:
                 return True
@@ -618,7 +1294,9 @@ class Engine:
         plan: list[tuple[_Request, int, int, bool]] = []
         prefilling: list[_Request] = []
         for req in self._running.values():
-            if len(req.ids) - req.n_done == 1:
+            if req.turn is not None and req.turn.closing:  # the last token's K/V, no logits
+                plan.append((req, req.n_done, req.n_tokens - req.n_done, False))
+            elif req.n_tokens - req.n_done == 1:
                 plan.append((req, req.n_done, 1, True))
             else:
                 prefilling.append(req)
@@ -627,8 +1305,8 @@ class Engine:
         for req in prefilling:
             if left <= 0:
                 break
-            k = min(len(req.ids) - req.n_done, left)
-            plan.append((req, req.n_done, k, req.n_done + k == len(req.ids)))
+            k = min(req.n_tokens - req.n_done, left)
+            plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
             left -= k
         return plan
 
@@ -643,7 +1321,7 @@ class Engine:
             seqs: list[int] = []
             flags: list[bool] = []
             for req, start, k, want in plan:
-                tokens += req.ids[start : start + k]
+                tokens += req.context(start, start + k)
                 positions += range(start, start + k)
                 seqs += [req.seq] * k
                 flags += [False] * (k - 1) + [want]
@@ -652,10 +1330,12 @@ class Engine:
                 logits = self._ctx.decode(tokens, positions, seqs, flags)
                 break
             except KvCacheFull as e:
+                if self._evict_one():  # idle sessions go before any running request
+                    continue
                 if len(self._running) <= 1:
                     (req,) = self._running.values()
                     msg = (
-                        f"the request needs {len(req.ids)} tokens of K/V and does not fit the"
+                        f"the request needs {req.n_tokens} tokens of K/V and does not fit the"
                         f" KV pool even alone ({e})"
                     )
                     self._finish(req, error=KvCacheFull(msg))
@@ -663,6 +1343,8 @@ class Engine:
                 self._preempt(max(self._running.values(), key=lambda r: r.key))
         for req, _start, k, _want in plan:
             req.n_done += k
+            if req.turn is not None and req.turn.closing:
+                self._park(req)
         rows = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(
             logits.n_rows, logits.n_vocab
         )
@@ -674,25 +1356,29 @@ class Engine:
                 continue  # dropped at the next step
             n_generated += self._deliver(req, tok)
         self._generated_tokens += n_generated
+        self._reclaim()
         now = time.monotonic()
         self._recent.append((now, n_generated, now - t0))
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
             self._recent.popleft()
 
     def _sample(self, reqs: list[_Request], rows: np.ndarray) -> list[int]:
-        """One token per row: greedy rows with one argmax over all of them (sampling.greedy's
-        rule, the first maximum, without its float64 copy); sampled rows each with the request's
-        own generator."""
+        """One token per row: plain greedy rows (no bias, no penalties) with one argmax over all
+        of them (sampling.greedy's rule, the first maximum, without its float64 copy); the
+        others each with the request's own sampler (bias and penalties over its tokens, then
+        greedy or its own generator). A request that asked for logprobs gets the picked
+        token's entry, from the raw row, in ``pending_logprob``."""
         picked = [0] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.greedy]
-        if greedy:
-            best = np.argmax(rows[greedy] if len(greedy) < len(reqs) else rows, axis=-1)
-            for i, tok in zip(greedy, best.tolist()):
+        plain = [i for i, r in enumerate(reqs) if r.argmax_only]
+        if plain:
+            best = np.argmax(rows[plain] if len(plain) < len(reqs) else rows, axis=-1)
+            for i, tok in zip(plain, best.tolist()):
                 picked[i] = tok
         for i, req in enumerate(reqs):
-            if req.greedy:
-                continue
-            picked[i] = req.sampler(rows[i])
+            if not req.argmax_only:
+                picked[i] = req.sampler(rows[i], req.ids)
+            if req.n_logprobs is not None:
+                req.pending_logprob = token_logprob(self.model, rows[i], picked[i], req.n_logprobs)
         return picked
 
     def _deliver(self, req: _Request, tok: int) -> int:
@@ -702,6 +1388,9 @@ class Engine:
             self._finish(req, FINISH_STOP)
             return 0
         req.ids.append(tok)
+        if req.logprobs is not None and req.pending_logprob is not None:
+            req.logprobs.append(req.pending_logprob)
+            req.pending_logprob = None
         out = req.text.push(self._piece(tok))
         if out:
             req.pieces.append(out)
@@ -710,6 +1399,29 @@ class Engine:
             self._finish(req, FINISH_STOP)
         elif req.n_generated >= req.max_tokens:
             self._finish(req, FINISH_LENGTH)
-        elif len(req.ids) - 1 >= self._seq_limit:
+        elif req.n_tokens - 1 >= self._seq_limit and not self._shift_context(req):
             self._finish(req, FINISH_CONTEXT)
         return 1
+
+    def _shift_context(self, req: _Request) -> bool:
+        """Context shift (llama.cpp's server arithmetic) for a sequence whose K/V fills the
+        limit: after the first ``keep`` tokens, drop half of the rest (``seq_rm``) and move the
+        remainder down (``seq_add``; keys are re-rotated lazily). Returns False when shifting is
+        off for ``req`` or cannot free anything. If the shift needs blocks the pool lacks (moving
+        cells shared with another sequence copies them), ``req`` is preempted instead; it resumes
+        by recomputing its shifted context."""
+        if not req.context_shift:
+            return False
+        n_left = req.n_done - req.keep
+        n_discard = min(n_left // 2, max(0, n_left - 1))
+        if n_discard <= 0:
+            return False
+        start = req.keep + n_discard
+        self._ctx.seq_rm(req.seq, req.keep, start)
+        req.shift += n_discard
+        req.n_done -= n_discard
+        try:
+            self._ctx.seq_add(req.seq, start, -1, -n_discard)
+        except KvCacheFull:
+            self._preempt(req)
+        return True

@@ -8,13 +8,14 @@ added in one place and every entry point accepts it alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Union, cast
 
 from typing_extensions import TypedDict
 
-from .sampling import Sampler, SamplingParams
+from .sampling import DEFAULT_PENALTY_LAST_N, MAX_LOGPROBS, Sampler, SamplingParams
 
 __all__ = ["RequestOptions", "SamplingOptions", "Resolved", "resolve", "stop_list"]
 
@@ -24,30 +25,60 @@ Stop = Union[str, Sequence[str], None]
 class SamplingOptions(TypedDict, total=False):
     """How tokens are picked and when generation stops (all optional keywords).
 
-    - ``temperature`` (0 = greedy, exactly argmax), ``top_k`` (0 = off), ``top_p`` in (0, 1],
-      ``min_p`` in [0, 1] (keep tokens at least ``min_p`` times as probable as the best one);
+    - ``temperature`` (0 = greedy: exactly the argmax of the biased, penalized logits),
+      ``top_k`` (0 = off), ``typical_p`` in (0, 1] (locally typical sampling; 1 = off),
+      ``top_p`` in (0, 1], ``min_p`` in [0, 1] (keep tokens at least ``min_p`` times as
+      probable as the best one);
+    - ``repeat_penalty`` > 0 (1 = off; llama.cpp's rule), ``presence_penalty`` and
+      ``frequency_penalty`` in [-2, 2] (0 = off; OpenAI's rule), over the last
+      ``penalty_last_n`` tokens of the sequence, prompt included (default 64; 0 = off, -1 = the
+      whole sequence);
+    - ``logit_bias``: ``{token id: bias}`` added to those logits (``-inf`` or -100 bans a token);
     - ``seed``: the request's own random generator (same seed, same tokens, whatever else is
       batched with it);
     - ``stop``: strings that end generation (matched across token boundaries, never emitted);
-    - ``ignore_eos``: keep generating past end-of-generation tokens.
+    - ``ignore_eos``: keep generating past end-of-generation tokens;
+    - ``logprobs``: N in [0, 20] (None = off): each generated token's log-probability under
+      the model's own distribution (log-softmax of the raw logits) and the N most probable
+      tokens of that step, in :attr:`kvserve.GenerateResult.logprobs`.
+
+    The chain and the rules are in :mod:`kvserve.sampling`.
     """
 
     temperature: float
     top_k: int
     top_p: float
     min_p: float
+    typical_p: float
+    repeat_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_last_n: int
+    logit_bias: Mapping[int, float] | None
     seed: int | None
     stop: Stop
     ignore_eos: bool
+    logprobs: int | None
 
 
 class RequestOptions(SamplingOptions, total=False):
     """What an :class:`kvserve.Engine` call takes beyond :class:`SamplingOptions`.
 
     - ``priority``: higher is admitted first and preempted last (FCFS within a priority).
+    - ``session_id``: the conversation this request belongs to (a non-empty string): the
+      prompt continues the session's previous prompts and outputs, whose K/V is reused; an
+      unknown id starts a new session. See :class:`kvserve.Engine`.
+    - ``context_shift``: when the sequence reaches the engine's ``ctx_size``, drop the older
+      half of its context after the first ``n_keep`` tokens and go on generating (llama.cpp's
+      ``--context-shift``); default: the engine's ``context_shift``.
+    - ``n_keep``: prompt tokens a context shift keeps, besides the BOS (always kept when the
+      model adds one); default 0; ``0 <= n_keep < ctx_size``.
     """
 
     priority: int
+    session_id: str | None
+    context_shift: bool
+    n_keep: int
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -56,12 +87,16 @@ _REQUEST_KEYS = _KEYS | frozenset(RequestOptions.__annotations__)
 
 @dataclass
 class Resolved:
-    """Validated options: a ready sampler plus the stop rules."""
+    """Validated options: a ready sampler plus the stop rules and what to report."""
 
     sampler: Sampler
     stops: list[str]
     ignore_eos: bool
     priority: int
+    session_id: str | None = None
+    context_shift: bool | None = None  # None: the engine's default
+    n_keep: int = 0
+    logprobs: int | None = None  # alternatives per token, None: no logprobs
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -72,22 +107,59 @@ def stop_list(stop: Stop) -> list[str]:
     return [s for s in stop if s]
 
 
-def resolve(options: RequestOptions, *, engine: bool = False) -> Resolved:
+def resolve(
+    options: SamplingOptions | RequestOptions,
+    *,
+    n_vocab: int | None = None,
+    engine: bool = False,
+) -> Resolved:
     """Checks ``options`` (an unknown name is a ``TypeError``, a bad value a ``ValueError``
-    naming the argument and its limit) and builds the sampler. ``engine``: the
-    :class:`RequestOptions` of an Engine call are allowed too."""
+    naming the argument and its limit) and builds the sampler. ``n_vocab``: the model's
+    vocabulary, which ``logit_bias`` ids must lie in. ``engine``: the :class:`RequestOptions`
+    of an Engine call are allowed too."""
     unknown = set(options) - (_REQUEST_KEYS if engine else _KEYS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    # Without ``engine`` the keys were just checked to be SamplingOptions': the engine-only
+    # ones read below are then absent and take their defaults.
+    options = cast(RequestOptions, options)
+    bias = options.get("logit_bias")
     params = SamplingParams(  # ValueError naming the argument
         temperature=options.get("temperature", 0.0),
         top_k=options.get("top_k", 0),
         top_p=options.get("top_p", 1.0),
         min_p=options.get("min_p", 0.0),
+        typical_p=options.get("typical_p", 1.0),
+        repeat_penalty=options.get("repeat_penalty", 1.0),
+        presence_penalty=options.get("presence_penalty", 0.0),
+        frequency_penalty=options.get("frequency_penalty", 0.0),
+        penalty_last_n=options.get("penalty_last_n", DEFAULT_PENALTY_LAST_N),
+        logit_bias={} if bias is None else bias,
     )
+    session_id = options.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+    n_keep = options.get("n_keep", 0)
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
+        raise ValueError(f"n_keep must be an integer >= 0, got {n_keep!r}")
+    context_shift = options.get("context_shift")
+    if context_shift is not None and not isinstance(context_shift, bool):
+        raise ValueError(f"context_shift must be True or False, got {context_shift!r}")
+    if n_vocab is not None:
+        params.check_vocab(n_vocab)
+    logprobs = options.get("logprobs")
+    integer = isinstance(logprobs, numbers.Integral) and not isinstance(logprobs, bool)
+    if logprobs is not None and (not integer or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ValueError(
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: off), got {logprobs!r}"
+        )
     return Resolved(
         sampler=Sampler(params, seed=options.get("seed")),
         stops=stop_list(options.get("stop")),
         ignore_eos=options.get("ignore_eos", False),
         priority=options.get("priority", 0),
+        session_id=session_id,
+        context_shift=context_shift,
+        n_keep=n_keep,
+        logprobs=None if logprobs is None else int(logprobs),
     )

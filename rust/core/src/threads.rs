@@ -52,12 +52,14 @@ pub fn build_pool(n: Option<usize>) -> rayon::ThreadPool {
 }
 
 /// A fixed team of worker threads that runs one closure on every member at once (SPMD), with a
-/// spinning barrier and a shared task counter between the steps of that closure.
+/// barrier (spins briefly, then sleeps) and a shared task counter between the steps of that
+/// closure.
 ///
 /// Why: a decode step of a small model is ~150 short parallel operations; forking and joining
 /// rayon tasks for each costs more than the work (threads fall asleep between them). A team runs
-/// the whole forward pass as one parallel region; each operation ends in a barrier that spins
-/// (then yields), the way ggml's thread pool works.
+/// the whole forward pass as one parallel region; each operation ends in a barrier. The barrier
+/// spins, the way ggml's thread pool does, but only for a few tens of microseconds: a member
+/// whose partner was preempted then sleeps and frees its core (see `SpinBarrier`).
 ///
 /// Only one closure runs on a team at a time (a mutex serializes callers), so barriers of two
 /// callers can never interleave.
@@ -119,7 +121,7 @@ impl Team {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
             if let Err(payload) = r {
                 // Release members waiting at a barrier: they see the flag and unwind too.
-                self.barrier.poisoned.store(true, Ordering::Release);
+                self.barrier.poison();
                 std::panic::resume_unwind(payload);
             }
         });
@@ -164,15 +166,44 @@ impl Worker<'_> {
     }
 }
 
-/// A sense-reversing barrier that spins, then yields, so it stays cheap when every member is
-/// running and harmless when the machine is oversubscribed.
+/// A barrier that spins briefly, then parks (sleeps on a futex through std's `Condvar`).
+///
+/// Spinning is what makes a team step cheap: both members are usually running, one arrives a
+/// few microseconds before the other, and a wake-up from sleep costs more than that. But a
+/// member can be preempted (an event loop or another process wants the core): then its partner
+/// spinning or yielding at the barrier only keeps a core busy that the preempted member could
+/// use. So a waiter spins for at most [`SPIN_LIMIT`] and then sleeps until the last member
+/// arrives (or a member panics).
+///
+/// Why a wake-up cannot be lost: a waiter that goes to sleep takes `lock`, increments `sleepers`
+/// and re-reads `generation` (both SeqCst) before waiting on `wake`; the last arriver stores the
+/// new `generation` and then reads `sleepers` (both SeqCst). In the single total order of SeqCst
+/// operations, either the waiter's re-read comes after the store (it sees the new generation and
+/// does not sleep), or the releaser's read of `sleepers` comes after the increment (it sees a
+/// sleeper and notifies while holding `lock`; the waiter holds `lock` from its increment until
+/// `Condvar::wait` releases it atomically, so the notification finds it waiting or finds it not
+/// yet re-checked under the lock, where it sees the new generation). Poisoning always notifies
+/// under the lock, so a waiter sees the flag or the notification.
 struct SpinBarrier {
     n: usize,
     arrived: std::sync::atomic::AtomicUsize,
     generation: std::sync::atomic::AtomicUsize,
-    /// Set when a member panicked: waiters give up instead of spinning forever.
+    /// Set when a member panicked: waiters give up instead of waiting forever.
     poisoned: std::sync::atomic::AtomicBool,
+    /// Waiters that are (about to be) asleep on `wake`; the releaser takes `lock` only if > 0.
+    sleepers: std::sync::atomic::AtomicUsize,
+    lock: std::sync::Mutex<()>,
+    wake: std::sync::Condvar,
 }
+
+/// How long a waiter spins before it parks. Measured on a 2-core machine (BENCHMARKS.md,
+/// "Decode beside a busy Python thread"): long enough that a team whose members both run
+/// almost never sleeps, short enough that a member whose partner was preempted frees its core
+/// within a small part of a scheduler slice.
+const SPIN_LIMIT: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Spins between two reads of the clock: short waits never read it.
+const SPINS_PER_CLOCK_READ: u32 = 64;
 
 impl SpinBarrier {
     fn new(n: usize) -> SpinBarrier {
@@ -181,14 +212,26 @@ impl SpinBarrier {
             arrived: std::sync::atomic::AtomicUsize::new(0),
             generation: std::sync::atomic::AtomicUsize::new(0),
             poisoned: std::sync::atomic::AtomicBool::new(false),
+            sleepers: std::sync::atomic::AtomicUsize::new(0),
+            lock: std::sync::Mutex::new(()),
+            wake: std::sync::Condvar::new(),
         }
     }
 
     /// Forgets a run that ended in a panic (called with no member running).
     fn reset(&self) {
         use std::sync::atomic::Ordering;
+        debug_assert_eq!(self.sleepers.load(Ordering::Relaxed), 0);
         self.arrived.store(0, Ordering::Relaxed);
         self.poisoned.store(false, Ordering::Relaxed);
+    }
+
+    /// Releases every waiter, now and until `reset`: they panic instead of waiting.
+    fn poison(&self) {
+        use std::sync::atomic::Ordering;
+        self.poisoned.store(true, Ordering::SeqCst);
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.wake.notify_all();
     }
 
     fn wait(&self) {
@@ -198,102 +241,242 @@ impl SpinBarrier {
         }
         let gen = self.generation.load(Ordering::Acquire);
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+            // Reset the count before publishing the generation: a released waiter may arrive
+            // at the next barrier at once.
             self.arrived.store(0, Ordering::Relaxed);
-            self.generation
-                .store(gen.wrapping_add(1), Ordering::Release);
+            self.generation.store(gen.wrapping_add(1), Ordering::SeqCst);
+            if self.sleepers.load(Ordering::SeqCst) > 0 {
+                let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+                self.wake.notify_all();
+            }
             return;
         }
-        let mut spins = 0u32;
-        while self.generation.load(Ordering::Acquire) == gen {
+        let released = || {
+            if self.generation.load(Ordering::Acquire) != gen {
+                return true;
+            }
             if self.poisoned.load(Ordering::Acquire) {
                 panic!("another member of the thread team panicked");
             }
-            if spins < 20_000 {
-                std::hint::spin_loop();
-                spins += 1;
-            } else {
-                std::thread::yield_now();
+            false
+        };
+        let mut spins = 0u32;
+        let mut deadline = None;
+        loop {
+            if released() {
+                return;
             }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(SPINS_PER_CLOCK_READ) {
+                let now = std::time::Instant::now();
+                match deadline {
+                    None => deadline = Some(now + SPIN_LIMIT),
+                    Some(d) if now >= d => break,
+                    Some(_) => {}
+                }
+            }
+            std::hint::spin_loop();
         }
+        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        while self.generation.load(Ordering::SeqCst) == gen && !self.poisoned.load(Ordering::SeqCst)
+        {
+            guard = self.wake.wait(guard).unwrap_or_else(|p| p.into_inner());
+        }
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        drop(guard);
+        // Panics if the wake-up was a poisoning (generation unchanged).
+        released();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shared::SharedSlice;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
 
     #[test]
     fn tasks_run_exactly_once_across_steps() {
         for threads in [1, 2, 3] {
-            let team = Team::new(Some(threads));
-            let hits: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
-            for round in 0..5 {
-                team.run(|w| {
-                    for step in 0..20 {
-                        let n_tasks = (step * 37 + round) % 50;
-                        w.for_tasks(n_tasks, |i| {
-                            hits[step * 50 + i].fetch_add(1, Ordering::Relaxed);
-                        });
-                    }
-                });
-            }
-            for step in 0..20 {
-                for i in 0..50 {
-                    let want: usize = (0..5).filter(|r| i < (step * 37 + r) % 50).count();
-                    assert_eq!(
-                        hits[step * 50 + i].load(Ordering::Relaxed),
-                        want,
-                        "t={threads}"
-                    );
+            within(Duration::from_secs(120), move || {
+                let team = Team::new(Some(threads));
+                let hits: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
+                for round in 0..5 {
+                    team.run(|w| {
+                        for step in 0..20 {
+                            let n_tasks = (step * 37 + round) % 50;
+                            w.for_tasks(n_tasks, |i| {
+                                hits[step * 50 + i].fetch_add(1, Ordering::Relaxed);
+                            });
+                        }
+                    });
                 }
-            }
+                for step in 0..20 {
+                    for i in 0..50 {
+                        let want: usize = (0..5).filter(|r| i < (step * 37 + r) % 50).count();
+                        let got = hits[step * 50 + i].load(Ordering::Relaxed);
+                        assert_eq!(got, want, "t={threads}");
+                    }
+                }
+            });
+        }
+    }
+
+    /// Runs `f` on its own thread and fails if it has not finished within `limit`: a barrier
+    /// that loses a wake-up or miscounts arrivals hangs rather than returning a wrong answer.
+    fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+        });
+        match rx.recv_timeout(limit) {
+            Ok(Ok(v)) => v,
+            Ok(Err(payload)) => std::panic::resume_unwind(payload),
+            Err(_) => panic!("no result after {limit:?}: a team member never left a barrier"),
+        }
+    }
+
+    /// Keeps the calling member busy for `d` without sleeping.
+    fn busy_for(d: Duration) {
+        let t = Instant::now();
+        while t.elapsed() < d {
+            std::hint::spin_loop();
         }
     }
 
     #[test]
-    fn barrier_orders_writes_between_steps() {
-        let team = Team::new(Some(2));
-        let cells: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
-        let bad = AtomicUsize::new(0);
-        team.run(|w| {
-            for step in 1..200usize {
-                for i in w.share(64) {
-                    cells[i].store(step, Ordering::Relaxed);
-                }
-                w.sync();
-                for c in &cells {
-                    if c.load(Ordering::Relaxed) != step {
-                        bad.fetch_add(1, Ordering::Relaxed);
+    fn barrier_orders_plain_writes_between_steps() {
+        // The forward pass shares plain (non-atomic) buffers: a step's writes, a barrier, then
+        // reads by every member. So does this test. In each step one member dawdles before its
+        // writes (spins a little, or sleeps past SPIN_LIMIT so that its partners park), so a
+        // barrier that lets a member through before everyone has arrived makes it read a stale
+        // cell. (A barrier with too weak memory orderings is caught on weakly ordered CPUs;
+        // x86 keeps stores in order whatever the barrier says.)
+        const CELLS: usize = 96;
+        const STEPS: usize = 300;
+        for threads in [2, 3] {
+            let stale = within(Duration::from_secs(120), move || {
+                let team = Team::new(Some(threads));
+                let mut cells = vec![0usize; CELLS];
+                let shared = SharedSlice::new(&mut cells);
+                let stale = AtomicUsize::new(0);
+                team.run(|w| {
+                    for step in 1..=STEPS {
+                        if w.id == step % w.n {
+                            match step % 10 {
+                                0 => std::thread::sleep(SPIN_LIMIT * 4),
+                                k => busy_for(Duration::from_micros(3 * k as u64)),
+                            }
+                        }
+                        // SAFETY: between the barriers each member writes only its own share
+                        // and nobody reads.
+                        unsafe { shared.slice_mut(w.share(CELLS)) }.fill(step);
+                        w.sync();
+                        // SAFETY: between these barriers nobody writes.
+                        let all = unsafe { shared.all() };
+                        let n = all.iter().filter(|&&c| c != step).count();
+                        stale.fetch_add(n, Ordering::Relaxed);
+                        w.sync();
                     }
+                });
+                stale.into_inner()
+            });
+            assert_eq!(
+                stale, 0,
+                "{threads} threads: cells read before they were written"
+            );
+        }
+    }
+
+    #[test]
+    fn back_to_back_barriers_count_every_arrival() {
+        // No work between barriers: a released member arrives at the next barrier while the
+        // last arriver of this one may still be resetting the count, so a barrier that
+        // publishes the new generation before resetting the count loses an arrival (and
+        // hangs) or releases early.
+        for (threads, steps) in [(2, 300_000), (3, 5_000)] {
+            let early = within(Duration::from_secs(120), move || {
+                let team = Team::new(Some(threads));
+                let arrivals = AtomicUsize::new(0);
+                let early = AtomicUsize::new(0);
+                team.run(|w| {
+                    for step in 0..steps {
+                        arrivals.fetch_add(1, Ordering::Relaxed);
+                        w.sync();
+                        // Everyone has arrived for this step; some may be past it already.
+                        if arrivals.load(Ordering::Relaxed) < (step + 1) * w.n {
+                            early.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+                early.into_inner()
+            });
+            assert_eq!(
+                early, 0,
+                "{threads} threads: left a barrier before all arrived"
+            );
+        }
+    }
+
+    #[test]
+    fn members_on_too_few_cores_never_lose_a_wake_up() {
+        // More members than this machine has cores: members are preempted at barriers, so
+        // waiters park, and every barrier must still release everyone (or the test times out)
+        // and only after everyone has arrived.
+        let threads = 2 * std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+        const STEPS: usize = 2000;
+        let early = within(Duration::from_secs(120), move || {
+            let team = Team::new(Some(threads));
+            let arrivals = AtomicUsize::new(0);
+            let early = AtomicUsize::new(0);
+            team.run(|w| {
+                for step in 0..STEPS {
+                    if w.id == step % w.n && step % 50 == 0 {
+                        std::thread::sleep(SPIN_LIMIT * 2);
+                    }
+                    arrivals.fetch_add(1, Ordering::Relaxed);
+                    w.sync();
+                    if arrivals.load(Ordering::Relaxed) < (step + 1) * w.n {
+                        early.fetch_add(1, Ordering::Relaxed);
+                    }
+                    w.sync();
                 }
-                w.sync();
-            }
+            });
+            assert_eq!(arrivals.into_inner(), STEPS * threads);
+            early.into_inner()
         });
-        assert_eq!(bad.load(Ordering::Relaxed), 0);
+        assert_eq!(early, 0, "members left a barrier before everyone arrived");
     }
 
     #[test]
     fn a_panicking_member_releases_the_team_and_the_team_recovers() {
-        let team = Team::new(Some(2));
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            team.run(|w| {
-                if w.id == 1 {
-                    panic!("boom");
-                }
-                w.sync(); // would spin forever without poisoning
-            })
-        }));
-        assert!(r.is_err());
-        // The team still works afterwards.
-        let hits = AtomicUsize::new(0);
-        team.run(|w| {
-            w.for_tasks(10, |_| {
-                hits.fetch_add(1, Ordering::Relaxed);
+        // Once with the partner still spinning, once with it parked.
+        for delay in [Duration::ZERO, SPIN_LIMIT * 10] {
+            within(Duration::from_secs(60), move || {
+                let team = Team::new(Some(2));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    team.run(|w| {
+                        if w.id == 1 {
+                            std::thread::sleep(delay);
+                            panic!("boom");
+                        }
+                        w.sync(); // would wait forever without poisoning
+                    })
+                }));
+                assert!(r.is_err());
+                // The team still works afterwards.
+                let hits = AtomicUsize::new(0);
+                team.run(|w| {
+                    w.for_tasks(10, |_| {
+                        hits.fetch_add(1, Ordering::Relaxed);
+                    });
+                    w.sync();
+                });
+                assert_eq!(hits.load(Ordering::Relaxed), 10);
             });
-            w.sync();
-        });
-        assert_eq!(hits.load(Ordering::Relaxed), 10);
+        }
     }
 
     #[test]

@@ -173,10 +173,19 @@ impl Model {
             .is_eog(check_token(&self.inner, token)?))
     }
 
+    /// The weights' identity (`model_identity`: a 128-bit hash of the GGUF header, file size and
+    /// sampled tensor data) as 32 hex digits; part of every prefix key and of saved sessions.
+    #[getter]
+    fn identity(&self) -> String {
+        format!("{:032x}", self.inner.id())
+    }
+
     /// A decoding context over the model's shared K/V memory for `kv_type` ("f16" default,
-    /// "q8_0" or "f32"): at most `n_ctx` tokens (or what `kv_memory` bytes hold when the memory
-    /// is made by this call). `prefix_cache=False`: the blocks it fills are not indexed.
-    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None, prefix_cache=true))]
+    /// "q8_0" or "f32"): at most `n_ctx` tokens. With `kv_memory` bytes or `memory_tokens`
+    /// tokens, the memory (when this call makes it) is sized by them and the context may use
+    /// all of it. `prefix_cache=False`: the blocks it fills are not indexed.
+    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None, prefix_cache=true, memory_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new_context(
         &self,
         py: Python<'_>,
@@ -185,10 +194,12 @@ impl Model {
         block_size: usize,
         kv_memory: Option<usize>,
         prefix_cache: bool,
+        memory_tokens: Option<usize>,
     ) -> PyResult<Context> {
         let o = KvOptions {
             n_ctx,
             kv_memory,
+            memory_tokens,
             kv_type: KvType::from_name(kv_type).map_err(to_py)?,
             block_size,
             prefix_cache,
@@ -394,6 +405,21 @@ impl Context {
         self.with(py, |c| c.cache_mut().match_prefix(seq, &tokens))
     }
 
+    /// The state of sequence `seq` as bytes: its positions, token ids and K/V rows exactly as
+    /// stored, plus the weights identity and K/V format (see `kv::state` in the core).
+    fn seq_state_read<'py>(&self, py: Python<'py>, seq: i32) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self.with(py, |c| c.seq_state_read(seq))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// Writes a state from `seq_state_read` (this model and K/V format, any context or process)
+    /// into the empty sequence `seq` without recomputing it; returns its token count. All or
+    /// nothing: `ValueError` for a bad state or a non-empty `seq`, `KvCacheFull` without room.
+    fn seq_state_write(&self, py: Python<'_>, seq: i32, data: &[u8]) -> PyResult<usize> {
+        let data = data.to_vec();
+        self.with(py, move |c| c.seq_state_write(seq, &data))
+    }
+
     /// Cache statistics (never waits for a running decode): the model's block pool for this
     /// K/V format (shared by all its contexts) by state, and this context's sequences, tokens,
     /// unused slots, prefix lookups and the tokens they mapped.
@@ -407,6 +433,7 @@ impl Context {
         d.set_item("blocks_cached", p.cached)?;
         d.set_item("blocks_referenced", p.referenced)?;
         d.set_item("blocks_shared", p.shared)?;
+        d.set_item("blocks_evicted", p.evicted)?;
         d.set_item("block_size", layout.block_size)?;
         let block_bytes = layout.bytes_per_block();
         d.set_item("bytes_per_block", block_bytes)?;

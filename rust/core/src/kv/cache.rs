@@ -52,6 +52,7 @@ pub struct SharedKv {
     layout: KvLayout,
     head_dim: usize,
     rope: Rope,
+    weights_id: Key,
     model_id: Key,
     lookups: AtomicU64,
     hit_tokens: AtomicU64,
@@ -115,6 +116,7 @@ impl SharedKv {
             layout,
             head_dim,
             rope,
+            weights_id,
             model_id: h.finish(),
             lookups: AtomicU64::new(0),
             hit_tokens: AtomicU64::new(0),
@@ -179,6 +181,16 @@ impl SharedKv {
     /// The id mixed into every content key: weights + K/V format + key scheme.
     pub fn model_id(&self) -> Key {
         self.model_id
+    }
+
+    /// The identity of the weights that compute this memory's K/V (`model::model_identity`).
+    pub fn weights_id(&self) -> Key {
+        self.weights_id
+    }
+
+    /// Values per attention head (K/V rows hold `kv_dim / head_dim` heads).
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
     }
 
     /// Locks the K/V data (held for a whole decode). A decode that panicked rolled its batch

@@ -9,6 +9,9 @@
 //!
 //! - [`prefix`]: content keys of full blocks and the key -> block index for prefix reuse.
 //!
+//! - [`state`]: a sequence's cells (positions, tokens, K/V as stored) as bytes and back
+//!   (saving and restoring sessions).
+//!
 //! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements.
 //! - [`cache`]: `SharedKv` (pool + storage + index of one model, shared by its contexts) and
 //!   `PagedCache` (one context's tables over it, batches as transactions).
@@ -20,6 +23,7 @@ pub mod cache;
 pub mod memory;
 pub mod pool;
 pub mod prefix;
+pub mod state;
 pub mod storage;
 pub mod table;
 

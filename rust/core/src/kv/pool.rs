@@ -26,7 +26,7 @@
 //!   of a non-last reference, release of an untagged block, revive of a referenced block — is
 //!   lock-free. The critical sections are O(1) (a few loads and stores).
 //! - Counters `free`, `cached`, `shared` are kept in step with the transitions, so [`stats`]
-//!   is O(1) (exact when quiescent).
+//!   is O(1) (exact when quiescent); `evicted` counts evictions since the pool was made.
 //!
 //! # Linearization points
 //! - `allocate` from the stack: the successful CAS of the stack head. The popped block is in state
@@ -80,6 +80,8 @@ pub struct PoolStats {
     pub referenced: usize,
     /// Blocks with refcount >= 2 (a subset of `referenced`).
     pub shared: usize,
+    /// Cached blocks evicted (taken for new content) since the pool was made.
+    pub evicted: u64,
 }
 
 /// The LRU list of cached blocks: `prev`/`next` links per block, oldest at `head`.
@@ -136,6 +138,7 @@ pub struct BlockPool {
     n_free: AtomicUsize,
     n_cached: AtomicUsize,
     n_shared: AtomicUsize,
+    n_evicted: AtomicU64,
 }
 
 fn pack(tag: u32, id: u32) -> u64 {
@@ -172,6 +175,7 @@ impl BlockPool {
             n_free: AtomicUsize::new(n),
             n_cached: AtomicUsize::new(0),
             n_shared: AtomicUsize::new(0),
+            n_evicted: AtomicU64::new(0),
         }
     }
 
@@ -253,6 +257,7 @@ impl BlockPool {
         debug_assert!(ok, "a block on the LRU list must be cached");
         lru.unlink(h);
         self.n_cached.fetch_sub(1, Ordering::Relaxed);
+        self.n_evicted.fetch_add(1, Ordering::Relaxed);
         Some(i)
     }
 
@@ -475,6 +480,7 @@ impl BlockPool {
             cached,
             referenced,
             shared,
+            evicted: self.n_evicted.load(Ordering::Relaxed),
         }
     }
 
@@ -664,12 +670,14 @@ mod tests {
         assert_eq!(p.allocate(), Some(0));
         assert_eq!(p.allocate(), None);
         p.audit().unwrap();
+        assert_eq!(p.stats().evicted, 3, "blocks 2, 3 and 0 were evicted");
         // A free block is preferred over a cached one.
         p.set_key(3, 7).unwrap();
         p.release(3).unwrap();
         p.release(2).unwrap(); // no key -> free
         assert_eq!(p.allocate(), Some(2));
         assert!(p.is_cached(3));
+        assert_eq!(p.stats().evicted, 3, "taking a free block evicts nothing");
         p.audit().unwrap();
     }
 

@@ -471,6 +471,40 @@ impl KvStorage {
         Ok(())
     }
 
+    /// The stored bytes of one K (`v = false`) or V row of `layer`/`block`/`slot`, in the storage
+    /// type (`row_bytes()` bytes), for saving a sequence's state.
+    pub fn row_raw(&self, layer: usize, block: u32, slot: usize, v: bool) -> Result<&[u8]> {
+        self.check_layer(layer)?;
+        let b = self.check_block(block)?;
+        self.check_slots(&(slot..slot + 1))?;
+        Ok(&self.data[self.row_range(layer, b, slot, v)])
+    }
+
+    /// Stores `bytes` (one row in the storage type, as [`KvStorage::row_raw`] returns it) as the
+    /// K (`v = false`) or V row of `layer`/`block`/`slot`, unchanged.
+    pub fn write_row_raw(
+        &mut self,
+        layer: usize,
+        block: u32,
+        slot: usize,
+        v: bool,
+        bytes: &[u8],
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let b = self.check_block(block)?;
+        self.check_slots(&(slot..slot + 1))?;
+        if bytes.len() != self.row_bytes {
+            return Err(invalid(format!(
+                "KV row has {} bytes, expected {}",
+                bytes.len(),
+                self.row_bytes
+            )));
+        }
+        let r = self.row_range(layer, b, slot, v);
+        self.data[r].copy_from_slice(bytes);
+        Ok(())
+    }
+
     /// Bytes of the K (`v = false`) or V rows `0..block_size` of `layer` in `block`, for the
     /// attention kernels. The caller checked `layer` and `block`.
     #[inline]

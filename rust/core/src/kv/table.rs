@@ -263,6 +263,25 @@ impl KvTable {
         })
     }
 
+    /// The token id recorded for cell `(b, slot)`.
+    pub fn cell_token(&self, b: BlockId, slot: u16) -> u32 {
+        self.tokens[self.idx(b, slot)]
+    }
+
+    /// Whether `s` is clean: none of its cells was moved by `seq_add`/`seq_div` and it received
+    /// no cells by `seq_cp` except into an empty sequence from a clean one (only a clean
+    /// sequence's full prefix blocks get content keys). An unknown sequence is clean.
+    pub fn is_clean(&self, s: SeqId) -> bool {
+        self.seqs.get(&s).is_none_or(|q| !q.tainted)
+    }
+
+    /// Marks `s` as not clean (its blocks get no content keys from now on, until it is empty).
+    pub fn taint(&mut self, s: SeqId) {
+        if let Some(q) = self.seqs.get_mut(&s) {
+            q.tainted = true;
+        }
+    }
+
     /// Ids of the sequences that have at least one cell.
     pub fn seq_ids(&self) -> Vec<SeqId> {
         self.seqs

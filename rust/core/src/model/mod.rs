@@ -102,7 +102,10 @@ impl Model {
                 )))
             }
             Some(bytes) => layout.n_blocks_for_bytes(bytes),
-            None => blocks_for_tokens(o.n_ctx.max(MIN_POOL_TOKENS), o.block_size),
+            None => blocks_for_tokens(
+                o.memory_tokens.unwrap_or(o.n_ctx).max(MIN_POOL_TOKENS),
+                o.block_size,
+            ),
         };
         let mut pools = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let same = |m: &Arc<SharedKv>| {
@@ -243,10 +246,15 @@ pub fn vocab_from_gguf(g: &GgufFile) -> Result<VocabData> {
 /// How a context's KV cache is sized and stored.
 #[derive(Debug, Clone, Copy)]
 pub struct KvOptions {
-    /// Token limit across all sequences (ignored when `kv_memory` is set).
+    /// Token limit across all sequences (ignored when `kv_memory` or `memory_tokens` is set).
     pub n_ctx: usize,
-    /// Size the cache by bytes of K/V storage instead (`--kv-memory`).
+    /// Size the cache by bytes of K/V storage instead (`--kv-memory`); the context may then use
+    /// all of the model's memory.
     pub kv_memory: Option<usize>,
+    /// Size the cache for this many tokens (when `kv_memory` is not set) and let the context use
+    /// all of the model's memory: its token limit is what the memory holds, not `n_ctx`. A
+    /// serving engine that keeps idle sequences beside the running ones wants this.
+    pub memory_tokens: Option<usize>,
     pub kv_type: KvType,
     pub block_size: usize,
     /// Key the blocks this context fills so that later prompts can reuse them (prefix cache).
@@ -258,6 +266,7 @@ impl Default for KvOptions {
         KvOptions {
             n_ctx: 4096,
             kv_memory: None,
+            memory_tokens: None,
             kv_type: KvType::F16,
             block_size: DEFAULT_BLOCK_SIZE,
             prefix_cache: true,
@@ -286,15 +295,19 @@ impl Context {
     }
 
     /// A context over the model's K/V memory for `o`'s format. Its token limit is `o.n_ctx`,
-    /// or what the memory holds when `o.kv_memory` is given.
+    /// or what the memory holds when `o.kv_memory` or `o.memory_tokens` is given.
     pub fn with_options(model: Arc<Model>, o: &KvOptions) -> Result<Context> {
-        if o.n_ctx == 0 && o.kv_memory.is_none() {
+        if o.memory_tokens == Some(0) {
+            return Err(invalid("memory_tokens must be positive"));
+        }
+        if o.n_ctx == 0 && o.kv_memory.is_none() && o.memory_tokens.is_none() {
             return Err(invalid("n_ctx must be positive"));
         }
         let shared = model.kv_memory(o)?;
-        let n_ctx = match o.kv_memory {
-            Some(_) => shared.capacity_tokens(),
-            None => o.n_ctx,
+        let n_ctx = if o.kv_memory.is_some() || o.memory_tokens.is_some() {
+            shared.capacity_tokens()
+        } else {
+            o.n_ctx
         };
         let mut cache = PagedCache::new(shared, n_ctx)?;
         cache.set_prefix_cache(o.prefix_cache);
@@ -364,6 +377,20 @@ impl Context {
 
     pub fn clear(&mut self) {
         self.cache.clear();
+    }
+
+    /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
+    /// rules in `kv::state`).
+    pub fn seq_state_read(&mut self, seq: i32) -> Result<Vec<u8>> {
+        self.cache.seq_state_read(seq)
+    }
+
+    /// Writes a state from [`Context::seq_state_read`] (of this or another context or process
+    /// of the same model and K/V format) into the empty sequence `seq` without recomputing it;
+    /// returns the number of cells. All or nothing.
+    pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
+        let n_vocab = self.model.n_vocab();
+        self.cache.seq_state_write(seq, data, n_vocab)
     }
 }
 
@@ -530,6 +557,50 @@ mod tests {
             b[at] ^= 0x01;
             let g2 = GgufFile::from_bytes(b).unwrap();
             assert_ne!(model_identity(&g2), id, "{what}");
+        }
+    }
+
+    /// A sequence's state written into a context of another instance of the model (its own
+    /// K/V memory) continues exactly as the original: the next token's logits are identical,
+    /// bit for bit, in f16 and q8_0, and nothing was recomputed (no decode before the check).
+    #[test]
+    fn seq_state_restores_a_sequence_in_another_model_instance() {
+        let path = std::env::var("KVSERVE_TEST_MODEL")
+            .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
+        let m1 = Arc::new(Model::load(&path, Some(2)).unwrap());
+        let m2 = Arc::new(Model::load(&path, Some(2)).unwrap());
+        let prompt = m1.tokenizer.encode(
+            "The quick brown fox jumps over the lazy dog, and then",
+            true,
+            false,
+        );
+        let next = prompt[3];
+        for kv_type in [KvType::F16, KvType::Q8_0] {
+            let o = KvOptions {
+                n_ctx: 256,
+                kv_type,
+                ..KvOptions::default()
+            };
+            let mut a = Context::with_options(Arc::clone(&m1), &o).unwrap();
+            let mut b = Context::with_options(Arc::clone(&m2), &o).unwrap();
+            a.decode(&Batch::prompt(&prompt, 0, 0)).unwrap();
+            let state = a.seq_state_read(0).unwrap();
+            assert_eq!(b.seq_state_write(4, &state).unwrap(), prompt.len());
+            let n = prompt.len() as i32;
+            let la = a.decode(&Batch::prompt(&[next], n, 0)).unwrap();
+            let lb = b.decode(&Batch::prompt(&[next], n, 4)).unwrap();
+            assert!(la.data == lb.data, "{kv_type:?}: logits differ");
+            // A context of another K/V type rejects it.
+            let other = KvOptions {
+                kv_type: if kv_type == KvType::F16 {
+                    KvType::Q8_0
+                } else {
+                    KvType::F16
+                },
+                ..o
+            };
+            let mut c = Context::with_options(Arc::clone(&m2), &other).unwrap();
+            assert!(c.seq_state_write(0, &state).is_err());
         }
     }
 

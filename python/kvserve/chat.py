@@ -1,0 +1,269 @@
+"""Chat templates: a list of messages rendered into the prompt text a model was trained on.
+
+The template is the GGUF's ``tokenizer.chat_template`` (a Jinja template, as in the model's
+Hugging Face ``tokenizer_config.json``), rendered the way ``transformers`` renders it: jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the loop-control
+extension, a ``{% generation %}`` block that renders its body, a ``tojson`` filter that keeps
+non-ASCII text and does not escape HTML, the globals ``raise_exception(message)`` and
+``strftime_now(format)``, and the variables ``messages``, ``add_generation_prompt``,
+``bos_token``, ``eos_token`` and ``tools=None``. A model without a template gets ChatML.
+
+Guarantees:
+- Messages are checked before rendering: a list of dicts, each with a ``role`` string and a
+  ``content`` that is a string or a list of OpenAI text parts (``{"type": "text", "text": ...}``);
+  anything else is a ``ValueError`` naming the message's index and the field.
+- Text parts reach the template the way llama.cpp's server hands them over: a template that
+  reads typed content (it iterates the parts and prints their text) gets the parts as they are;
+  any other gets them joined with ``"\\n"``. Which kind a template is, is found once, by
+  rendering two probe conversations.
+- Any failure of the template (a syntax error, ``raise_exception`` in the template, an
+  operation the sandbox forbids, an undefined variable used as a value, a Python error while
+  rendering) is a ``ValueError`` starting with ``chat template``; nothing else escapes.
+- :meth:`ChatTemplate.prompt` is what llama.cpp's ``llama-server`` feeds its tokenizer (and
+  returns from ``/apply-template``): the rendered text without a leading BOS text when the
+  tokenizer adds BOS itself, and without a trailing EOS text when it adds EOS, so that
+  tokenizing it with the model's special tokens gives exactly one BOS (Gemma's template starts
+  with ``{{ bos_token }}``; Gemma's tokenizer also adds BOS).
+- Templates are compiled once per source text (a small LRU cache) and each model builds its
+  :class:`ChatTemplate` once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.sandbox
+
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "Message", "check_messages"]
+
+Message = Mapping[str, Any]
+
+# The template used when a model has none (the ChatML format).
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+# -- the environment -------------------------------------------------------------------------
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's part of a
+    training example with it): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: object) -> None:
+    raise jinja2.TemplateError(str(message))
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _environment()
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    try:
+        return _ENV.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template does not compile: {e.message} (line {e.lineno})") from e
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template does not compile: {e}") from e
+
+
+# -- messages --------------------------------------------------------------------------------
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _not_a_string(where: str, value: object) -> ValueError:
+    if value is None:
+        return ValueError(f"{where} is missing")
+    return ValueError(f"{where} must be a string, got {_type_name(value)}")
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """Validated copies of ``messages`` (a ``ValueError`` naming the index and the field for
+    the first bad one). Content parts stay a list of ``{"type": "text", "text": str}``; other
+    keys of a message are kept as they are."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of dicts, got {_type_name(messages)}")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {_type_name(msg)}")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise _not_a_string(f"messages[{i}].role", role)
+        if "content" not in msg:
+            raise ValueError(f"messages[{i}].content is missing")
+        content = msg["content"]
+        if isinstance(content, str):
+            pass
+        elif isinstance(content, Sequence) and not isinstance(content, bytes):
+            parts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if not isinstance(part, Mapping):
+                    raise ValueError(f"{where} must be a dict, got {_type_name(part)}")
+                if part.get("type") != "text":
+                    raise ValueError(
+                        f"{where}.type must be 'text' (only text parts are supported), "
+                        f"got {part.get('type')!r}"
+                    )
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise _not_a_string(f"{where}.text", text)
+                parts.append({"type": "text", "text": text})
+            content = parts
+        else:
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of text parts, "
+                f"got {_type_name(content)}"
+            )
+        out.append({**msg, "role": role, "content": content})
+    return out
+
+
+def _join_parts(parts: list[dict[str, str]]) -> str:
+    return "\n".join(p["text"] for p in parts)
+
+
+# -- templates -------------------------------------------------------------------------------
+
+_PROBE = "kvserve-probe-3f9c"
+
+
+class _ProbeParts(list):  # type: ignore[type-arg]
+    """Typed content for the capability probe: printed whole, it shows nothing, so the probe
+    text appears only if the template iterates the parts."""
+
+    def __str__(self) -> str:
+        return ""
+
+    __repr__ = __str__
+
+
+class ChatTemplate:
+    """A compiled chat template plus the model facts its rendering needs.
+
+    ``source``: the Jinja template (None: ChatML). ``bos_token``/``eos_token``: the texts of the
+    model's BOS and EOS tokens (the template variables). ``add_bos``/``add_eos``: whether the
+    model's tokenizer adds them itself (then :meth:`prompt` strips the template's own copy).
+    A template that does not compile is a ``ValueError`` here."""
+
+    def __init__(
+        self,
+        source: str | None,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        add_bos: bool = False,
+        add_eos: bool = False,
+    ) -> None:
+        self.source = CHATML_TEMPLATE if source is None else source
+        self.is_default = source is None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self._template = _compile(self.source)
+        self.typed_content = self._probe_typed_content()
+
+    def _run(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                tools=None,
+            )
+        except jinja2.TemplateError as e:  # raise_exception, SecurityError, UndefinedError
+            raise ValueError(f"chat template error: {e.message or type(e).__name__}") from e
+        except RecursionError as e:
+            raise ValueError("chat template error: recursion too deep") from e
+        except Exception as e:  # a Python error inside the template ('a' + 1, 1 / 0, ...)
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
+
+    def _probe_typed_content(self) -> bool:
+        """Whether the template prints the text of typed content parts (one user message whose
+        content is one text part); llama.cpp's server passes parts only to such templates."""
+        parts = _ProbeParts([{"type": "text", "text": _PROBE}])
+        try:
+            out = self._run([{"role": "user", "content": parts}], True)
+        except ValueError:
+            return False
+        return _PROBE in out
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The template's output for ``messages`` (checked first; see :func:`check_messages`)."""
+        msgs = check_messages(messages)
+        if not self.typed_content:
+            for m in msgs:
+                if isinstance(m["content"], list):
+                    m["content"] = _join_parts(m["content"])
+        return self._run(msgs, bool(add_generation_prompt))
+
+    def prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text to tokenize with the model's special tokens (llama.cpp's rule: the
+        template's leading BOS text goes when the tokenizer adds BOS, its trailing EOS text when
+        the tokenizer adds EOS)."""
+        text = self.render(messages, add_generation_prompt)
+        if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        if self.add_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[: -len(self.eos_token)]
+        return text

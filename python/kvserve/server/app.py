@@ -1,0 +1,953 @@
+"""The routes of ``kvserve serve``: an OpenAI-compatible HTTP API over one :class:`kvserve.Engine`.
+
+The HTTP layer only translates. A generation request becomes ``prompts x n`` engine requests
+(:meth:`kvserve.Engine.events`, one per choice), all checked before any is queued and queued
+together; the engine thread computes, the event loop only moves text. Choices of one prompt
+share its cached prefix blocks (the engine's prefix index: the later ones wait for the blocks
+the first computes, then map them), so ``n`` costs the prompt once, up to its last partial
+block. Sampled choices get ``seed + j`` (choice ``j``), so a seeded request with ``n > 1`` gives
+different, reproducible choices.
+
+Admission: at most ``parallel + max_queue`` sequences are in the server at once; a request
+that would pass that gets 503 with ``Retry-After``. A client that disconnects (streaming or
+not) has its requests cancelled; the engine frees their blocks at its next step.
+
+Errors: every bad request gets a 4xx with an OpenAI-style body (:class:`http.ApiError`);
+request shapes and types are checked by the pydantic models of :mod:`.schemas`, value ranges
+by the engine (:func:`kvserve.options.resolve`), whose ``ValueError`` names the argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from .. import __version__
+from .._model import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    EngineError,
+    GenerateResult,
+    KvCacheFull,
+    Model,
+)
+from ..engine import Engine
+from ..options import RequestOptions
+from ..sessions import SessionFileError, SessionInfo
+from .config import ServerConfig
+from .http import ACCESS, ARRIVAL, REQUEST_ID, ApiError, EventStream, Gate, error_response
+from .metrics import CONTENT_TYPE, Metrics
+from .schemas import (
+    SESSION_ID,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RestoreRequest,
+    TemplateRequest,
+    TokenizeRequest,
+)
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("kvserve.server")
+
+Prompt = Union[str, list[int]]
+
+# HTTP field -> engine option (kvserve.options.RequestOptions); a new engine option is one line
+# here and one field in schemas.py. A field whose option the engine does not have is refused
+# with a 400 naming it, never silently ignored.
+_OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "typical_p": "typical_p",
+    "seed": "seed",
+    "stop": "stop",
+    "ignore_eos": "ignore_eos",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repeat_penalty",
+    "repeat_last_n": "penalty_last_n",
+    "logit_bias": "logit_bias",
+    "context_shift": "context_shift",
+    "n_keep": "n_keep",
+    "session_id": "session_id",
+}
+_HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
+_ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
+_PROMPT_TOO_LONG = re.compile(r"^the (prompt|session with this prompt) has \d+ tokens")
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+def _finish_reason(result: GenerateResult) -> str:
+    # OpenAI knows "stop" and "length"; a full context is a length limit too.
+    return FINISH_LENGTH if result.finish_reason == FINISH_CONTEXT else result.finish_reason
+
+
+def _bad_value(error: Exception, prompt_param: str) -> ApiError:
+    """The 400 for a ``ValueError``/``TypeError`` the engine raised while building a request."""
+    message = str(error)
+    if _PROMPT_TOO_LONG.match(message):
+        return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
+    first = message.split(" ", 1)[0]  # the engine's messages start with the option's name
+    param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs") else None)
+    if message.startswith(("prompt token", "the prompt")):
+        param = prompt_param
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+class _Server:
+    """The app's state: the engine (None while loading), admission and metrics."""
+
+    def __init__(self, config: ServerConfig, engine: Engine | None) -> None:
+        self.config = config
+        self.engine = engine
+        self.created = int(time.time())
+        self.in_flight = 0  # sequences this server has submitted and not yet seen finish
+        self.metrics = Metrics(self.stats)
+
+    def stats(self) -> dict[str, float | int] | None:
+        return None if self.engine is None else self.engine.stats()
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            raise ApiError(
+                503, "the model is loading", code="model_loading", headers={"Retry-After": "1"}
+            )
+        return self.engine
+
+    @property
+    def model_id(self) -> str:
+        if self.config.model_id:
+            return self.config.model_id
+        name = self.engine.model.path.name if self.engine is not None else "kvserve"
+        return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+    def capacity(self, engine: Engine) -> int:
+        return engine.parallel + self.config.max_queue
+
+
+class _Job:
+    """One generation request: the engine streams of its choices (``prompts x n``), merged
+    into one stream of ``(choice index, piece or result)`` in arrival order, with the timing
+    that metrics and the access log report."""
+
+    def __init__(
+        self,
+        server: _Server,
+        request: Request,
+        prompts: Sequence[Prompt],
+        n: int,
+        max_tokens: int,
+        options: RequestOptions,
+        prompt_param: str,
+    ) -> None:
+        engine = server.ready()
+        count = len(prompts) * n
+        capacity = server.capacity(engine)
+        if count > capacity:
+            raise ApiError(
+                400,
+                f"the request asks for {count} sequences (prompts x n), more than this server"
+                f" holds at once ({capacity}: --parallel + --max-queue)",
+                param="n",
+                code="invalid_value",
+            )
+        if server.in_flight + count > capacity:
+            raise ApiError(
+                503,
+                f"the server is full: {server.in_flight} sequences running or queued"
+                f" (--parallel + --max-queue = {capacity}); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        if "session_id" in options and count > 1:
+            raise ApiError(
+                400,
+                "a session continues one conversation: with session_id, send one prompt and n=1",
+                param="session_id",
+                code="invalid_value",
+            )
+        gens: list[AsyncGenerator[str | GenerateResult, None]] = []
+        seed = options.get("seed")
+        try:
+            for prompt in prompts:
+                for j in range(n):
+                    opts = options if seed is None or j == 0 else {**options, "seed": seed + j}
+                    gens.append(engine.events(prompt, max_tokens, **opts))
+        except (TypeError, ValueError) as e:
+            raise _bad_value(e, prompt_param) from None
+        self.server = server
+        self.engine = engine
+        self.request = request
+        self.gens = gens
+        self.n = n
+        self.arrival: float = request.scope.get(ARRIVAL, time.monotonic())
+        self.results: list[GenerateResult | None] = [None] * len(gens)
+        self.first: list[float | None] = [None] * len(gens)
+        self.last: list[float] = [0.0] * len(gens)
+        self.released = False
+        server.in_flight += count
+
+    def release(self) -> None:
+        """Gives the request's sequences back to the admission count and fills in the access
+        log; idempotent (called when the merged stream ends and when the response ends)."""
+        if not self.released:
+            self.released = True
+            self.server.in_flight -= len(self.gens)
+            firsts = [t for t in self.first if t is not None]
+            access = self.request.scope.get(ACCESS)
+            if access is not None:
+                access.update(self.usage_counts())
+                if firsts:
+                    access["ttft_ms"] = round((min(firsts) - self.arrival) * 1000, 1)
+                access["n"] = len(self.gens)
+
+    async def run(self) -> AsyncGenerator[tuple[int, str | GenerateResult], None]:
+        """The merged stream; closing it (or cancelling its consumer) cancels every choice."""
+        queue: asyncio.Queue[tuple[int, str | GenerateResult | BaseException]] = asyncio.Queue()
+
+        async def pump(i: int, gen: AsyncGenerator[str | GenerateResult, None]) -> None:
+            try:
+                async for item in gen:
+                    queue.put_nowait((i, item))
+            except Exception as e:
+                queue.put_nowait((i, e))
+            finally:
+                await gen.aclose()
+
+        tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(self.gens)]
+        metrics = self.server.metrics
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                now = time.monotonic()
+                if isinstance(item, str):
+                    if self.first[i] is None:
+                        self.first[i] = now
+                        metrics.ttft.observe(now - self.arrival)
+                    else:
+                        metrics.itl.observe(now - self.last[i])
+                    self.last[i] = now
+                else:
+                    self.results[i] = item
+                    left -= 1
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.release()
+            metrics.duration.observe(time.monotonic() - self.arrival)
+
+    def usage_counts(self) -> dict[str, int]:
+        """Prompt tokens count once per prompt (its ``n`` choices share it); cached tokens are
+        those reused for every choice of a prompt; completion tokens add up all choices."""
+        prompt = cached = completion = 0
+        for p in range(0, len(self.results), self.n):
+            done = [r for r in self.results[p : p + self.n] if r is not None]
+            if done:
+                prompt += done[0].prompt_tokens
+                cached += min(r.cached_tokens for r in done)
+            completion += sum(len(r.tokens) for r in done)
+        return {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+
+    def usage(self) -> dict[str, Any]:
+        c = self.usage_counts()
+        return {
+            "prompt_tokens": c["prompt_tokens"],
+            "completion_tokens": c["completion_tokens"],
+            "total_tokens": c["prompt_tokens"] + c["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": c["cached_tokens"]},
+        }
+
+    async def collect(self) -> bool:
+        """Runs every choice to its end; False when the client disconnected first (then the
+        choices are cancelled). Errors of a choice are raised."""
+
+        async def consume() -> None:
+            stream = self.run()
+            try:
+                async for _ in stream:
+                    pass
+            finally:
+                await stream.aclose()
+
+        async def client_gone() -> None:
+            while (await self.request.receive())["type"] != "http.disconnect":
+                pass
+
+        done = asyncio.ensure_future(consume())
+        gone = asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not done.done():
+                done.cancel()
+            await asyncio.gather(done, gone, return_exceptions=True)
+            self.release()  # also when consume() never started
+        if done.cancelled():
+            return False
+        done.result()
+        return True
+
+
+def _runtime_error(error: BaseException) -> ApiError:
+    """The answer for a request that failed after it was queued."""
+    if isinstance(error, KvCacheFull):
+        return ApiError(400, str(error), code="kv_cache_full")
+    if isinstance(error, EngineError):
+        return ApiError(500, f"the engine failed: {error}", code="engine_error")
+    if isinstance(error, RuntimeError):  # the engine was closed (shutting down)
+        return ApiError(503, str(error), code="shutting_down", headers={"Retry-After": "1"})
+    log.error("request failed", exc_info=error)
+    return ApiError(500, f"internal error: {type(error).__name__}", code="internal_error")
+
+
+def _options(body: CompletionRequest | ChatRequest) -> RequestOptions:
+    """The engine options of a request's fields (only those it set)."""
+    options: dict[str, Any] = {}
+    for field, option in _OPTION_FIELDS.items():
+        value = getattr(body, field)
+        if value is None or (field == "ignore_eos" and value is False):
+            continue
+        if field == "logit_bias":
+            value = _logit_bias(value)
+        options[option] = value
+    for option in options:
+        if option not in _ENGINE_OPTIONS:
+            field = _HTTP_NAME[option]
+            raise ApiError(
+                400,
+                f"{field} is not supported by this server yet",
+                param=field,
+                code="unsupported_parameter",
+            )
+    return options  # type: ignore[return-value]
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(
+                400,
+                f"logit_bias keys must be token ids, got {key!r}",
+                param="logit_bias",
+                code="invalid_value",
+            ) from None
+    return out
+
+
+def _logprobs_option(options: RequestOptions, n: int | None) -> RequestOptions:
+    if n is None:
+        return options
+    if "logprobs" not in _ENGINE_OPTIONS:
+        raise ApiError(
+            400,
+            "logprobs is not supported by this server yet",
+            param="logprobs",
+            code="unsupported_parameter",
+        )
+    return {**options, "logprobs": n}  # type: ignore[typeddict-unknown-key]
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _messages(body: ChatRequest | TemplateRequest) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_none=True) for m in body.messages]
+
+
+def _chat_ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
+    tokenize_chat = getattr(engine.model, "tokenize_chat", None)
+    if tokenize_chat is None:
+        raise ApiError(
+            501, "chat templates are not available in this build", code="not_implemented"
+        )
+    try:
+        ids: list[int] = tokenize_chat(messages)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+    return ids
+
+
+# -- logprobs in OpenAI's two formats ---------------------------------------------------------
+
+
+def _chat_logprobs(engine: Engine, result: GenerateResult) -> dict[str, Any] | None:
+    entries = getattr(result, "logprobs", None)
+    if entries is None:
+        return None
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        piece = engine.model.token_to_piece(token)
+        return {
+            "token": piece.decode("utf-8", errors="replace"),
+            "logprob": logprob,
+            "bytes": list(piece),
+        }
+
+    return {
+        "content": [
+            {**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
+
+
+def _completion_logprobs(engine: Engine, result: GenerateResult) -> dict[str, Any] | None:
+    entries = getattr(result, "logprobs", None)
+    if entries is None:
+        return None
+
+    def text(token: int) -> str:
+        return engine.model.token_to_piece(token).decode("utf-8", errors="replace")
+
+    tokens = [text(e.token) for e in entries]
+    offsets = []
+    at = 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def create_app(
+    config: ServerConfig | None = None,
+    *,
+    engine: Engine | None = None,
+    load: Callable[[], Engine] | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The ASGI app. With ``engine`` it serves that engine (and never closes it); otherwise it
+    builds one at startup in a worker thread with ``load`` (default: ``Engine(config.model,
+    **config.engine_kwargs())``), answering ``/health`` with 503 until it is ready, and closes
+    it at shutdown. ``on_load_error`` is called when loading fails (``serve`` stops then).
+    ``config.model`` is then a GGUF path, a registered name or None (the default model)."""
+    config = config or ServerConfig()
+    if config.session_dir is not None:
+        Path(config.session_dir).mkdir(parents=True, exist_ok=True)
+    server = _Server(config, engine)
+    owns_engine = engine is None
+
+    def default_load() -> Engine:
+        if config.chat_template is None:
+            return Engine(config.model, **config.engine_kwargs())
+        kwargs = config.engine_kwargs()
+        model = Model.load(config.model, kwargs.pop("threads"), chat_template=config.chat_template)
+        model.chat_template  # noqa: B018 - a template that does not compile fails the load
+        return Engine(model, **kwargs)
+
+    loader = load or default_load
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading: asyncio.Future[None] | None = None
+        if server.engine is None:
+
+            async def load_engine() -> None:
+                try:
+                    server.engine = await asyncio.get_running_loop().run_in_executor(None, loader)
+                except Exception as e:
+                    log.error("could not load the model: %s", e)
+                    if on_load_error is not None:
+                        on_load_error(e)
+                else:
+                    engine, st = server.engine, server.engine.stats()
+                    log.info(
+                        "model loaded: %s (parallel=%d, ctx_size=%d, K/V pool of %d blocks)",
+                        server.model_id,
+                        engine.parallel,
+                        engine.ctx_size,
+                        st["kv_blocks_total"],
+                    )
+
+            loading = asyncio.ensure_future(load_engine())
+        try:
+            yield
+        finally:
+            if loading is not None and not loading.done():
+                loading.cancel()
+            if owns_engine and server.engine is not None:
+                engine, server.engine = server.engine, None
+                await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+    app = FastAPI(
+        title="kvserve",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        message = str(error.detail)
+        if error.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(ApiError(error.status_code, message, code=code))
+
+    # -- routes -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if server.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        engine = server.ready()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.model_id,
+                        "object": "model",
+                        "created": server.created,
+                        "owned_by": "kvserve",
+                        "max_model_len": engine.ctx_size,
+                    }
+                ],
+            }
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _parse(request, TokenizeRequest)
+        model = server.ready().model
+        try:
+            ids = model.tokenize(body.content, add_special=body.add_special, parse_special=True)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="content", code="invalid_value") from None
+        if not body.with_pieces:
+            return JSONResponse({"tokens": ids})
+        pieces = [
+            {"id": t, "piece": model.token_to_piece(t).decode("utf-8", errors="replace")}
+            for t in ids
+        ]
+        return JSONResponse({"tokens": pieces})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _parse(request, DetokenizeRequest)
+        model = server.ready().model
+        n_vocab = model.n_vocab
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < n_vocab:
+                raise ApiError(
+                    400,
+                    f"tokens[{i}] is {t}, not a token id in [0, {n_vocab})",
+                    param="tokens",
+                    code="invalid_value",
+                )
+        return JSONResponse({"content": model.detokenize(body.tokens)})
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> Response:
+        body = await _parse(request, TemplateRequest)
+        model = server.ready().model
+        apply = getattr(model, "apply_chat_template", None)
+        if apply is None:
+            raise ApiError(
+                501, "chat templates are not available in this build", code="not_implemented"
+            )
+        try:
+            prompt = apply(_messages(body))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+        return JSONResponse({"prompt": prompt})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        engine = server.ready()
+        for field, unsupported in (
+            ("echo", body.echo),
+            ("suffix", body.suffix is not None),
+            ("best_of", body.best_of not in (None, body.n)),
+        ):
+            if unsupported:
+                raise ApiError(
+                    400, f"{field} is not supported", param=field, code="unsupported_parameter"
+                )
+        options = _logprobs_option(_options(body), body.logprobs)
+        _common_checks(request, body)
+        job = _Job(
+            server, request, _prompts(body.prompt), body.n, body.max_tokens or 16, options, "prompt"
+        )
+        rid = f"cmpl-{request.scope[REQUEST_ID]}"
+        base = {"id": rid, "object": "text_completion", "created": int(time.time())}
+        base["model"] = server.model_id
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+
+            def choice(i: int, text: str, result: GenerateResult | None) -> dict[str, Any]:
+                return {
+                    "index": i,
+                    "text": text,
+                    "logprobs": None if result is None else _completion_logprobs(engine, result),
+                    "finish_reason": None if result is None else _finish_reason(result),
+                }
+
+            return _stream(job, base, choice, [], usage)
+        if not await _collect(job):
+            return Response(status_code=499)
+        choices = []
+        for i, r in enumerate(job.results):
+            assert r is not None
+            choices.append(
+                {
+                    "index": i,
+                    "text": r.text,
+                    "logprobs": _completion_logprobs(engine, r),
+                    "finish_reason": _finish_reason(r),
+                }
+            )
+        return JSONResponse({**base, "choices": choices, "usage": job.usage()})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatRequest)
+        engine = server.ready()
+        options = _options(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(
+                400,
+                "top_logprobs needs logprobs: true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        if body.logprobs:
+            options = _logprobs_option(options, body.top_logprobs or 0)
+        _common_checks(request, body)
+        ids = _chat_ids(engine, _messages(body))
+        max_tokens = body.max_completion_tokens or body.max_tokens or engine.ctx_size
+        job = _Job(server, request, [ids], body.n, max_tokens, options, "messages")
+        rid = f"chatcmpl-{request.scope[REQUEST_ID]}"
+        base = {"id": rid, "object": "chat.completion", "created": int(time.time())}
+        base["model"] = server.model_id
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            base["object"] = "chat.completion.chunk"
+
+            def choice(i: int, text: str, result: GenerateResult | None) -> dict[str, Any]:
+                return {
+                    "index": i,
+                    "delta": {"content": text} if result is None else {},
+                    "logprobs": None if result is None else _chat_logprobs(engine, result),
+                    "finish_reason": None if result is None else _finish_reason(result),
+                }
+
+            opening = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(body.n)
+            ]
+            return _stream(job, base, choice, opening, usage)
+        if not await _collect(job):
+            return Response(status_code=499)
+        choices = []
+        for i, r in enumerate(job.results):
+            assert r is not None
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": _chat_logprobs(engine, r),
+                    "finish_reason": _finish_reason(r),
+                }
+            )
+        return JSONResponse({**base, "choices": choices, "usage": job.usage()})
+
+    # -- sessions -----------------------------------------------------------------------------
+    def session_dir() -> Path:
+        if config.session_dir is None:
+            raise ApiError(
+                400,
+                "session files need the server started with --session-dir",
+                code="no_session_dir",
+            )
+        return Path(config.session_dir)
+
+    @app.get("/v1/sessions")
+    async def list_sessions() -> Response:
+        infos = await _blocking(server.ready().sessions)
+        return JSONResponse({"object": "list", "data": [_session_json(i) for i in infos]})
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str) -> Response:
+        return JSONResponse(_session_json(await _find_session(server.ready(), session_id)))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> Response:
+        engine = server.ready()
+        _check_session_id(session_id)
+        try:
+            await _blocking(lambda: engine.drop_session(session_id))
+        except KeyError:
+            raise _no_session(session_id) from None
+        return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+
+    @app.post("/v1/sessions/{session_id}/save")
+    async def save_session(session_id: str) -> Response:
+        engine = server.ready()
+        _check_session_id(session_id)
+        path = session_dir() / f"{session_id}.kvs"
+        try:
+            await _blocking(lambda: engine.save_session(session_id, path))
+        except KeyError:
+            raise _no_session(session_id) from None
+        except OSError as e:
+            log.error("could not save session %s to %s: %s", session_id, path, e)
+            raise ApiError(
+                500, f"could not write the session file: {e.strerror}", code="save_failed"
+            ) from None
+        return JSONResponse(
+            {
+                "id": session_id,
+                "object": "session.saved",
+                "file": path.name,
+                "bytes": path.stat().st_size,
+            }
+        )
+
+    @app.post("/v1/sessions/restore")
+    async def restore_session(request: Request) -> Response:
+        body = await _parse(request, RestoreRequest)
+        engine = server.ready()
+        path = session_dir() / f"{body.id}.kvs"
+        sid = body.session_id or body.id
+        if not path.is_file():
+            raise ApiError(
+                404, f"no saved session {body.id!r}", param="id", code="session_not_found"
+            )
+        try:
+            await _blocking(lambda: engine.load_session(path, sid))
+        except SessionFileError as e:  # bad file: say why, without the server's paths
+            message = str(e).replace(str(path), path.name)
+            raise ApiError(400, message, param="id", code="invalid_session_file") from None
+        except KvCacheFull as e:
+            raise ApiError(
+                503,
+                f"no room in the K/V pool for the session now: {e}",
+                code="kv_cache_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        except ValueError as e:  # the id is in use
+            raise ApiError(409, str(e), param="session_id", code="session_exists") from None
+        except RuntimeError as e:  # max_sessions reached with every session busy
+            raise ApiError(503, str(e), code="too_many_sessions") from None
+        return JSONResponse(_session_json(await _find_session(engine, sid)))
+
+    return Gate(  # type: ignore[return-value]
+        app,
+        routes=lambda: app.routes,
+        metrics=server.metrics,
+        api_key=config.api_key,
+        max_body=config.max_body,
+    )
+
+
+async def _collect(job: _Job) -> bool:
+    try:
+        return await job.collect()
+    except Exception as e:
+        raise _runtime_error(e) from None
+
+
+def _common_checks(request: Request, body: CompletionRequest | ChatRequest) -> None:
+    """What both generation routes check and log alike."""
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            400,
+            "stream_options is only allowed with stream: true",
+            param="stream_options",
+            code="invalid_value",
+        )
+    if body.user is not None:
+        access = request.scope.get(ACCESS)
+        if access is not None:
+            access["user"] = body.user
+
+
+def _stream(
+    job: _Job,
+    base: dict[str, Any],
+    choice: Callable[[int, str, GenerateResult | None], dict[str, Any]],
+    opening: list[dict[str, Any]],
+    include_usage: bool,
+) -> Response:
+    """The SSE response of a streaming request: ``opening`` choices first (the chat role),
+    one chunk per piece, one per finished choice (empty text, its finish reason and
+    logprobs), the usage chunk when asked, then ``data: [DONE]``. An error after the stream
+    started is sent as ``data: {"error": ...}`` before ``[DONE]``."""
+    extra = {"usage": None} if include_usage else {}
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        stream = job.run()
+        try:
+            if opening:
+                yield _sse({**base, "choices": opening, **extra})
+            async for i, item in stream:
+                if isinstance(item, str):
+                    yield _sse({**base, "choices": [choice(i, item, None)], **extra})
+                else:
+                    yield _sse({**base, "choices": [choice(i, "", item)], **extra})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": job.usage()})
+        except Exception as e:
+            yield _sse(_runtime_error(e).body())
+        finally:
+            await stream.aclose()
+        yield _SSE_DONE
+
+    def disconnected() -> None:
+        access = job.request.scope.get(ACCESS)
+        if access is not None:
+            access["disconnected"] = True
+
+    return EventStream(events(), on_disconnect=disconnected, on_close=job.release)
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+_T = TypeVar("_T")
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    """The request's body as ``model`` (JSON whatever the Content-Type says; strict types);
+    a 400 naming the first bad field otherwise."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as error:
+        raise _validation_error(error) from None
+
+
+# A location part that names a member of a union (``str``, ``list[int]``, ``_TextPart``), not
+# a field: pydantic reports a value that fits no member once per member.
+_UNION_MEMBER = re.compile(r"[a-z]+\[.*\]|str|int|float|bool|_?[A-Z]\w*")
+
+
+def _validation_error(error: ValidationError) -> ApiError:
+    """A 400 naming the first bad field: pydantic's messages, one per field; a value that
+    fits no member of a union is reported once, with the forms it may take."""
+    problems: dict[str, list[str]] = {}  # field path -> messages (or union members)
+    for e in error.errors():
+        if e.get("type") == "json_invalid":
+            return ApiError(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
+        loc = [str(p) for p in e.get("loc", ())]
+        member = next((i for i, p in enumerate(loc) if _UNION_MEMBER.fullmatch(p)), None)
+        if member is not None:
+            where = ".".join(loc[:member])
+            problems.setdefault(where, [])
+            if loc[member] not in problems[where]:
+                problems[where].append(loc[member])
+        else:
+            problems.setdefault(".".join(loc) or "body", []).append(str(e.get("msg")))
+    parts = []
+    for where, items in list(problems.items())[:5]:
+        if all(_UNION_MEMBER.fullmatch(x) for x in items) and len(items) > 1:
+            parts.append(f"{where}: must be one of {', '.join(items)}")
+        else:
+            parts.append(f"{where}: {'; '.join(items)}")
+    first = next(iter(problems), "body")
+    param = None if first == "body" else first.split(".")[0]
+    return ApiError(400, "; ".join(parts) or "invalid request", param=param, code="invalid_value")
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+_SESSION_RE = re.compile(SESSION_ID)
+
+
+def _check_session_id(session_id: str) -> None:
+    if not _SESSION_RE.match(session_id):
+        raise ApiError(
+            400,
+            f"invalid session id {session_id!r}: 1 to 128 of A-Z a-z 0-9 . _ -, not starting"
+            " with . _ or -",
+            param="session_id",
+            code="invalid_value",
+        )
+
+
+def _no_session(session_id: str) -> ApiError:
+    return ApiError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+
+
+def _session_json(info: SessionInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "object": "session",
+        "tokens": info.tokens,
+        "last_use": info.last_use,
+        "resident": info.resident,
+        "busy": info.busy,
+    }
+
+
+async def _find_session(engine: Engine, session_id: str) -> SessionInfo:
+    _check_session_id(session_id)
+    for info in await _blocking(engine.sessions):
+        if info.id == session_id:
+            return info
+    raise _no_session(session_id)
+
+
+async def _blocking(fn: Callable[[], _T]) -> _T:
+    """``fn()`` in a worker thread (session calls wait for the engine thread's next step)."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)

@@ -1,0 +1,65 @@
+"""What ``kvserve serve`` is configured with: one dataclass, filled by the command line (each
+flag with its ``KVSERVE_*`` environment twin) or by a program that embeds the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_MAX_BODY", "ServerConfig"]
+
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    """``model``: a GGUF path or a registered model name (None: the default model).
+    ``parallel``: sequences decoded at once; ``max_queue``: sequences that may wait beyond
+    them (a request past that gets 503 with ``Retry-After``). ``ctx_size``, ``kv_memory``,
+    ``kv_type``, ``batch_tokens``, ``threads``, ``context_shift`` (the default of the
+    per-request option), ``kv_high_watermark``, ``kv_low_watermark``, ``session_ttl``,
+    ``max_sessions``: as :class:`kvserve.Engine` takes them. ``session_dir``: where
+    ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
+    sessions live in memory only).
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
+    ``max_body``: the largest request body in bytes (413 beyond). ``model_id``: the id that
+    ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
+    ``chat_template``: a Jinja chat template (its source) to use instead of the model's."""
+
+    model: str | None = None
+    chat_template: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    threads: int | None = None
+    parallel: int = 16
+    ctx_size: int = 4096
+    kv_memory: int | str | None = None
+    kv_type: str = "f16"
+    batch_tokens: int = 512
+    context_shift: bool = False
+    session_dir: str | None = None
+    kv_high_watermark: float = 0.9
+    kv_low_watermark: float = 0.7
+    session_ttl: float | None = None
+    max_sessions: int | None = None
+    max_queue: int = 256
+    api_key: str | None = None
+    log_format: str = "text"
+    max_body: int = DEFAULT_MAX_BODY
+    model_id: str | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The :class:`kvserve.Engine` arguments (everything but the model)."""
+        return {
+            "threads": self.threads,
+            "parallel": self.parallel,
+            "ctx_size": self.ctx_size,
+            "kv_memory": self.kv_memory,
+            "kv_type": self.kv_type,
+            "batch_tokens": self.batch_tokens,
+            "context_shift": self.context_shift,
+            "kv_high_watermark": self.kv_high_watermark,
+            "kv_low_watermark": self.kv_low_watermark,
+            "session_ttl": self.session_ttl,
+            "max_sessions": self.max_sessions,
+        }

@@ -1,0 +1,258 @@
+"""The HTTP plumbing under the routes: OpenAI-style errors, the gate every request passes
+(request id, API key, body size limit, access log, request counter) and the server-sent-events
+response that cancels its generation when the client goes away.
+
+Everything here is plain ASGI (no ``BaseHTTPMiddleware``), so a streaming response is never
+buffered and a client's disconnect reaches the route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .metrics import Metrics
+
+__all__ = ["ApiError", "EventStream", "Gate", "error_response"]
+
+log = logging.getLogger("kvserve.server")
+access_log = logging.getLogger("kvserve.access")
+
+# Scope keys the gate sets for the routes (and reads back for the access log).
+REQUEST_ID = "kvserve.request_id"
+ARRIVAL = "kvserve.arrival"  # time.monotonic() when the request arrived
+ACCESS = "kvserve.access"  # dict of extra access-log fields a route fills in
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param",
+    "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _error_type(self.status),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def route_label(routes: list[BaseRoute], scope: Scope) -> str:
+    """The route template a request is for (``/v1/sessions/{id}``), for metrics and logs; an
+    unknown path is ``unmatched`` (its path would make a label per client typo)."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match != Match.NONE:
+            return str(getattr(route, "path", "unmatched"))
+    return "unmatched"
+
+
+class Gate:
+    """The outermost ASGI layer: gives each HTTP request an id (``x-request-id``), checks the
+    API key (every route but ``/health``; constant-time compare), reads the body up to
+    ``max_body`` bytes (413 beyond it), and when the response is done counts it by route and
+    status and writes one access-log line (``log_format``: ``text`` or ``json``)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        routes: Callable[[], list[BaseRoute]],
+        metrics: Metrics,
+        api_key: str | None,
+        max_body: int,
+    ) -> None:
+        self.app = app
+        self.routes = routes
+        self.metrics = metrics
+        self.key = None if api_key is None else api_key.encode()
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrival = time.monotonic()
+        rid = uuid.uuid4().hex[:24]
+        scope[REQUEST_ID] = rid
+        scope[ARRIVAL] = arrival
+        scope[ACCESS] = {}
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            if self.key is not None and scope["path"] != "/health" and not self._authorized(scope):
+                error = ApiError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error_response(error)(scope, receive, send_with_id)
+                return
+            body = await self._read_body(scope, receive)
+            if isinstance(body, ApiError):
+                await error_response(body)(scope, receive, send_with_id)
+                return
+            if body is None:  # the client left while sending its body
+                return
+            await self.app(scope, _replay(body, receive), send_with_id)
+        finally:
+            label = route_label(self.routes(), scope)
+            # A response that never started failed inside the app (the error was logged).
+            self.metrics.requests.labels(label, str(status or 500)).inc()
+            self._log(scope, label, status or 500, arrival)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.key is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        return False
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | ApiError | None:
+        too_large = ApiError(
+            413,
+            f"the request body is larger than the server's limit of {self.max_body} bytes",
+            code="body_too_large",
+        )
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    if int(value) > self.max_body:
+                        return too_large
+                except ValueError:
+                    return ApiError(400, "malformed Content-Length header")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _log(self, scope: Scope, route: str, status: int, arrival: float) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        client = scope.get("client")
+        entry: dict[str, Any] = {
+            "id": scope[REQUEST_ID],
+            "method": scope["method"],
+            "path": scope["path"],
+            "route": route,
+            "status": status,
+            "client": f"{client[0]}:{client[1]}" if client else None,
+            **scope[ACCESS],
+            "total_ms": round((time.monotonic() - arrival) * 1000, 1),
+        }
+        line = " ".join(f"{k}={v}" for k, v in entry.items() if v is not None)
+        access_log.info(line, extra={"access": entry})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body the gate read, then the real messages (a
+    disconnect, for a route that watches for one)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class EventStream(StreamingResponse):
+    """``text/event-stream`` from an async generator of encoded events. It watches for the
+    client's disconnect the whole time (not only when a write fails): when the client goes
+    away the generator is closed at once (its ``finally`` cancels the generation, so the
+    engine frees its blocks at the next step) and ``on_disconnect`` is called. ``on_close`` is
+    called in every case once the response is over, even if the generator never started (a
+    client gone before the first byte)."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        on_disconnect: Callable[[], None] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.events = events
+        self.on_disconnect = on_disconnect
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone = watching.done() and not streaming.done()
+            for task in (streaming, watching):
+                task.cancel()
+            results = await asyncio.gather(streaming, watching, return_exceptions=True)
+            await self.events.aclose()
+            if self.on_close is not None:  # also when the generator never started
+                self.on_close()
+        if gone and self.on_disconnect is not None:
+            self.on_disconnect()
+        error = results[0]
+        if isinstance(error, Exception) and not isinstance(error, OSError):
+            log.error("stream failed", exc_info=error)

@@ -1,0 +1,132 @@
+"""The request bodies of the HTTP API, as pydantic models (OpenAI's names and shapes).
+
+The models check *types and shapes* strictly (``"0.5"`` is not a number, ``true`` is not an
+integer, an unknown field is an error: a field this server does not implement is refused
+rather than ignored). *Ranges* of the sampling options (``temperature >= 0``, ``top_p`` in
+(0, 1], ...) are checked once, by :func:`kvserve.options.resolve`, when the request is built;
+only limits that belong to the HTTP API itself (``n``, ``max_tokens``) are declared here.
+
+This module has no ``from __future__ import annotations`` and spells unions with
+``Optional``/``Union`` so that pydantic can evaluate the annotations on Python 3.9.
+"""
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "SESSION_ID",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "MAX_N",
+    "RestoreRequest",
+    "StreamOptions",
+    "TemplateRequest",
+    "TokenizeRequest",
+]
+
+# The most choices one request may ask for (each is a sequence in the engine).
+MAX_N = 64
+
+# A session id: also the name of its file in --session-dir (``<id>.kvs``), so only characters
+# that are safe in a file name, never a path (no "/", no leading ".").
+SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    # Accepted and echoed back; the server serves one model whatever this names.
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = Field(default=None, ge=0)
+    stop: Union[str, list[str], None] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    ignore_eos: bool = False
+    typical_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    repeat_last_n: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # Context shift (llama.cpp's): None = the server's --context-shift.
+    context_shift: Optional[bool] = None
+    n_keep: Optional[int] = None
+    # The conversation this request continues (kvserve.Engine sessions).
+    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
+
+
+class CompletionRequest(_Generation):
+    """``POST /v1/completions``. ``prompt``: text, a list of texts, token ids, or a list of
+    token-id lists; each prompt gets ``n`` choices (index ``prompt * n + j``)."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Union[str, list[_TextPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatRequest(_Generation):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # OpenAI's limit
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: ``content`` to token ids (special-token text is parsed)."""
+
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``: token ids to text."""
+
+    tokens: list[int]
+
+
+class TemplateRequest(_Body):
+    """``POST /apply-template``: the prompt text the chat template makes of ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class RestoreRequest(_Body):
+    """``POST /v1/sessions/restore``: load ``<id>.kvs`` from --session-dir, as ``session_id``
+    (default: ``id``)."""
+
+    id: str = Field(pattern=SESSION_ID)
+    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)

@@ -1,0 +1,1200 @@
+"""`kvserve serve`: a live server on a loopback port, driven by the official `openai` client
+and by raw HTTP (httpx).
+
+Oracles: `Model.generate` in this process (the single-sequence path, no engine, no HTTP) for
+greedy text, finish reasons and token counts; `Model.tokenize`/`detokenize` for the token
+routes; the KV contract (whole 16-token blocks of a computed prompt are reused) for
+`cached_tokens`; prometheus-client's own parser for `/metrics`; the per-choice seed rule
+(`seed + j`) checked against single requests.
+
+Two servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured
+by flags; one configured by `KVSERVE_*` environment variables with an API key, one sequence
+at a time and a one-sequence queue); one runs in this process (uvicorn in a thread) to
+watch `/health` while the model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve import Engine, Model
+from kvserve.cli import main as cli_main
+from kvserve.server import ServerConfig, create_app
+
+CTX = 256
+PARALLEL = 4
+MAX_BODY = 64 * 1024
+PROMPT = "The capital of France is"
+STORY = "Once upon a time, in a small village by the sea, there lived"
+
+
+class Server:
+    """A `kvserve serve` subprocess; its log (JSON lines) goes to a file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self.out = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve", "serve", "--port", "0", "--log-format", "json"]
+            + args,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = self._wait_for_port()
+        self._wait_healthy()
+
+    def _wait_for_port(self) -> str:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"kvserve serve exited with {self.proc.returncode}:\n{self.text()}")
+            m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.text())
+            if m:
+                return m.group(1)
+            time.sleep(0.1)
+        pytest.fail(f"kvserve serve did not start listening:\n{self.text()}")
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if httpx.get(f"{self.url}/health").status_code == 200:
+                return
+            time.sleep(0.1)
+        pytest.fail(f"kvserve serve never became healthy:\n{self.text()}")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text().splitlines() if line.startswith("{")]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+
+
+def _metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """`/metrics` parsed by prometheus-client: {sample name: value} for unlabelled samples,
+    {sample name: {labels as tuple of pairs: value}} for labelled ones."""
+    r = httpx.get(f"{url}/metrics", headers=headers)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.labels:
+                key = tuple(sorted(s.labels.items()))
+                out.setdefault(s.name, {})[key] = s.value
+            else:
+                out[s.name] = s.value
+    return out
+
+
+def _wait_idle(url: str, headers: dict[str, str] | None = None, timeout: float = 20) -> dict:
+    """Waits until no sequence runs or waits and no K/V block is referenced; the metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url, headers)
+        used = m["kvserve_kv_blocks"][(("state", "used"),)]
+        if used == 0 and m["kvserve_running"] == 0 and m["kvserve_queue_depth"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server did not go idle: used={used} running={m['kvserve_running']}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = Server(
+        [
+            "--model", str(model_path), "--threads", "2", "--parallel", str(PARALLEL),
+            "--ctx-size", str(CTX), "--kv-memory", "16MiB", "--max-queue", "64",
+            "--max-body", str(MAX_BODY),
+        ],
+        log,
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(model_path: Path) -> Model:
+    return Model(model_path, threads=1)
+
+
+# -- completions ------------------------------------------------------------------------------
+
+
+def test_greedy_completion_is_model_generate(client: openai.OpenAI, model: Model) -> None:
+    for prompt, n in ((PROMPT, 16), (STORY, 24)):
+        want = model.generate(prompt, max_tokens=n)
+        got = client.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0)
+        assert got.object == "text_completion"
+        assert got.id.startswith("cmpl-")
+        (choice,) = got.choices
+        assert choice.text == want.text
+        assert choice.finish_reason == want.finish_reason
+        assert got.usage is not None
+        assert got.usage.prompt_tokens == want.prompt_tokens
+        assert got.usage.completion_tokens == len(want.tokens)
+        assert got.usage.total_tokens == want.prompt_tokens + len(want.tokens)
+        assert got.model == model.path.name.removesuffix(".gguf")
+
+
+def test_stream_gives_the_same_text_as_non_stream(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=20)
+    chunks = list(
+        client.completions.create(
+            model="any",
+            prompt=STORY,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == want.finish_reason and all(f is None for f in finals[:-1])
+    assert len(finals) > 2  # streamed in pieces, not one block
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (want.prompt_tokens, len(want.tokens))
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_ends_with_done(server: Server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    json.loads(lines[-2][len("data: ") :])  # the rest are JSON chunks
+
+
+def test_max_tokens_and_length(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=3)
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=3)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, "length")
+    assert got.usage is not None and got.usage.completion_tokens == 3
+
+
+def test_default_max_tokens_is_16(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=16, ignore_eos=True)
+    got = client.completions.create(model="m", prompt=STORY, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.text
+    assert got.usage is not None and got.usage.completion_tokens == 16
+
+
+def test_stop(client: openai.OpenAI, model: Model) -> None:
+    full = model.generate(STORY, max_tokens=24).text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[2]
+    cut = full[: full.index(stop)]
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=24, stop=[stop, "\x00"])
+    assert got.choices[0].text == cut
+    assert got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="m", prompt=STORY, max_tokens=24, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_seed_and_n(client: openai.OpenAI) -> None:
+    """A sampled request with a seed repeats; with n > 1, choice j is what a single request
+    with seed + j gives."""
+
+    def one(seed: int) -> str:
+        r = client.completions.create(
+            model="m",
+            prompt=STORY,
+            max_tokens=12,
+            temperature=1.2,
+            seed=seed,
+            extra_body={"top_k": 40, "min_p": 0.01},
+        )
+        return r.choices[0].text
+
+    a = one(7)
+    assert one(7) == a
+    singles = [a, one(8), one(9)]
+    assert len(set(singles)) > 1, singles  # different seeds draw differently
+    many = client.completions.create(
+        model="m",
+        prompt=STORY,
+        max_tokens=12,
+        temperature=1.2,
+        seed=7,
+        n=3,
+        extra_body={"top_k": 40, "min_p": 0.01},
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == singles
+
+
+def test_n_greedy_shares_the_prompt(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=8)
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=8, n=3)
+    assert [c.text for c in got.choices] == [want.text] * 3
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == want.prompt_tokens  # counted once
+    assert got.usage.completion_tokens == 3 * len(want.tokens)
+
+
+def test_prompt_forms(client: openai.OpenAI, model: Model) -> None:
+    """Token ids are fed as they are; a list of prompts gets n choices each, in order."""
+    ids = model.tokenize(PROMPT, add_special=True, parse_special=True)
+    want = model.generate(PROMPT, max_tokens=6).text
+    story = model.generate(STORY, max_tokens=6).text
+    by_ids = client.completions.create(model="m", prompt=ids, max_tokens=6)
+    assert by_ids.choices[0].text == want
+    many = client.completions.create(model="m", prompt=[PROMPT, STORY], max_tokens=6, n=2)
+    assert [c.text for c in many.choices] == [want, want, story, story]
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    lists = client.completions.create(model="m", prompt=[ids, ids], max_tokens=6)
+    assert [c.text for c in lists.choices] == [want, want]
+
+
+def test_cached_tokens(client: openai.OpenAI, model: Model) -> None:
+    """The second time, the whole 16-token blocks of the prompt (all but its last token) are
+    reused: (n_prompt - 1) // 16 * 16 cached tokens (docs/KV_SEMANTICS.md)."""
+    prompt = "A long and winding prompt about nothing in particular. " * 5 + "Unique tail 91."
+    n_prompt = len(model.tokenize(prompt, add_special=True, parse_special=True))
+    assert n_prompt > 40
+    client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+CHAT: list[Any] = [  # Any: the openai client types messages as TypedDicts
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def test_greedy_chat_is_model_chat(client: openai.OpenAI, model: Model) -> None:
+    want = model.chat(CHAT, max_tokens=20)
+    got = client.chat.completions.create(model="m", messages=CHAT, max_tokens=20)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    (choice,) = got.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want.text
+    assert choice.finish_reason == want.finish_reason
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == len(model.tokenize_chat(CHAT))
+    assert got.usage.completion_tokens == len(want.tokens)
+    # text parts are joined as the template expects; max_completion_tokens wins over max_tokens
+    parts = [
+        CHAT[0],
+        {"role": "user", "content": [{"type": "text", "text": CHAT[1]["content"]}]},
+    ]
+    got = client.chat.completions.create(
+        model="m",
+        messages=parts,
+        max_tokens=2,
+        max_completion_tokens=20,
+    )
+    assert got.choices[0].message.content == want.text
+
+
+def test_chat_stream_gives_the_same_text(client: openai.OpenAI, model: Model) -> None:
+    want = model.chat(CHAT, max_tokens=20)
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=CHAT,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == len(want.tokens)
+
+
+def test_chat_default_max_tokens_runs_to_the_end(client: openai.OpenAI, model: Model) -> None:
+    """Without max_tokens a chat reply runs until end of generation or a full context (a long
+    system message leaves room for a few dozen tokens, more than completions' default 16)."""
+    user = {"role": "user", "content": "Tell me a long story about a dragon and a knight."}
+    system = "You are a storyteller."
+    while (
+        len(model.tokenize_chat([{"role": "system", "content": system + " Be kind."}, user]))
+        < CTX - 30
+    ):
+        system += " Be kind."
+    messages: list[Any] = [{"role": "system", "content": system}, user]
+    want = model.chat(messages, max_tokens=CTX, n_ctx=CTX)
+    assert len(want.tokens) > 16
+    got = client.chat.completions.create(model="m", messages=messages)
+    assert got.choices[0].message.content == want.text
+    assert got.usage is not None and got.usage.completion_tokens == len(want.tokens)
+
+
+def test_apply_template(server: Server, model: Model) -> None:
+    r = httpx.post(f"{server.url}/apply-template", json={"messages": CHAT})
+    assert r.status_code == 200
+    assert r.json() == {"prompt": model.apply_chat_template(CHAT)}
+
+
+def test_a_second_turn_reuses_the_first(client: openai.OpenAI, model: Model) -> None:
+    """Without sessions, the next turn of a chat finds the previous turn's prompt and reply in
+    the prefix index: the whole blocks both share, up to what the first turn computed (its
+    prompt and all generated tokens but the last) and all but the new prompt's last token."""
+    first: list[Any] = [
+        {"role": "system", "content": "You answer in one short sentence. " * 4},
+        {"role": "user", "content": "Name a large animal."},
+    ]
+    r1 = client.chat.completions.create(model="m", messages=first, max_tokens=24)
+    reply = r1.choices[0].message.content or ""
+    assert r1.usage is not None
+    ids1 = model.tokenize_chat(first)
+    done1 = ids1 + model.chat(first, max_tokens=24).tokens
+    second: list[Any] = [
+        *first,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Why?"},
+    ]
+    ids2 = model.tokenize_chat(second)
+    same = (i for i, (a, b) in enumerate(zip(done1, ids2)) if a != b)
+    common = next(same, min(len(done1), len(ids2)))  # the longest common prefix
+    want = min(common, len(done1) - 1, len(ids2) - 1) // 16 * 16
+    assert want >= len(ids1) // 16 * 16  # at least the first prompt's whole blocks
+    r2 = client.chat.completions.create(model="m", messages=second, max_tokens=4)
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    assert r2.usage.prompt_tokens == len(ids2)
+    assert r2.usage.prompt_tokens_details.cached_tokens == want
+
+
+# -- sampling options, logprobs, context shift -------------------------------------------------
+
+
+def test_penalties_and_logit_bias_follow_model_generate(
+    client: openai.OpenAI, model: Model
+) -> None:
+    """Each sampling field reaches the engine as its option: the same text as Model.generate
+    with that option, on a repetitive prompt where every option changes the greedy text (and
+    presence and frequency penalties differ, so a swapped mapping is caught)."""
+    prompt = "one two three, one two three, one two three, one two three, one two"
+    plain = model.generate(prompt, max_tokens=12).text
+    first = model.generate(prompt, max_tokens=1).tokens[0]
+    sampled = {"typical_p": 0.5, "temperature": 0.7, "seed": 3}
+    texts = []
+    for http, engine in (
+        ({"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+        ({"frequency_penalty": 2.0}, {"frequency_penalty": 2.0}),
+        (
+            {"repetition_penalty": 1.5, "repeat_last_n": 8},
+            {"repeat_penalty": 1.5, "penalty_last_n": 8},
+        ),
+        ({"logit_bias": {str(first): -100}}, {"logit_bias": {first: -100.0}}),
+        (sampled, sampled),
+    ):
+        want = model.generate(prompt, max_tokens=12, **engine).text
+        assert want != plain, engine  # the option matters here
+        got = client.completions.create(model="m", prompt=prompt, max_tokens=12, extra_body=http)
+        assert got.choices[0].text == want, http
+        texts.append(want)
+    assert texts[0] != texts[1]  # presence and frequency penalties act differently here
+
+
+def test_chat_logprobs(client: openai.OpenAI, model: Model) -> None:
+    want = model.chat(CHAT, max_tokens=6, logprobs=3)
+    assert want.logprobs is not None
+    got = client.chat.completions.create(
+        model="m",
+        messages=CHAT,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = got.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == len(want.logprobs)
+    for entry, lp in zip(content, want.logprobs):
+        assert entry.token == lp.text and entry.bytes == list(lp.piece)
+        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-3)
+        assert [t.token for t in entry.top_logprobs] == [
+            model.token_to_piece(t).decode("utf-8", errors="replace") for t, _ in lp.top
+        ]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [v for _, v in lp.top], abs=1e-3
+        )
+    streamed = client.chat.completions.create(
+        model="m",
+        messages=CHAT,
+        max_tokens=6,
+        logprobs=True,
+        stream=True,
+    )
+    entries = [
+        e
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert [e.token for e in entries] == [lp.text for lp in want.logprobs]
+    assert all(e.top_logprobs == [] for e in entries)
+
+
+def test_completion_logprobs(client: openai.OpenAI, model: Model) -> None:
+    want = model.generate(STORY, max_tokens=5, logprobs=2)
+    assert want.logprobs is not None
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=5, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.tokens == [e.text for e in want.logprobs]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-3)
+    assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_context_shift(client: openai.OpenAI, model: Model, model_path: Path) -> None:
+    """A request that fills the context stops with finish_reason length at ctx-size; with
+    context_shift it goes on (llama.cpp's shift) and generates what an in-process Engine with
+    the same settings generates (the shift itself is tested against references in
+    tests/test_engine.py; this checks the HTTP field reaches it)."""
+    prompt = STORY
+    while len(model.tokenize(prompt + STORY, add_special=True, parse_special=True)) < CTX - 24:
+        prompt += STORY
+    n_prompt = len(model.tokenize(prompt, add_special=True, parse_special=True))
+    extra: dict[str, object] = {"ignore_eos": True}
+    full = model.generate(prompt, max_tokens=40, n_ctx=CTX, ignore_eos=True)
+    assert full.finish_reason == "context" and len(full.tokens) < 40
+    stopped = client.completions.create(model="m", prompt=prompt, max_tokens=40, extra_body=extra)
+    assert stopped.choices[0].text == full.text
+    assert stopped.choices[0].finish_reason == "length"  # OpenAI has no "context"
+    assert stopped.usage is not None
+    assert (stopped.usage.prompt_tokens, stopped.usage.completion_tokens) == (
+        n_prompt,
+        len(full.tokens),
+    )
+    extra["context_shift"] = True
+    shifted = client.completions.create(model="m", prompt=prompt, max_tokens=40, extra_body=extra)
+    assert shifted.usage is not None and shifted.usage.completion_tokens == 40
+    with Engine(model_path, threads=1, parallel=1, ctx_size=CTX, kv_memory="16MiB") as engine:
+        want = engine.generate(prompt, 40, ignore_eos=True, context_shift=True)
+    assert shifted.choices[0].text == want.text
+
+
+# -- the other routes -------------------------------------------------------------------------
+
+
+def test_models(client: openai.OpenAI, model: Model) -> None:
+    (m,) = client.models.list().data
+    assert m.id == model.path.name.removesuffix(".gguf")
+    assert m.object == "model"
+
+
+def test_tokenize_detokenize(server: Server, model: Model) -> None:
+    text = "Hello, world! <|im_start|> ünïcödé"
+    r = httpx.post(f"{server.url}/tokenize", json={"content": text})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == model.tokenize(text, add_special=False, parse_special=True)
+    r = httpx.post(f"{server.url}/tokenize", json={"content": text, "add_special": True})
+    ids = model.tokenize(text, add_special=True, parse_special=True)
+    assert r.json()["tokens"] == ids
+    r = httpx.post(f"{server.url}/tokenize", json={"content": "Hi there", "with_pieces": True})
+    pieces = r.json()["tokens"]
+    want = model.tokenize("Hi there", add_special=False, parse_special=True)
+    assert [p["id"] for p in pieces] == want
+    assert "".join(p["piece"] for p in pieces) == "Hi there"
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json()["content"] == model.detokenize(ids)
+
+
+def test_health(server: Server) -> None:
+    r = httpx.get(f"{server.url}/health")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+
+
+def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
+    """An app that loads its engine at startup answers /health 503 (and other routes 503
+    with an error body) until the engine is ready."""
+    import uvicorn
+
+    release = threading.Event()
+    engines: list[Engine] = []
+
+    def load() -> Engine:
+        release.wait(60)
+        engines.append(Engine(model_path, threads=1, parallel=1, ctx_size=64))
+        return engines[0]
+
+    app = create_app(ServerConfig(), load=load)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.get(f"{url}/health")
+        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        r = httpx.get(f"{url}/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "1"
+        release.set()
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine never became ready"
+            time.sleep(0.02)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        release.set()
+        srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+    assert engines and engines[0]._closed  # the app closed the engine it loaded
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+_BAD: list[tuple[str, Any, int, str | None, str]] = [
+    # (route, body (bytes: sent raw), status, param, a word of the message)
+    ("/v1/completions", b'{"prompt": "x", ', 400, None, "JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "object"),
+    ("/v1/completions", b"", 400, None, "JSON"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "must be one of"),
+    ("/v1/completions", {"prompt": ["a", 1]}, 400, "prompt", "must be one of"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "greater"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_k": -1}, 400, "top_k", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "min_p": 2}, 400, "min_p", "[0, 1]"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "greater"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "n", "less"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "greater"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", "must be one of"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "not permitted"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt", "token id"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt", "token id"),
+    ("/v1/completions", {"prompt": [[]]}, 400, "prompt", "no tokens"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, None, "JSON"),
+    ("/v1/completions", b"[" * 50_000, 400, None, "JSON"),  # nesting past the parser's limit
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "array"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "role"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
+    ("/v1/completions", {"prompt": "x", "repeat_last_n": -2}, 400, "repeat_last_n", ">= -1"),
+    ("/v1/completions", {"prompt": "x", "typical_p": 0}, 400, "typical_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "vocab"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "x", "n_keep": -1}, 400, "n_keep", ">= 0"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 21}, 400, "top_logprobs", "less"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "content"),
+    ("/apply-template", {"messages": [{"role": 1, "content": "x"}]}, 400, "messages", "string"),
+    ("/tokenize", {"text": "x"}, 400, "content", "required"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token id"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "integer"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param", "word"), _BAD)
+def test_bad_requests_get_openai_errors(
+    server: Server, route: str, body: Any, status: int, param: str | None, word: str
+) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(f"{server.url}{route}", content=body)
+    else:
+        r = httpx.post(f"{server.url}{route}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert word in error["message"], error
+
+
+def test_prompt_too_long_names_both_numbers(server: Server, model: Model) -> None:
+    prompt = "word " * (CTX + 20)
+    n = len(model.tokenize(prompt, add_special=True, parse_special=True))
+    assert n > CTX
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert str(n) in error["message"] and str(CTX) in error["message"], error
+
+
+def test_body_too_large_is_413(server: Server) -> None:
+    big = json.dumps({"prompt": "x" * MAX_BODY})
+    r = httpx.post(f"{server.url}/v1/completions", content=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "body_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks())
+    assert r.status_code == 413
+
+
+def test_unknown_route_and_method(server: Server) -> None:
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_bad_input_leaves_the_server_serving(
+    server: Server, client: openai.OpenAI, model: Model
+) -> None:
+    """Every error case of the table, sent while another client streams, leaves that stream
+    whole (the greedy text) and the server answering correctly afterwards."""
+    want = model.generate(STORY, max_tokens=40, ignore_eos=True).text
+    body = {"prompt": STORY, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    pieces: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    for route, bad, status, _param, _word in _BAD:
+        if isinstance(bad, bytes):
+            r = httpx.post(f"{server.url}{route}", content=bad)
+        else:
+            r = httpx.post(f"{server.url}{route}", json=bad)
+        assert r.status_code == status
+    reader.join(120)
+    assert "".join(pieces) == want
+    got = client.completions.create(model="m", prompt=PROMPT, max_tokens=5)
+    assert got.choices[0].text == model.generate(PROMPT, max_tokens=5).text
+
+
+def test_openai_client_raises_on_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", temperature=-1)
+    assert info.value.status_code == 400
+    assert info.value.param == "temperature"  # type: ignore[attr-defined]
+
+
+# -- disconnects, load, metrics ---------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_cancels(server: Server) -> None:
+    """A client that goes away mid-stream has its request cancelled: the engine stops
+    generating for it and its blocks are released (KV back to the idle baseline)."""
+    before = _wait_idle(server.url)
+    body = {"prompt": STORY, "max_tokens": CTX - 40, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()  # kept: dropping it would close the connection
+        assert next(line for line in lines if line).startswith("data: ")
+        assert _metrics(server.url)["kvserve_running"] == 1
+    # the response is closed: the connection is gone
+    after = _wait_idle(server.url)
+    generated = after["kvserve_generated_tokens_total"] - before["kvserve_generated_tokens_total"]
+    assert generated < (CTX - 40) / 2, generated  # stopped long before max_tokens
+
+
+def test_disconnect_while_waiting_for_a_non_stream_answer(server: Server) -> None:
+    before = _wait_idle(server.url)
+    body = {"prompt": STORY, "max_tokens": CTX - 40, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    after = _wait_idle(server.url)
+    generated = after["kvserve_generated_tokens_total"] - before["kvserve_generated_tokens_total"]
+    assert generated < (CTX - 40) / 2, generated
+    requests = after["kvserve_requests_total"]
+    assert requests[(("route", "/v1/completions"), ("status", "499"))] >= 1
+
+
+def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -> None:
+    """A streaming client that disconnects while the response has not even started (its
+    socket blocks the first write) gives its sequences back to the admission count, and no
+    request stays in the engine. Driven at the ASGI level, in this process."""
+    with Engine(model_path, threads=1, parallel=1, ctx_size=64, kv_memory="4MiB") as engine:
+        app = create_app(ServerConfig(max_queue=0), engine=engine)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 30, "stream": True}).encode()
+
+        async def one() -> None:
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> Any:
+                if messages:
+                    return messages.pop()
+                await asyncio.sleep(0.05)
+                return {"type": "http.disconnect"}
+
+            async def send(message: Any) -> None:
+                await asyncio.Event().wait()  # a client that never reads
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/v1/completions",
+                "raw_path": b"/v1/completions",
+                "query_string": b"",
+                "root_path": "",
+                "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1),
+                "server": ("127.0.0.1", 2),
+            }
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+
+        for _ in range(3):  # with parallel 1 and no queue, a leaked sequence blocks the next
+            asyncio.run(one())
+        deadline = time.monotonic() + 10
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.02)
+        state = app.app.state.server  # type: ignore[attr-defined]
+        assert state.in_flight == 0
+
+
+def test_32_concurrent_streams(server: Server, model: Model) -> None:
+    """32 streaming clients at once (PARALLEL decode, the rest queue): every stream completes
+    with the greedy text, and the K/V pool is back to its idle baseline afterwards."""
+    want = {p: model.generate(p, max_tokens=6).text for p in (PROMPT, STORY)}
+
+    async def one(http: httpx.AsyncClient, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 6, "stream": True}
+        text = []
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)
+
+    async def run() -> list[tuple[str, str]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            prompts = [PROMPT if i % 2 else STORY for i in range(32)]
+            texts = await asyncio.wait_for(
+                asyncio.gather(*(one(http, p) for p in prompts)), timeout=240
+            )
+            return list(zip(prompts, texts))
+
+    for prompt, text in asyncio.run(run()):
+        assert text == want[prompt]
+    _wait_idle(server.url)
+
+
+def test_metrics(server: Server, client: openai.OpenAI) -> None:
+    before = _wait_idle(server.url)
+    got = client.completions.create(model="m", prompt=STORY, max_tokens=8, stream=False)
+    after = _wait_idle(server.url)
+    assert got.usage is not None
+
+    def delta(name: str) -> float:
+        return float(after[name] - before[name])
+
+    assert delta("kvserve_generated_tokens_total") == got.usage.completion_tokens
+    assert delta("kvserve_prompt_tokens_total") == got.usage.prompt_tokens
+    assert got.usage.prompt_tokens_details is not None
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert delta("kvserve_cached_prompt_tokens_total") == cached
+    assert delta("kvserve_time_to_first_token_seconds_count") == 1
+    assert delta("kvserve_inter_token_latency_seconds_count") >= 1
+    assert delta("kvserve_request_duration_seconds_count") == 1
+    key = (("route", "/v1/completions"), ("status", "200"))
+    assert after["kvserve_requests_total"][key] - before["kvserve_requests_total"].get(key, 0) == 1
+    blocks = after["kvserve_kv_blocks"]
+    total = after["kvserve_kv_blocks_total"]
+    assert sum(blocks.values()) == total > 0
+    assert blocks[(("state", "used"),)] == 0 and after["kvserve_kv_usage_ratio"] == 0
+    hit = after["kvserve_prefix_hit_rate"]
+    assert hit == pytest.approx(
+        after["kvserve_cached_prompt_tokens_total"] / after["kvserve_prompt_tokens_total"]
+    )
+    for name in ("kvserve_evictions_total", "kvserve_preemptions_total", "kvserve_sessions"):
+        assert name in after
+
+
+def test_access_log(server: Server) -> None:
+    body = {"prompt": STORY, "max_tokens": 5, "user": "alice"}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    rid = r.headers["x-request-id"]
+    assert r.json()["id"] == f"cmpl-{rid}"
+    usage = r.json()["usage"]
+    deadline = time.monotonic() + 10
+    while True:
+        entries = [e for e in server.records() if e.get("id") == rid]
+        if entries or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    (entry,) = entries
+    assert entry["logger"] == "kvserve.access"
+    assert entry["status"] == 200 and entry["route"] == "/v1/completions"
+    assert entry["user"] == "alice"
+    assert entry["prompt_tokens"] == usage["prompt_tokens"]
+    assert entry["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert entry["completion_tokens"] == usage["completion_tokens"]
+    assert 0 < entry["ttft_ms"] <= entry["total_ms"]
+
+
+# -- sessions ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sessions_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("sessions")
+    srv = Server(
+        [
+            "--model", str(model_path), "--threads", "2", "--parallel", "2",
+            "--ctx-size", str(CTX), "--kv-memory", "16MiB", "--session-dir", str(tmp / "saved"),
+        ],
+        tmp / "server.log",
+    )  # fmt: skip
+    srv.session_dir = tmp / "saved"  # type: ignore[attr-defined]
+    yield srv
+    srv.stop()
+
+
+def _complete(url: str, **body: Any) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_session_turns_save_and_restore(sessions_server: Server, model: Model) -> None:
+    """A session's second turn continues the first: it reuses every token of the first turn
+    (prompt and output) and generates what the whole conversation, sent as token ids without
+    a session, generates. Saved, dropped and restored over HTTP, it continues without
+    recomputing anything."""
+    url = sessions_server.url
+    p1, p2, p3 = STORY, " Then one day,", " And so"
+    r1 = _complete(url, prompt=p1, max_tokens=8, ignore_eos=True, session_id="alice")
+    r2 = _complete(url, prompt=p2, max_tokens=8, ignore_eos=True, session_id="alice")
+    out1 = model.generate(p1, max_tokens=8, ignore_eos=True)
+    assert r1["choices"][0]["text"] == out1.text
+    held = out1.prompt_tokens + len(out1.tokens)
+    cont = model.tokenize(p2, add_special=False, parse_special=True)
+    assert r2["usage"]["prompt_tokens"] == held + len(cont)
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    whole = model.tokenize(p1, add_special=True, parse_special=True) + out1.tokens + cont
+    alone = _complete(url, prompt=whole, max_tokens=8, ignore_eos=True)
+    assert r2["choices"][0]["text"] == alone["choices"][0]["text"]
+
+    tokens = r2["usage"]["prompt_tokens"] + r2["usage"]["completion_tokens"]
+    listed = httpx.get(f"{url}/v1/sessions").json()["data"]
+    assert [(s["id"], s["tokens"]) for s in listed] == [("alice", tokens)]
+    info = httpx.get(f"{url}/v1/sessions/alice").json()
+    assert (info["object"], info["tokens"], info["busy"]) == ("session", tokens, False)
+    assert _metrics(url)["kvserve_sessions"] == 1
+
+    r = httpx.post(f"{url}/v1/sessions/alice/save")
+    assert r.status_code == 200, r.text
+    saved = sessions_server.session_dir / "alice.kvs"  # type: ignore[attr-defined]
+    assert r.json()["file"] == "alice.kvs" and r.json()["bytes"] == saved.stat().st_size > 0
+    assert httpx.delete(f"{url}/v1/sessions/alice").json()["deleted"] is True
+    assert httpx.get(f"{url}/v1/sessions/alice").status_code == 404
+    assert httpx.delete(f"{url}/v1/sessions/alice").status_code == 404
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice"})
+    assert r.status_code == 200, r.text
+    assert (r.json()["id"], r.json()["tokens"]) == ("alice", tokens)
+    r3 = _complete(url, prompt=p3, max_tokens=4, session_id="alice")
+    assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
+    assert r.status_code == 200 and r.json()["tokens"] == tokens
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_exists"
+    for sid in ("alice", "bob"):
+        assert httpx.delete(f"{url}/v1/sessions/{sid}").status_code == 200
+    assert httpx.get(f"{url}/v1/sessions").json()["data"] == []
+    _wait_idle(url)
+
+
+def test_chat_session_reuses_the_conversation(sessions_server: Server, model: Model) -> None:
+    """On a chat, session_id takes the whole message list: the next turn reuses the longest
+    prefix the session holds and replies what the same messages without a session get."""
+    url = sessions_server.url
+
+    def chat(messages: list[Any], **extra: Any) -> dict[str, Any]:
+        body = {"messages": messages, "max_tokens": 12, **extra}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    first = list(CHAT)
+    t1 = chat(first, session_id="carol")
+    reply = t1["choices"][0]["message"]["content"]
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    t2 = chat(second, session_id="carol")
+    ids1 = model.tokenize_chat(first)
+    held = ids1 + model.chat(first, max_tokens=12).tokens
+    ids2 = model.tokenize_chat(second)
+    same = (i for i, (a, b) in enumerate(zip(held, ids2)) if a != b)
+    common = next(same, min(len(held), len(ids2)))  # the longest common prefix
+    assert t2["usage"]["prompt_tokens"] == len(ids2)
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == min(common, len(ids2) - 1)
+    assert t2["choices"][0]["message"]["content"] == model.chat(second, max_tokens=12).text
+    assert httpx.delete(f"{url}/v1/sessions/carol").status_code == 200
+    _wait_idle(url)
+
+
+@pytest.mark.parametrize(
+    ("method", "route", "body", "status", "code"),
+    [
+        ("GET", "/v1/sessions/nobody", None, 404, "session_not_found"),
+        ("DELETE", "/v1/sessions/nobody", None, 404, "session_not_found"),
+        ("POST", "/v1/sessions/nobody/save", None, 404, "session_not_found"),
+        ("GET", "/v1/sessions/.hidden", None, 400, "invalid_value"),
+        ("GET", "/v1/sessions/..%2Fetc", None, 404, "not_found"),  # no route: "/" in the id
+        ("POST", "/v1/sessions/..%2F..%2Fx/save", None, 404, "not_found"),
+        ("POST", "/v1/sessions/a..b%5C..%5Cx/save", None, 400, "invalid_value"),
+        ("POST", "/v1/sessions/restore", {"id": "nobody"}, 404, "session_not_found"),
+        ("POST", "/v1/sessions/restore", {"id": "../../etc/passwd"}, 400, "invalid_value"),
+        ("POST", "/v1/sessions/restore", {"id": "a/b"}, 400, "invalid_value"),
+        ("POST", "/v1/sessions/restore", {"id": "junk"}, 400, "invalid_session_file"),
+        ("POST", "/v1/sessions/restore", {}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"prompt": "x", "session_id": "../x"}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"prompt": "x", "session_id": ""}, 400, "invalid_value"),
+        (
+            "POST",
+            "/v1/completions",
+            {"prompt": "x", "session_id": "s", "n": 2},
+            400,
+            "invalid_value",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            {"prompt": ["a", "b"], "session_id": "s"},
+            400,
+            "invalid_value",
+        ),
+    ],
+)
+def test_session_errors(
+    sessions_server: Server,
+    method: str,
+    route: str,
+    body: dict[str, Any] | None,
+    status: int,
+    code: str,
+) -> None:
+    junk = sessions_server.session_dir / "junk.kvs"  # type: ignore[attr-defined]
+    junk.write_bytes(b"not a session file at all" * 10)
+    r = httpx.request(method, f"{sessions_server.url}{route}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code, error
+    assert str(sessions_server.session_dir) not in error["message"]  # type: ignore[attr-defined]
+
+
+def test_session_files_need_a_session_dir(server: Server) -> None:
+    _complete(server.url, prompt=PROMPT, max_tokens=2, session_id="dave")
+    r = httpx.post(f"{server.url}/v1/sessions/dave/save")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_session_dir"
+    r = httpx.post(f"{server.url}/v1/sessions/restore", json={"id": "dave"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_session_dir"
+    assert httpx.delete(f"{server.url}/v1/sessions/dave").status_code == 200
+
+
+# -- a server configured by the environment: API key, queue limit ------------------------------
+
+KEY = "s3cret-key"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def locked(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("locked")
+    (tmp / "key").write_text(KEY + "\n")
+    (tmp / "template.jinja").write_text(TEMPLATE)
+    env = {
+        "KVSERVE_MODEL": str(model_path),
+        "KVSERVE_THREADS": "1",
+        "KVSERVE_PARALLEL": "1",
+        "KVSERVE_MAX_QUEUE": "1",
+        "KVSERVE_CTX_SIZE": str(CTX),
+        "KVSERVE_KV_MEMORY": "8MiB",
+        "KVSERVE_API_KEY_FILE": str(tmp / "key"),
+        "KVSERVE_CHAT_TEMPLATE_FILE": str(tmp / "template.jinja"),
+    }
+    srv = Server([], tmp / "server.log", env)
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_api_key(locked: Server) -> None:
+    url = locked.url
+    assert httpx.get(f"{url}/health").status_code == 200  # /health needs no key
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, route in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("GET", "/metrics"),
+        ):
+            r = httpx.request(method, f"{url}{route}", headers=headers, json={"prompt": "x"})
+            assert r.status_code == 401, (headers, route)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert good.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_chat_template_file(locked: Server) -> None:
+    """--chat-template-file (here by its variable) replaces the model's template."""
+    r = httpx.post(f"{locked.url}/apply-template", json={"messages": CHAT}, headers=AUTH)
+    assert r.status_code == 200
+    want = f"<system>{CHAT[0]['content']}\n<user>{CHAT[1]['content']}\n<assistant>"
+    assert r.json() == {"prompt": want}
+
+
+def test_queue_overflow_is_503(locked: Server) -> None:
+    """--parallel 1 and --max-queue 1: one request runs, one waits, the third gets 503 with
+    Retry-After; once they are gone, requests are served again."""
+    url = locked.url
+    long = {"prompt": STORY, "max_tokens": CTX - 40, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60, headers=AUTH) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=long) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # kept: dropping it would close the connection
+            assert next(line for line in lines if line).startswith("data: ")
+            with http.stream("POST", f"{url}/v1/completions", json=long) as waiting:
+                assert waiting.status_code == 200
+                r = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                assert r.status_code == 503
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "queue_full"
+                assert _metrics(url, AUTH)["kvserve_queue_depth"] == 1
+        _wait_idle(url, AUTH)
+        r = http.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, env in (
+        ("--model", "KVSERVE_MODEL"),
+        ("--host", "KVSERVE_HOST; default: 127.0.0.1"),
+        ("--port", "KVSERVE_PORT; default: 8080"),
+        ("--threads", "KVSERVE_THREADS"),
+        ("--parallel", "KVSERVE_PARALLEL"),
+        ("--ctx-size", "KVSERVE_CTX_SIZE"),
+        ("--kv-memory", "KVSERVE_KV_MEMORY"),
+        ("--kv-type", "KVSERVE_KV_TYPE"),
+        ("--batch-tokens", "KVSERVE_BATCH_TOKENS"),
+        ("--max-queue", "KVSERVE_MAX_QUEUE"),
+        ("--api-key", "KVSERVE_API_KEY"),
+        ("--api-key-file", "KVSERVE_API_KEY_FILE"),
+        ("--log-format", "KVSERVE_LOG_FORMAT"),
+        ("--context-shift", "KVSERVE_CONTEXT_SHIFT"),
+        ("--chat-template-file", "KVSERVE_CHAT_TEMPLATE_FILE"),
+        ("--session-dir", "KVSERVE_SESSION_DIR"),
+        ("--kv-high-watermark", "KVSERVE_KV_HIGH_WATERMARK; default: 0.9"),
+        ("--kv-low-watermark", "KVSERVE_KV_LOW_WATERMARK; default: 0.7"),
+        ("--session-ttl", "KVSERVE_SESSION_TTL"),
+        ("--max-sessions", "KVSERVE_MAX_SESSIONS"),
+    ):
+        assert flag in out and f"[{env}" in out, (flag, env)
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        ({"KVSERVE_PORT": "http"}, [], "KVSERVE_PORT: expected an integer >= 0"),
+        ({"KVSERVE_PARALLEL": "0"}, [], "KVSERVE_PARALLEL: expected a positive integer"),
+        ({"KVSERVE_KV_MEMORY": "lots"}, [], "KVSERVE_KV_MEMORY: expected a size"),
+        ({"KVSERVE_LOG_FORMAT": "xml"}, [], "KVSERVE_LOG_FORMAT: expected one of text, json"),
+        ({"KVSERVE_CONTEXT_SHIFT": "maybe"}, [], "KVSERVE_CONTEXT_SHIFT: expected 1/true"),
+        ({"KVSERVE_KV_HIGH_WATERMARK": "1.5"}, [], "expected a number in (0, 1]"),
+        ({}, ["--kv-low-watermark", "0.95"], "must not be above --kv-high-watermark"),
+        ({"KVSERVE_SESSION_TTL": "-3"}, [], "KVSERVE_SESSION_TTL: expected a number of seconds"),
+        ({}, ["--max-sessions", "0"], "expected a positive integer"),
+        ({}, ["--api-key", "a", "--api-key-file", "f"], "not both"),
+        ({}, ["--kv-type", "q4"], "expected one of f16, q8_0, f32"),
+    ],
+)
+def test_serve_bad_settings_are_one_line_errors(
+    env: dict[str, str],
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    status: int | str | None
+    try:
+        status = cli_main(["serve", *args])
+    except SystemExit as e:  # argparse's errors exit (with the same one-line contract)
+        status = e.code
+    assert status == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvserve: error: ") and message in err, err
