@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode speed beside a busy Python thread (issue #6: "a barrier that parks").
+"""Decode speed beside a busy Python thread (issue 6: "a barrier that parks"; see BENCHMARKS.md).
 
 A server runs decode next to an asyncio event loop that keeps a core busy now and then. This
 script measures, in one process, decode tokens/s with the machine quiet and decode tokens/s

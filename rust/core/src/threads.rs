@@ -52,14 +52,12 @@ pub fn build_pool(n: Option<usize>) -> rayon::ThreadPool {
 }
 
 /// A fixed team of worker threads that runs one closure on every member at once (SPMD), with a
-/// barrier (spins briefly, then sleeps) and a shared task counter between the steps of that
-/// closure.
+/// spinning barrier and a shared task counter between the steps of that closure.
 ///
 /// Why: a decode step of a small model is ~150 short parallel operations; forking and joining
 /// rayon tasks for each costs more than the work (threads fall asleep between them). A team runs
-/// the whole forward pass as one parallel region; each operation ends in a barrier. The barrier
-/// spins, the way ggml's thread pool does, but only for a few tens of microseconds: a member
-/// whose partner was preempted then sleeps and frees its core (see `SpinBarrier`).
+/// the whole forward pass as one parallel region; each operation ends in a barrier that spins
+/// (then yields), the way ggml's thread pool works.
 ///
 /// Only one closure runs on a team at a time (a mutex serializes callers), so barriers of two
 /// callers can never interleave.
@@ -121,7 +119,7 @@ impl Team {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
             if let Err(payload) = r {
                 // Release members waiting at a barrier: they see the flag and unwind too.
-                self.barrier.poison();
+                self.barrier.poisoned.store(true, Ordering::Release);
                 std::panic::resume_unwind(payload);
             }
         });
@@ -166,44 +164,15 @@ impl Worker<'_> {
     }
 }
 
-/// A barrier that spins briefly, then parks (sleeps on a futex through std's `Condvar`).
-///
-/// Spinning is what makes a team step cheap: both members are usually running, one arrives a
-/// few microseconds before the other, and a wake-up from sleep costs more than that. But a
-/// member can be preempted (an event loop or another process wants the core): then its partner
-/// spinning or yielding at the barrier only keeps a core busy that the preempted member could
-/// use. So a waiter spins for at most [`SPIN_LIMIT`] and then sleeps until the last member
-/// arrives (or a member panics).
-///
-/// Why a wake-up cannot be lost: a waiter that goes to sleep takes `lock`, increments `sleepers`
-/// and re-reads `generation` (both SeqCst) before waiting on `wake`; the last arriver stores the
-/// new `generation` and then reads `sleepers` (both SeqCst). In the single total order of SeqCst
-/// operations, either the waiter's re-read comes after the store (it sees the new generation and
-/// does not sleep), or the releaser's read of `sleepers` comes after the increment (it sees a
-/// sleeper and notifies while holding `lock`; the waiter holds `lock` from its increment until
-/// `Condvar::wait` releases it atomically, so the notification finds it waiting or finds it not
-/// yet re-checked under the lock, where it sees the new generation). Poisoning always notifies
-/// under the lock, so a waiter sees the flag or the notification.
+/// A sense-reversing barrier that spins, then yields, so it stays cheap when every member is
+/// running and harmless when the machine is oversubscribed.
 struct SpinBarrier {
     n: usize,
     arrived: std::sync::atomic::AtomicUsize,
     generation: std::sync::atomic::AtomicUsize,
-    /// Set when a member panicked: waiters give up instead of waiting forever.
+    /// Set when a member panicked: waiters give up instead of spinning forever.
     poisoned: std::sync::atomic::AtomicBool,
-    /// Waiters that are (about to be) asleep on `wake`; the releaser takes `lock` only if > 0.
-    sleepers: std::sync::atomic::AtomicUsize,
-    lock: std::sync::Mutex<()>,
-    wake: std::sync::Condvar,
 }
-
-/// How long a waiter spins before it parks. Measured on a 2-core machine (BENCHMARKS.md,
-/// "Decode beside a busy Python thread"): long enough that a team whose members both run
-/// almost never sleeps, short enough that a member whose partner was preempted frees its core
-/// within a small part of a scheduler slice.
-const SPIN_LIMIT: std::time::Duration = std::time::Duration::from_micros(50);
-
-/// Spins between two reads of the clock: short waits never read it.
-const SPINS_PER_CLOCK_READ: u32 = 64;
 
 impl SpinBarrier {
     fn new(n: usize) -> SpinBarrier {
@@ -212,26 +181,14 @@ impl SpinBarrier {
             arrived: std::sync::atomic::AtomicUsize::new(0),
             generation: std::sync::atomic::AtomicUsize::new(0),
             poisoned: std::sync::atomic::AtomicBool::new(false),
-            sleepers: std::sync::atomic::AtomicUsize::new(0),
-            lock: std::sync::Mutex::new(()),
-            wake: std::sync::Condvar::new(),
         }
     }
 
     /// Forgets a run that ended in a panic (called with no member running).
     fn reset(&self) {
         use std::sync::atomic::Ordering;
-        debug_assert_eq!(self.sleepers.load(Ordering::Relaxed), 0);
         self.arrived.store(0, Ordering::Relaxed);
         self.poisoned.store(false, Ordering::Relaxed);
-    }
-
-    /// Releases every waiter, now and until `reset`: they panic instead of waiting.
-    fn poison(&self) {
-        use std::sync::atomic::Ordering;
-        self.poisoned.store(true, Ordering::SeqCst);
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.wake.notify_all();
     }
 
     fn wait(&self) {
@@ -241,52 +198,23 @@ impl SpinBarrier {
         }
         let gen = self.generation.load(Ordering::Acquire);
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
-            // Reset the count before publishing the generation: a released waiter may arrive
-            // at the next barrier at once.
             self.arrived.store(0, Ordering::Relaxed);
-            self.generation.store(gen.wrapping_add(1), Ordering::SeqCst);
-            if self.sleepers.load(Ordering::SeqCst) > 0 {
-                let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-                self.wake.notify_all();
-            }
+            self.generation
+                .store(gen.wrapping_add(1), Ordering::Release);
             return;
         }
-        let released = || {
-            if self.generation.load(Ordering::Acquire) != gen {
-                return true;
-            }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == gen {
             if self.poisoned.load(Ordering::Acquire) {
                 panic!("another member of the thread team panicked");
             }
-            false
-        };
-        let mut spins = 0u32;
-        let mut deadline = None;
-        loop {
-            if released() {
-                return;
+            if spins < 20_000 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
             }
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(SPINS_PER_CLOCK_READ) {
-                let now = std::time::Instant::now();
-                match deadline {
-                    None => deadline = Some(now + SPIN_LIMIT),
-                    Some(d) if now >= d => break,
-                    Some(_) => {}
-                }
-            }
-            std::hint::spin_loop();
         }
-        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-        while self.generation.load(Ordering::SeqCst) == gen && !self.poisoned.load(Ordering::SeqCst)
-        {
-            guard = self.wake.wait(guard).unwrap_or_else(|p| p.into_inner());
-        }
-        self.sleepers.fetch_sub(1, Ordering::Relaxed);
-        drop(guard);
-        // Panics if the wake-up was a poisoning (generation unchanged).
-        released();
     }
 }
 
@@ -296,6 +224,10 @@ mod tests {
     use crate::shared::SharedSlice;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    /// How long a dawdling member keeps its partners waiting in the tests below: long enough
+    /// that a barrier which stops spinning (yields or sleeps) does so.
+    const SPIN_LIMIT: Duration = Duration::from_micros(200);
 
     #[test]
     fn tasks_run_exactly_once_across_steps() {
