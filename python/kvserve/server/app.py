@@ -886,7 +886,9 @@ def _validation_error(error: ValidationError) -> ApiError:
     """A 400 naming the first bad field: pydantic's messages, one per field; a value that
     fits no member of a union is reported once, with the forms it may take."""
     problems: dict[str, list[str]] = {}  # field path -> messages (or union members)
-    for e in error.errors():
+    # Declared fields first, unknown ones last: pydantic's own order varies between versions.
+    errors = sorted(error.errors(), key=lambda e: e.get("type") == "extra_forbidden")
+    for e in errors:
         if e.get("type") == "json_invalid":
             return ApiError(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
         loc = [str(p) for p in e.get("loc", ())]
