@@ -358,40 +358,40 @@ impl Context {
 
     /// Lowest position stored for `seq` (all sequences if `seq < 0`), or -1.
     fn seq_pos_min(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
-        self.with(py, |c| Ok(c.cache().seq_pos_min(seq)))
+        self.with(py, |c| Ok(Memory::seq_pos_min(c, seq)))
     }
 
     /// Highest position stored for `seq` (all sequences if `seq < 0`), or -1.
     fn seq_pos_max(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
-        self.with(py, |c| Ok(c.cache().seq_pos_max(seq)))
+        self.with(py, |c| Ok(Memory::seq_pos_max(c, seq)))
     }
 
     /// Drops positions [p0, p1) of `seq` (negative bounds: open ends; seq < 0: all).
     #[pyo3(signature = (seq, p0=-1, p1=-1))]
     fn seq_rm(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32) -> PyResult<()> {
-        self.with(py, |c| c.cache_mut().seq_rm(seq, p0, p1))
+        self.with(py, |c| Memory::seq_rm(c, seq, p0, p1))
     }
 
     /// `dst` also holds `src`'s positions in [p0, p1): blocks are shared, not copied.
     #[pyo3(signature = (src, dst, p0=-1, p1=-1))]
     fn seq_cp(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
-        self.with(py, |c| c.cache_mut().seq_cp(src, dst, p0, p1))
+        self.with(py, |c| Memory::seq_cp(c, src, dst, p0, p1))
     }
 
     /// Drops every sequence but `seq`.
     fn seq_keep(&self, py: Python<'_>, seq: i32) -> PyResult<()> {
-        self.with(py, |c| c.cache_mut().seq_keep(seq))
+        self.with(py, |c| Memory::seq_keep(c, seq))
     }
 
     /// Adds `delta` to positions in [p0, p1) of `seq`; keys are re-rotated before the next
     /// attention.
     fn seq_add(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32, delta: i32) -> PyResult<()> {
-        self.with(py, |c| c.cache_mut().seq_add(seq, p0, p1, delta))
+        self.with(py, |c| Memory::seq_add(c, seq, p0, p1, delta))
     }
 
     /// Divides positions in [p0, p1) of `seq` by `d` (integer division).
     fn seq_div(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32, d: i32) -> PyResult<()> {
-        self.with(py, |c| c.cache_mut().seq_div(seq, p0, p1, d))
+        self.with(py, |c| Memory::seq_div(c, seq, p0, p1, d))
     }
 
     /// For a new (empty) sequence `seq`: maps the longest cached prefix of `tokens` (whole
@@ -402,7 +402,7 @@ impl Context {
             .into_iter()
             .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
-        self.with(py, |c| c.cache_mut().match_prefix(seq, &tokens))
+        self.with(py, |c| c.match_prefix(seq, &tokens))
     }
 
     /// The state of sequence `seq` as bytes: its positions, token ids and K/V rows exactly as
@@ -456,6 +456,7 @@ impl Context {
             c.cache()
                 .table()
                 .check()
+                .and_then(|()| c.recurrent().map_or(Ok(()), |r| r.check()))
                 .map_err(|e| kvserve_core::Error::Internal(format!("KV audit failed: {e}")))
         })
     }

@@ -12,6 +12,9 @@
 //! - [`state`]: a sequence's cells (positions, tokens, K/V as stored) as bytes and back
 //!   (saving and restoring sessions).
 //!
+//! - [`recurrent`]: the recurrent-state group of hybrid models (one state per sequence in pool
+//!   blocks, copy-on-write, llama.cpp's rules for what it cannot honour).
+//!
 //! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements.
 //! - [`cache`]: `SharedKv` (pool + storage + index of one model, shared by its contexts) and
 //!   `PagedCache` (one context's tables over it, batches as transactions).
@@ -23,6 +26,7 @@ pub mod cache;
 pub mod memory;
 pub mod pool;
 pub mod prefix;
+pub mod recurrent;
 pub mod state;
 pub mod storage;
 pub mod table;

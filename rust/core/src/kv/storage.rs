@@ -250,6 +250,24 @@ impl KvStorage {
         self.data.len()
     }
 
+    /// Bytes of one block (every layer's K and V regions).
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// The raw bytes of block `block`: a recurrent state kept in pool blocks
+    /// (`kv/recurrent.rs`) stores its values there instead of K/V rows.
+    pub fn block_raw(&self, block: u32) -> Result<&[u8]> {
+        let b = self.check_block(block)?;
+        Ok(&self.data[b * self.block_bytes..(b + 1) * self.block_bytes])
+    }
+
+    /// Mutable [`KvStorage::block_raw`].
+    pub fn block_raw_mut(&mut self, block: u32) -> Result<&mut [u8]> {
+        let b = self.check_block(block)?;
+        Ok(&mut self.data[b * self.block_bytes..(b + 1) * self.block_bytes])
+    }
+
     fn check_block(&self, block: u32) -> Result<usize> {
         let b = block as usize;
         if b >= self.n_blocks {

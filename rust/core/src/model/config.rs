@@ -13,9 +13,12 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: NeoX RoPE, RMSNorm on q and k per head.
     Qwen3,
+    /// LFM2 (Liquid): short-conv layers (`head_count_kv` 0) beside GQA attention layers with
+    /// q/k norms and NeoX RoPE (model/lfm2.rs).
+    Lfm2,
 }
 
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3"];
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "lfm2"];
 
 impl Arch {
     pub fn from_name(name: &str) -> Result<Arch> {
@@ -23,6 +26,7 @@ impl Arch {
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
+            "lfm2" => Ok(Arch::Lfm2),
             other => Err(Error::Unsupported(format!(
                 "unsupported architecture '{other}' (supported: {})",
                 SUPPORTED_ARCHS.join(", ")
@@ -35,6 +39,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Lfm2 => "lfm2",
         }
     }
 }
@@ -52,6 +57,24 @@ pub struct Config {
     pub n_ctx_train: usize,
     pub rms_eps: f32,
     pub rope: Rope,
+    /// Short-conv (recurrent) layers, for LFM2; `None` for attention-only models.
+    pub shortconv: Option<ShortConv>,
+}
+
+/// LFM2's short convolutions: which layers are conv blocks and the kernel length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShortConv {
+    /// `shortconv.l_cache`: taps of the causal depthwise convolution; a sequence's state is
+    /// its last `l_cache - 1` inputs per conv layer.
+    pub l_cache: usize,
+    /// Per layer: a short-conv block (its `head_count_kv` entry is 0) instead of attention.
+    pub is_conv: Vec<bool>,
+}
+
+impl ShortConv {
+    pub fn n_conv_layers(&self) -> usize {
+        self.is_conv.iter().filter(|&&c| c).count()
+    }
 }
 
 impl Config {
@@ -62,6 +85,29 @@ impl Config {
 
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
+    }
+
+    /// Whether layer `li` is a short-conv (recurrent) layer.
+    pub fn is_conv(&self, li: usize) -> bool {
+        self.shortconv.as_ref().is_some_and(|s| s.is_conv[li])
+    }
+
+    /// Layers that keep K/V in the paged cache (all but the short-conv ones).
+    pub fn n_kv_layers(&self) -> usize {
+        self.n_layer - self.shortconv.as_ref().map_or(0, ShortConv::n_conv_layers)
+    }
+
+    /// Per layer, its index among the K/V layers (the short-conv layers have none).
+    pub fn kv_layer_index(&self) -> Vec<Option<usize>> {
+        let mut next = 0;
+        (0..self.n_layer)
+            .map(|li| {
+                (!self.is_conv(li)).then(|| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect()
     }
 
     pub fn from_gguf(g: &GgufFile) -> Result<Config> {
@@ -87,9 +133,14 @@ impl Config {
         let n_embd = req("embedding_length")?;
         let n_ff = req("feed_forward_length")?;
         let n_head = req("attention.head_count")?;
-        let n_head_kv = match g.get_u64(&format!("{a}.attention.head_count_kv"))? {
-            Some(v) => v as usize,
-            None => n_head,
+        let (n_head_kv, shortconv) = if arch == Arch::Lfm2 {
+            lfm2_layers(g, a, n_layer)?
+        } else {
+            let n_head_kv = match g.get_u64(&format!("{a}.attention.head_count_kv"))? {
+                Some(v) => v as usize,
+                None => n_head,
+            };
+            (n_head_kv, None)
         };
         if n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(model_err(format!(
@@ -182,6 +233,69 @@ impl Config {
                 scaling,
                 freq_factors: None,
             },
+            shortconv,
         })
     }
+}
+
+/// LFM2's layer pattern as llama.cpp reads it: `head_count_kv` is an array with one entry per
+/// layer (0 marks a short-conv layer) or one number for every layer; `shortconv.l_cache` is the
+/// conv kernel length. Returns the attention layers' KV head count (they must agree) and the
+/// pattern. A sliding window on the attention layers (`attention.sliding_window`) is not
+/// supported yet.
+fn lfm2_layers(g: &GgufFile, a: &str, n_layer: usize) -> Result<(usize, Option<ShortConv>)> {
+    let key = format!("{a}.attention.head_count_kv");
+    let per_layer: Vec<usize> = match g.get(&key) {
+        None => return Err(model_err(format!("GGUF: missing key '{key}'"))),
+        Some(v) => match v.as_array() {
+            Some(items) => items
+                .iter()
+                .map(|x| {
+                    x.as_integer()
+                        .filter(|&n| (0..=1 << 16).contains(&n))
+                        .map(|n| n as usize)
+                        .ok_or_else(|| model_err(format!("GGUF: key '{key}' holds a non-count")))
+                })
+                .collect::<Result<_>>()?,
+            None => vec![g.get_u64(&key)?.unwrap_or(0) as usize; n_layer],
+        },
+    };
+    if per_layer.len() != n_layer {
+        return Err(model_err(format!(
+            "GGUF: key '{key}' has {} entries for {n_layer} layers",
+            per_layer.len()
+        )));
+    }
+    let attn: Vec<usize> = per_layer.iter().copied().filter(|&n| n > 0).collect();
+    let n_head_kv = match attn.first() {
+        None => {
+            return Err(Error::Unsupported(
+                "lfm2 model without attention layers (every head_count_kv entry is 0)".into(),
+            ))
+        }
+        Some(&n) if attn.iter().any(|&m| m != n) => {
+            return Err(Error::Unsupported(format!(
+                "lfm2 attention layers with different head_count_kv ({per_layer:?})"
+            )))
+        }
+        Some(&n) => n,
+    };
+    let lkey = format!("{a}.shortconv.l_cache");
+    let l_cache =
+        g.get_u64(&lkey)?
+            .ok_or_else(|| model_err(format!("GGUF: missing key '{lkey}'")))? as usize;
+    if !(2..=64).contains(&l_cache) {
+        return Err(model_err(format!(
+            "GGUF: key '{lkey}' has implausible value {l_cache} (2..=64)"
+        )));
+    }
+    if g.get_u64(&format!("{a}.attention.sliding_window"))?
+        .is_some_and(|w| w > 0)
+    {
+        return Err(Error::Unsupported(
+            "lfm2 with a sliding window on its attention layers is not supported yet".into(),
+        ));
+    }
+    let is_conv = per_layer.iter().map(|&n| n == 0).collect();
+    Ok((n_head_kv, Some(ShortConv { l_cache, is_conv })))
 }

@@ -53,13 +53,13 @@ pub struct Weights {
     pub layers: Vec<Layer>,
 }
 
-fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo> {
+pub(super) fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo> {
     g.tensor(name)
         .ok_or_else(|| model_err(format!("GGUF: missing tensor '{name}'")))
 }
 
 /// A 2-D matrix with `cols` inputs and `rows` outputs (ggml dims `[cols, rows]`).
-fn matrix(g: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<WeightRef> {
+pub(super) fn matrix(g: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<WeightRef> {
     let t = tensor(g, name)?;
     let dims: Vec<u64> = t.dims.clone();
     if dims.len() != 2 || dims[0] as usize != cols || dims[1] as usize != rows {
@@ -84,7 +84,7 @@ fn matrix(g: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<WeightRe
 }
 
 /// A 1-D vector of `n` values, dequantized to f32.
-fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
+pub(super) fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     let t = tensor(g, name)?;
     if t.n_elements as usize != n {
         return Err(model_err(format!(
@@ -192,7 +192,7 @@ impl Model {
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// Activations of one input, quantized once per format the consuming weights need.
-type Acts = [QuantizedActs; quant::N_ACT_FORMATS];
+pub(super) type Acts = [QuantizedActs; quant::N_ACT_FORMATS];
 
 /// Quantizes `x` (`n` rows of `cols`) for every weight in `ws` (once per format).
 fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: usize) {
@@ -213,7 +213,7 @@ fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: u
 /// # Safety
 /// Every member calls this at the same step; nobody writes `x` during the call and `acts` is
 /// used by nothing else.
-unsafe fn project(
+pub(super) unsafe fn project(
     model: &Model,
     w: &Worker<'_>,
     acts: &SharedSlice<Acts>,
@@ -279,7 +279,11 @@ pub(crate) fn forward(
     batch: &Batch,
 ) -> Result<Logits> {
     let c = &model.config;
-    let wts = &model.weights;
+    let super::Weights::Llama(wts) = &model.weights else {
+        return Err(Error::Internal(
+            "llama forward on another architecture".into(),
+        ));
+    };
     let n = batch.len();
     let (d, qd, kvd, hd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim, c.n_ff);
 

@@ -2,6 +2,7 @@
 //! [`Context`] that runs batches through it and keeps their keys and values.
 
 pub mod config;
+pub mod lfm2;
 pub mod llama;
 
 use std::path::Path;
@@ -12,8 +13,11 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Error, Result};
 use crate::gguf::GgufFile;
+use crate::kv::recurrent::{RecurrentGroup, StateLayout};
 use crate::kv::storage::{KvLayout, KvType};
-use crate::kv::{blocks_for_tokens, Key, KeyHasher, PagedCache, SharedKv, DEFAULT_BLOCK_SIZE};
+use crate::kv::{
+    blocks_for_tokens, Key, KeyHasher, Memory, PagedCache, Pos, SeqId, SharedKv, DEFAULT_BLOCK_SIZE,
+};
 use crate::tokenizer::{Tokenizer, VocabData};
 
 pub use config::{Arch, Config};
@@ -22,7 +26,7 @@ pub use config::{Arch, Config};
 pub struct Model {
     pub config: Config,
     pub tokenizer: Tokenizer,
-    weights: llama::Weights,
+    weights: Weights,
     gguf: GgufFile,
     team: crate::threads::Team,
     /// Stable identity of the weights, part of every prefix-cache block key.
@@ -32,6 +36,12 @@ pub struct Model {
     /// Test hook: a decode panics in one worker at this layer (-1: never). See
     /// [`Model::inject_worker_panic`].
     fault_layer: AtomicI64,
+}
+
+/// The weights of one architecture family.
+pub(crate) enum Weights {
+    Llama(llama::Weights),
+    Lfm2(lfm2::Weights),
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -57,7 +67,10 @@ impl Model {
 
     pub fn from_gguf(gguf: GgufFile, threads: Option<usize>) -> Result<Model> {
         let mut config = Config::from_gguf(&gguf)?;
-        let weights = llama::Weights::load(&gguf, &mut config)?;
+        let weights = match config.arch {
+            Arch::Lfm2 => Weights::Lfm2(lfm2::Weights::load(&gguf, &config)?),
+            _ => Weights::Llama(llama::Weights::load(&gguf, &mut config)?),
+        };
         let tokenizer = Tokenizer::new(vocab_from_gguf(&gguf)?)?;
         if tokenizer.n_vocab() != config.n_vocab {
             return Err(crate::error::model_err(format!(
@@ -89,7 +102,7 @@ impl Model {
         let c = &self.config;
         let layout = KvLayout {
             ty: o.kv_type,
-            n_layers: c.n_layer,
+            n_layers: c.n_kv_layers(),
             kv_dim: c.kv_dim(),
             block_size: o.block_size,
         };
@@ -279,6 +292,8 @@ impl Default for KvOptions {
 pub struct Context {
     model: Arc<Model>,
     cache: PagedCache,
+    /// The recurrent states of a hybrid model's sequences (LFM2), in the same pool.
+    recurrent: Option<RecurrentGroup>,
 }
 
 impl Context {
@@ -309,9 +324,30 @@ impl Context {
         } else {
             o.n_ctx
         };
+        let recurrent = match &model.config.shortconv {
+            Some(sc) => Some(RecurrentGroup::new(
+                Arc::clone(shared.pool()),
+                Some(Arc::clone(shared.index())),
+                StateLayout {
+                    n_layers: sc.n_conv_layers(),
+                    per_layer: lfm2::state_floats_per_layer(&model.config),
+                },
+                shared.layout().bytes_per_block(),
+            )?),
+            None => None,
+        };
         let mut cache = PagedCache::new(shared, n_ctx)?;
         cache.set_prefix_cache(o.prefix_cache);
-        Ok(Context { model, cache })
+        Ok(Context {
+            model,
+            cache,
+            recurrent,
+        })
+    }
+
+    /// The recurrent-state group of a hybrid model, if any.
+    pub fn recurrent(&self) -> Option<&RecurrentGroup> {
+        self.recurrent.as_ref()
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -347,10 +383,60 @@ impl Context {
                 e.insert(self.cache.view(s));
             }
         }
+        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones).
+        let mut rec = match self.recurrent.as_mut() {
+            Some(r) => match r.begin(&batch.seq_ids, &batch.positions, &storage) {
+                Ok((rtx, states)) => {
+                    let state_of: Vec<usize> = batch
+                        .seq_ids
+                        .iter()
+                        .map(|s| rtx.seqs.iter().position(|x| x == s).unwrap_or(0))
+                        .collect();
+                    Some((rtx, states, state_of))
+                }
+                Err(e) => {
+                    self.cache.rollback(tx);
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         let model = &self.model;
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            llama::forward(model, &mut storage, &slots, &views, batch)
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &model.weights {
+            Weights::Llama(_) => llama::forward(model, &mut storage, &slots, &views, batch),
+            Weights::Lfm2(w) => {
+                let (_, states, state_of) = rec
+                    .as_mut()
+                    .ok_or_else(|| Error::Internal("lfm2 context without states".into()))?;
+                lfm2::forward(
+                    model,
+                    w,
+                    &mut storage,
+                    &slots,
+                    &views,
+                    batch,
+                    states,
+                    state_of,
+                )
+            }
         }));
+        let run = match (run, rec) {
+            (Ok(Ok(logits)), Some((rtx, states, _))) => {
+                let r = self.recurrent.as_mut().expect("states come from the group");
+                match r.commit(rtx, &states, &mut storage) {
+                    Ok(()) => Ok(Ok(logits)),
+                    Err(e) => Ok(Err(e)),
+                }
+            }
+            (run, Some((rtx, _, _))) => {
+                self.recurrent
+                    .as_mut()
+                    .expect("states come from the group")
+                    .rollback(rtx);
+                run
+            }
+            (run, None) => run,
+        };
         match run {
             Ok(Ok(logits)) => {
                 self.cache.commit(tx);
@@ -376,7 +462,22 @@ impl Context {
     }
 
     pub fn clear(&mut self) {
-        self.cache.clear();
+        Memory::clear(self);
+    }
+
+    /// For a new (empty) sequence: maps the longest cached prefix of `tokens` (see
+    /// [`PagedCache::match_prefix`]). A hybrid model maps nothing (0): the recurrent state of a
+    /// prefix is not kept, so the prefix is recomputed.
+    pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        if self.recurrent.is_some() {
+            if seq < 0 || self.seq_pos_max(seq) >= 0 {
+                return Err(invalid(format!(
+                    "match_prefix: sequence {seq} must be >= 0 and empty"
+                )));
+            }
+            return Ok(0);
+        }
+        self.cache.match_prefix(seq, tokens)
     }
 
     /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
@@ -391,6 +492,70 @@ impl Context {
     pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
         let n_vocab = self.model.n_vocab();
         self.cache.seq_state_write(seq, data, n_vocab)
+    }
+}
+
+/// The context's memory: the paged K/V cache and, for a hybrid model, the recurrent states,
+/// with llama.cpp's hybrid rules (docs/KV_SEMANTICS.md, "Recurrent state"): an operation the
+/// recurrent group cannot honour fails before either group changes; position shifts move the
+/// K/V (re-rotated) and only the recorded position of a state.
+impl Memory for Context {
+    fn seq_rm(&mut self, s: SeqId, p0: Pos, p1: Pos) -> Result<()> {
+        if let Some(r) = self.recurrent.as_mut() {
+            r.check_rm(s, p0, p1)?;
+            r.seq_rm(s, p0, p1);
+        }
+        self.cache.seq_rm(s, p0, p1)
+    }
+
+    fn seq_cp(&mut self, src: SeqId, dst: SeqId, p0: Pos, p1: Pos) -> Result<()> {
+        self.cache.seq_cp(src, dst, p0, p1)?;
+        if let Some(r) = self.recurrent.as_mut() {
+            r.seq_cp(src, dst)?;
+        }
+        Ok(())
+    }
+
+    fn seq_keep(&mut self, s: SeqId) -> Result<()> {
+        self.cache.seq_keep(s)?;
+        if let Some(r) = self.recurrent.as_mut() {
+            r.seq_keep(s);
+        }
+        Ok(())
+    }
+
+    fn seq_add(&mut self, s: SeqId, p0: Pos, p1: Pos, delta: Pos) -> Result<()> {
+        self.cache.seq_add(s, p0, p1, delta)?;
+        if let Some(r) = self.recurrent.as_mut() {
+            r.seq_add(s, p0, p1, delta);
+        }
+        Ok(())
+    }
+
+    fn seq_div(&mut self, s: SeqId, p0: Pos, p1: Pos, d: i32) -> Result<()> {
+        self.cache.seq_div(s, p0, p1, d)?;
+        if let Some(r) = self.recurrent.as_mut() {
+            r.seq_div(s, p0, p1, d);
+        }
+        Ok(())
+    }
+
+    /// As llama.cpp's hybrid memory: the larger of the two groups' lowest positions.
+    fn seq_pos_min(&self, s: SeqId) -> Pos {
+        let a = self.cache.seq_pos_min(s);
+        self.recurrent.as_ref().map_or(a, |r| a.max(r.seq_pos(s)))
+    }
+
+    fn seq_pos_max(&self, s: SeqId) -> Pos {
+        let a = self.cache.seq_pos_max(s);
+        self.recurrent.as_ref().map_or(a, |r| a.max(r.seq_pos(s)))
+    }
+
+    fn clear(&mut self) {
+        self.cache.clear();
+        if let Some(r) = self.recurrent.as_mut() {
+            r.clear();
+        }
     }
 }
 

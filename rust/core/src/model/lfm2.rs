@@ -1,0 +1,434 @@
+//! LFM2 (Liquid AI): a hybrid of short-conv blocks and GQA attention, as llama.cpp reads it.
+//!
+//! Every layer: `h = rms_norm(x) * attn_norm` ("operator norm"), then the layer's mixer, a
+//! residual, and a SwiGLU FFN behind `ffn_norm`. A layer whose `head_count_kv` entry is 0 is a
+//! short-conv block: `in_proj` (n_embd -> 3 n_embd) gives B, C and x (in that order); `B * x`
+//! goes through a causal depthwise convolution of `shortconv.l_cache` taps per channel over
+//! time (`shortconv.conv`, ggml dims `[l_cache, n_embd]`; the last tap multiplies the current
+//! token), whose last `l_cache - 1` inputs are the sequence's recurrent state
+//! (kv/recurrent.rs); `C * conv` goes through `out_proj`. The other layers are GQA attention
+//! with per-head RMS norms on q and k (`attn_q_norm`, `attn_k_norm`) and NeoX RoPE. The final
+//! norm is `token_embd_norm.weight` (llama.cpp's name for LFM2's output norm); the output is
+//! `output.weight` or the tied embedding.
+//!
+//! The pass is one SPMD region on the model's team like llama.rs's, and shares its steps
+//! (`project`, the attention kernel, norms, RoPE); the conv runs one channel range per
+//! worker over the batch's tokens in order, each token on its own sequence's state.
+
+use std::collections::HashMap;
+
+use super::config::Config;
+use super::llama::{matrix, project, vector, Acts, WeightRef};
+use super::{Logits, Model};
+use crate::batch::Batch;
+use crate::error::{model_err, Error, Result};
+use crate::gguf::GgufFile;
+use crate::kv::attention::{self, Mask, Query};
+use crate::kv::storage::KvStorage;
+use crate::kv::{BlockId, PagedCache, SeqId, SeqView};
+use crate::ops;
+use crate::shared::SharedSlice;
+
+/// A layer's token mixer (one per layer, so the size difference of the variants is moot).
+#[allow(clippy::large_enum_variant)]
+pub enum Mixer {
+    Attention {
+        wq: WeightRef,
+        wk: WeightRef,
+        wv: WeightRef,
+        wo: WeightRef,
+        q_norm: Vec<f32>,
+        k_norm: Vec<f32>,
+        /// Index of this layer's K/V in the paged cache.
+        kv_layer: usize,
+    },
+    ShortConv {
+        in_proj: WeightRef,
+        out_proj: WeightRef,
+        /// `[n_embd][l_cache]`: tap `k` of channel `c` at `c * l_cache + k` (oldest first).
+        conv: Vec<f32>,
+        /// Index of this layer among the conv layers (its part of the state).
+        conv_layer: usize,
+    },
+}
+
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub mixer: Mixer,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: WeightRef,
+    pub w_up: WeightRef,
+    pub w_down: WeightRef,
+}
+
+pub struct Weights {
+    pub token_embd: WeightRef,
+    pub output_norm: Vec<f32>,
+    pub output: WeightRef,
+    pub layers: Vec<Layer>,
+}
+
+impl Weights {
+    pub fn load(g: &GgufFile, c: &Config) -> Result<Weights> {
+        let sc = c
+            .shortconv
+            .as_ref()
+            .ok_or_else(|| model_err("GGUF: lfm2 without shortconv metadata"))?;
+        let (d, q, kv, ff, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff, c.head_dim);
+        if q != d {
+            return Err(model_err(format!(
+                "GGUF: lfm2 needs head_count * head_dim == embedding_length, got {q} != {d}"
+            )));
+        }
+        let token_embd = matrix(g, "token_embd.weight", d, c.n_vocab)?;
+        let output = if g.tensor("output.weight").is_some() {
+            matrix(g, "output.weight", d, c.n_vocab)?
+        } else {
+            token_embd.clone()
+        };
+        let kv_index = c.kv_layer_index();
+        let mut layers = Vec::with_capacity(c.n_layer);
+        let mut conv_layer = 0;
+        for i in 0..c.n_layer {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let mixer = if sc.is_conv[i] {
+                let name = p("shortconv.conv.weight");
+                let t = g
+                    .tensor(&name)
+                    .ok_or_else(|| model_err(format!("GGUF: missing tensor '{name}'")))?;
+                if t.dims != [sc.l_cache as u64, d as u64] {
+                    return Err(model_err(format!(
+                        "GGUF: tensor '{name}' has shape {:?}, expected [{}, {d}]",
+                        t.dims, sc.l_cache
+                    )));
+                }
+                let m = Mixer::ShortConv {
+                    in_proj: matrix(g, &p("shortconv.in_proj.weight"), d, 3 * d)?,
+                    out_proj: matrix(g, &p("shortconv.out_proj.weight"), d, d)?,
+                    conv: vector(g, &name, sc.l_cache * d)?,
+                    conv_layer,
+                };
+                conv_layer += 1;
+                m
+            } else {
+                if g.tensor(&p("attn_qkv.weight")).is_some() {
+                    return Err(Error::Unsupported(format!(
+                        "tensor '{}': fused QKV weights are not supported",
+                        p("attn_qkv.weight")
+                    )));
+                }
+                Mixer::Attention {
+                    wq: matrix(g, &p("attn_q.weight"), d, q)?,
+                    wk: matrix(g, &p("attn_k.weight"), d, kv)?,
+                    wv: matrix(g, &p("attn_v.weight"), d, kv)?,
+                    wo: matrix(g, &p("attn_output.weight"), q, d)?,
+                    q_norm: vector(g, &p("attn_q_norm.weight"), hd)?,
+                    k_norm: vector(g, &p("attn_k_norm.weight"), hd)?,
+                    kv_layer: kv_index[i].expect("attention layers have a K/V index"),
+                }
+            };
+            layers.push(Layer {
+                attn_norm: vector(g, &p("attn_norm.weight"), d)?,
+                mixer,
+                ffn_norm: vector(g, &p("ffn_norm.weight"), d)?,
+                w_gate: matrix(g, &p("ffn_gate.weight"), d, ff)?,
+                w_up: matrix(g, &p("ffn_up.weight"), d, ff)?,
+                w_down: matrix(g, &p("ffn_down.weight"), ff, d)?,
+            });
+        }
+        Ok(Weights {
+            token_embd,
+            output_norm: vector(g, "token_embd_norm.weight", d)?,
+            output,
+            layers,
+        })
+    }
+}
+
+/// Values of one sequence's recurrent state: `(l_cache - 1) * n_embd` per conv layer.
+pub fn state_floats_per_layer(c: &Config) -> usize {
+    c.shortconv
+        .as_ref()
+        .map_or(0, |s| (s.l_cache - 1) * c.n_embd)
+}
+
+/// Runs one batch through an LFM2 model. `cells`/`views` as for llama.rs; `states` holds the
+/// recurrent state of every batch sequence (`state_of[t]`: token `t`'s index there), each
+/// `n_conv_layers * state_floats_per_layer` values laid out `[conv layer][channel][l_cache-1]`
+/// (oldest input first); the pass advances them over the batch's tokens.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    model: &Model,
+    wts: &Weights,
+    storage: &mut KvStorage,
+    cells: &[(BlockId, u16)],
+    views: &HashMap<SeqId, SeqView>,
+    batch: &Batch,
+    states: &mut [f32],
+    state_of: &[usize],
+) -> Result<Logits> {
+    let c = &model.config;
+    let n = batch.len();
+    let (d, kvd, hd, ff) = (c.n_embd, c.kv_dim(), c.head_dim, c.n_ff);
+    let l_cache = c.shortconv.as_ref().map_or(2, |s| s.l_cache);
+    let dc = l_cache - 1;
+    let per_layer = state_floats_per_layer(c);
+    let per_seq = per_layer * c.shortconv.as_ref().map_or(0, |s| s.n_conv_layers());
+    if state_of.len() != n || state_of.iter().any(|&i| (i + 1) * per_seq > states.len()) {
+        return Err(Error::Internal(
+            "recurrent states do not match the batch".into(),
+        ));
+    }
+
+    let mut x = vec![0.0f32; n * d];
+    let embd = model.mat(&wts.token_embd);
+    for (t, row) in x.chunks_exact_mut(d).enumerate() {
+        embd.dequantize_row(batch.tokens[t] as usize, row)?;
+    }
+    let half = c.rope.n_rot / 2;
+    let mut cs = vec![(0.0f32, 0.0f32); n * half];
+    for (t, chunk) in cs.chunks_exact_mut(half).enumerate() {
+        c.rope.cos_sin(batch.positions[t] as f32, chunk);
+    }
+    let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
+    let n_out = out_rows.len();
+
+    let mut h = vec![0.0f32; n * d];
+    let mut q = vec![0.0f32; n * d];
+    let (mut k, mut v) = (vec![0.0f32; n * kvd], vec![0.0f32; n * kvd]);
+    let mut bcx = vec![0.0f32; n * 3 * d];
+    let (mut attn, mut o) = (vec![0.0f32; n * d], vec![0.0f32; n * d]);
+    let (mut gate, mut up, mut down) = (
+        vec![0.0f32; n * ff],
+        vec![0.0f32; n * ff],
+        vec![0.0f32; n * d],
+    );
+    let mut hs = vec![0.0f32; n_out * d];
+    let mut logits = vec![0.0f32; n_out * c.n_vocab];
+    let mut acts: [Acts; 1] = [Default::default()];
+
+    let x = SharedSlice::new(&mut x);
+    let h = SharedSlice::new(&mut h);
+    let q = SharedSlice::new(&mut q);
+    let k = SharedSlice::new(&mut k);
+    let v = SharedSlice::new(&mut v);
+    let bcx = SharedSlice::new(&mut bcx);
+    let attn = SharedSlice::new(&mut attn);
+    let o = SharedSlice::new(&mut o);
+    let gate = SharedSlice::new(&mut gate);
+    let up = SharedSlice::new(&mut up);
+    let down = SharedSlice::new(&mut down);
+    let hs = SharedSlice::new(&mut hs);
+    let out = SharedSlice::new(&mut logits);
+    let acts = SharedSlice::new(&mut acts);
+    let states = SharedSlice::new(states);
+    let storage = SharedSlice::new(std::slice::from_mut(storage));
+
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = c.n_head / c.n_head_kv;
+
+    // Safety pattern (as in llama.rs): each step writes only the parts it assigns to this
+    // member (token rows, task rows, a channel range, or everything on member 0), and reads
+    // shared data only after the barrier that ends the step which wrote it.
+    model.team.run(|w| {
+        let mut scratch = attention::Scratch::default();
+        for (li, layer) in wts.layers.iter().enumerate() {
+            if model.fault_at(li) {
+                panic!("injected worker panic at layer {li} (test hook)");
+            }
+            for t in w.share(n) {
+                // SAFETY: token rows t of x (read) and h (write) belong to this member now.
+                unsafe {
+                    ops::rms_norm(
+                        x.slice(t * d..(t + 1) * d),
+                        &layer.attn_norm,
+                        c.rms_eps,
+                        h.slice_mut(t * d..(t + 1) * d),
+                    );
+                }
+            }
+            w.sync();
+            match &layer.mixer {
+                Mixer::Attention {
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                    q_norm,
+                    k_norm,
+                    kv_layer,
+                } => {
+                    // SAFETY: every member calls this in step; h is not written during it.
+                    unsafe { project(model, w, &acts, &h, n, &[wq, wk, wv], &[&q, &k, &v]) };
+                    for t in w.share(n) {
+                        // SAFETY: token rows t of q and k belong to this member in this step.
+                        let (qr, kr) = unsafe {
+                            (
+                                q.slice_mut(t * d..(t + 1) * d),
+                                k.slice_mut(t * kvd..(t + 1) * kvd),
+                            )
+                        };
+                        ops::rms_norm_rows(qr, hd, q_norm, c.rms_eps);
+                        ops::rms_norm_rows(kr, hd, k_norm, c.rms_eps);
+                        let angles = &cs[t * half..(t + 1) * half];
+                        c.rope.apply(qr, hd, angles);
+                        c.rope.apply(kr, hd, angles);
+                    }
+                    w.sync();
+                    if w.id == 0 {
+                        // SAFETY: only member 0 touches the storage in this step.
+                        unsafe {
+                            PagedCache::write(
+                                &mut storage.slice_mut(0..1)[0],
+                                *kv_layer,
+                                cells,
+                                k.all(),
+                                v.all(),
+                            )
+                        };
+                    }
+                    w.sync();
+                    // SAFETY: the storage and q are read-only in this step.
+                    let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
+                    w.for_tasks(n * c.n_head_kv, |job| {
+                        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+                        let view = &views[&batch.seq_ids[t]];
+                        let cols = t * d + kvh * group * hd..t * d + (kvh + 1) * group * hd;
+                        let query = Query {
+                            layer: *kv_layer,
+                            kv_head: kvh,
+                            head_dim: hd,
+                            q: &q_r[cols.clone()],
+                            scale,
+                            mask: Mask::Causal {
+                                positions: &view.positions,
+                                qpos: batch.positions[t],
+                            },
+                        };
+                        // SAFETY: this (token, head group) slice of attn belongs to this task.
+                        let out = unsafe { attn.slice_mut(cols) };
+                        attention::attend(
+                            store,
+                            &view.blocks,
+                            view.positions.len(),
+                            &query,
+                            out,
+                            &mut scratch,
+                        )
+                        .expect("query shapes were validated at load");
+                    });
+                    // SAFETY: every member calls this in step; attn is not written during it.
+                    unsafe { project(model, w, &acts, &attn, n, &[wo], &[&o]) };
+                }
+                Mixer::ShortConv {
+                    in_proj,
+                    out_proj,
+                    conv,
+                    conv_layer,
+                } => {
+                    // SAFETY: every member calls this in step; h is not written during it.
+                    unsafe { project(model, w, &acts, &h, n, &[in_proj], &[&bcx]) };
+                    // The conv over this member's channels, tokens in batch order (a
+                    // sequence's tokens come in increasing positions), each on its state.
+                    let base = conv_layer * per_layer;
+                    for ch in w.share(d) {
+                        let taps = &conv[ch * l_cache..(ch + 1) * l_cache];
+                        for t in 0..n {
+                            let at = state_of[t] * per_seq + base + ch * dc;
+                            // SAFETY: channel ch of every state and column ch of every token
+                            // row of attn belong to this member in this step; bcx is read-only.
+                            unsafe {
+                                let row = bcx.slice(t * 3 * d..(t + 1) * 3 * d);
+                                let (b, cg, xin) = (row[ch], row[d + ch], row[2 * d + ch]);
+                                let bx = b * xin;
+                                let st = states.slice_mut(at..at + dc);
+                                let mut acc = 0.0f32;
+                                for (s, &tap) in st.iter().zip(taps) {
+                                    acc += s * tap;
+                                }
+                                acc += bx * taps[dc];
+                                st.copy_within(1.., 0);
+                                st[dc - 1] = bx;
+                                attn.write(t * d + ch, cg * acc);
+                            }
+                        }
+                    }
+                    w.sync();
+                    // SAFETY: every member calls this in step; attn is not written during it.
+                    unsafe { project(model, w, &acts, &attn, n, &[out_proj], &[&o]) };
+                }
+            }
+            for t in w.share(n) {
+                // SAFETY: token rows t of x, o, h belong to this member in this step.
+                unsafe {
+                    let xr = x.slice_mut(t * d..(t + 1) * d);
+                    ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
+                    ops::rms_norm(
+                        xr,
+                        &layer.ffn_norm,
+                        c.rms_eps,
+                        h.slice_mut(t * d..(t + 1) * d),
+                    );
+                }
+            }
+            w.sync();
+            // SAFETY: every member calls this in step; h is not written during it.
+            unsafe {
+                project(
+                    model,
+                    w,
+                    &acts,
+                    &h,
+                    n,
+                    &[&layer.w_gate, &layer.w_up],
+                    &[&gate, &up],
+                )
+            };
+            for t in w.share(n) {
+                // SAFETY: token rows t of gate (write) and up (read) belong to this member.
+                unsafe {
+                    ops::swiglu(
+                        gate.slice_mut(t * ff..(t + 1) * ff),
+                        up.slice(t * ff..(t + 1) * ff),
+                    )
+                };
+            }
+            w.sync();
+            // SAFETY: every member calls this in step; gate is not written during it.
+            unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
+            for t in w.share(n) {
+                // SAFETY: token rows t of x (write) and down (read) belong to this member.
+                unsafe {
+                    ops::add_assign(
+                        x.slice_mut(t * d..(t + 1) * d),
+                        down.slice(t * d..(t + 1) * d),
+                    )
+                };
+            }
+            w.sync();
+        }
+        if n_out == 0 {
+            return;
+        }
+        for r in w.share(n_out) {
+            let t = out_rows[r];
+            // SAFETY: output row r of hs belongs to this member; x is read-only now.
+            unsafe {
+                ops::rms_norm(
+                    x.slice(t * d..(t + 1) * d),
+                    &wts.output_norm,
+                    c.rms_eps,
+                    hs.slice_mut(r * d..(r + 1) * d),
+                )
+            };
+        }
+        w.sync();
+        // SAFETY: every member calls this in step; hs is not written during it.
+        unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
+    });
+    Ok(Logits {
+        data: logits,
+        n_rows: n_out,
+        n_vocab: c.n_vocab,
+    })
+}
