@@ -305,3 +305,177 @@ def test_state_blocks_count_against_the_pool(f32: Tiny):
     f32.decode(ctx, [PROMPT[1]], [0], [5])
     assert ctx.stats()["blocks_free"] == 0
     ctx.audit()
+
+
+# ------------------------------------------------------------------------------------------
+# Prefix reuse (state checkpoints), sessions, the Engine and the server
+
+
+def test_prefix_reuse_resumes_from_a_state_checkpoint(f32: Tiny):
+    """A second sequence with the same 40-token prefix maps 32 tokens (two blocks, ending at a
+    checkpoint) and its logits are the reference's, as if it had computed them."""
+    model = core.Model(str(f32.path), threads=2)
+    ctx = model.new_context(256)
+    p = PROMPT[:40]
+    f32.decode(ctx, p, list(range(40)), [0] * 40)
+    ctx.seq_rm(0, -1, -1)
+    q = p[:37] + PROMPT[5:9]
+    n = ctx.match_prefix(1, q)
+    assert n == 32 and ctx.seq_pos_max(1) == 31
+    got = f32.decode(ctx, q[n:], list(range(n, len(q))), [1] * (len(q) - n))
+    close(got, f32.ref(q)[n:], f32.tol, "after the checkpoint")
+    # Without a checkpoint the prefix is not mapped (a model whose contexts never keyed).
+    fresh = core.Model(str(f32.path), threads=2)
+    off = fresh.new_context(256, prefix_cache=False)
+    f32.decode(off, p, list(range(40)), [0] * 40)
+    off.seq_rm(0, -1, -1)
+    assert off.match_prefix(1, q) == 0 and off.seq_pos_max(1) == -1
+    ctx.audit()
+    off.audit()
+
+
+def test_checkpoints_are_evicted_with_cached_blocks(f32: Tiny):
+    """Checkpoints are cached pool blocks, evicted by the pool's LRU: a match maps the longest
+    prefix whose checkpoint survives, and nothing when none does, even though the K/V blocks
+    are still cached (a prefix is never continued without its state)."""
+    block = 1 * 2 * 16 * 32 * 2
+    model = core.Model(str(f32.path), threads=2)
+    ctx = model.new_context(kv_memory=12 * block)
+    filler = model.new_context(kv_memory=12 * block, prefix_cache=False)
+    p = PROMPT[:33]
+    f32.decode(ctx, p, list(range(33)), [0] * 33)
+    ctx.seq_rm(0, -1, -1)
+    st = ctx.stats()
+    assert (st["blocks_cached"], st["blocks_free"]) == (4, 8), "2 K/V blocks, 2 checkpoints"
+
+    def fill(n_blocks: int) -> None:
+        toks = (PROMPT * 8)[: 16 * n_blocks]
+        f32.decode(filler, toks, list(range(len(toks))), [0] * len(toks))
+        filler.seq_rm(0, -1, -1)
+
+    # As many K/V blocks as are free, and a state: one cached block goes, the oldest (the
+    # first checkpoint).
+    fill(ctx.stats()["blocks_free"])
+    assert ctx.stats()["blocks_cached"] == 3
+    assert ctx.match_prefix(1, p) == 32
+    got = f32.decode(ctx, [p[32]], [32], [1])
+    close(got, f32.ref(p)[32:], f32.tol, "after the surviving checkpoint")
+    ctx.seq_rm(1, -1, -1)
+    # Now the oldest cached block is the second checkpoint (the match refreshed the others).
+    fill(ctx.stats()["blocks_free"])
+    assert ctx.match_prefix(2, p) == 0 and ctx.seq_pos_max(2) == -1
+    ctx.audit()
+    filler.audit()
+
+
+def test_session_state_carries_the_recurrent_state(f32: Tiny, tmp_path: Path):
+    """seq_state_read/write move a sequence (K/V and conv state) to another model instance
+    without recomputation: the next token's logits are identical; bad input changes nothing."""
+    a = core.Model(str(f32.path), threads=2).new_context(128)
+    b = core.Model(str(f32.path), threads=2).new_context(128)
+    p = PROMPT[:21]
+    f32.decode(a, p, list(range(21)), [0] * 21)
+    data = a.seq_state_read(0)
+    assert data[-4:] == b"KVRS"
+    for bad in (data[:30], data[:-4] + b"XXXX", data[:-24] + data[-20:], data[1:]):
+        with pytest.raises(ValueError):
+            b.seq_state_write(2, bad)
+        assert b.seq_pos_max(2) == -1 and b.stats()["blocks_referenced"] == 0
+    assert b.seq_state_write(2, data) == 21
+    la = f32.decode(a, [PROMPT[21]], [21], [0])
+    lb = f32.decode(b, [PROMPT[21]], [21], [2])
+    assert np.array_equal(la, lb)
+    close(lb, f32.ref(PROMPT[:22])[21:], f32.tol, "restored vs reference")
+    b.audit()
+
+
+def test_engine_greedy_is_the_same_with_and_without_prefix_reuse(f32: Tiny):
+    from kvserve import Engine, Model
+
+    prompt = "the cat in the hat ran on and on, then another one sat in the sun and the"
+    outs = {}
+    for reuse in (False, True):
+        m = Model(str(f32.path), threads=2)
+        with Engine(m, parallel=4, ctx_size=256, prefix_cache=reuse) as e:
+            first = e.generate(prompt, max_tokens=12)
+            again = [e.generate(prompt + x, max_tokens=12) for x in (" cat", " hat")]
+            outs[reuse] = (first.tokens, [r.tokens for r in again])
+            cached = [r.cached_tokens for r in again]
+            assert (max(cached) > 0) == reuse, cached
+    assert outs[True] == outs[False]
+
+
+def test_engine_sessions_with_save_and_restore(f32: Tiny, tmp_path: Path):
+    from kvserve import Engine, Model
+
+    turns = ["the cat in the hat", " ran on and on,", " then another one"]
+    m = Model(str(f32.path), threads=2)
+    with Engine(m, parallel=2, ctx_size=256, prefix_cache=False) as e:
+        r1 = e.generate(turns[0], max_tokens=6, session_id="s")
+        r2 = e.generate(turns[1], max_tokens=6, session_id="s")
+        assert r2.cached_tokens == r1.prompt_tokens + len(r1.tokens)
+        # The second turn is what the whole conversation gives computed from scratch.
+        whole = m.tokenize(turns[0], add_special=True) + r1.tokens
+        whole += m.tokenize(turns[1], add_special=False)
+        ctx = m.core.new_context(256)
+        n = len(whole)
+        row = f32.decode(ctx, whole, list(range(n)), [0] * n)[-1]
+        assert r2.tokens[0] == int(row.argmax())
+        e.save_session("s", tmp_path / "s.kvs")
+        r3 = e.generate(turns[2], max_tokens=6, session_id="s")
+    with Engine(Model(str(f32.path), threads=2), parallel=2, ctx_size=256) as e2:
+        assert e2.load_session(tmp_path / "s.kvs") == "s"
+        r3b = e2.generate(turns[2], max_tokens=6, session_id="s")
+        assert r3b.tokens == r3.tokens
+        assert r3b.cached_tokens == r3.cached_tokens
+
+
+def test_server_serves_lfm2_with_sessions_and_prefix_reuse(f32: Tiny, tmp_path: Path):
+    """`kvserve serve` on the tiny LFM2 file: a shared prompt is reused (cached tokens), a
+    session turn continues from its state, and a saved, dropped and restored session goes on
+    as the live one did."""
+    import httpx
+    from test_server import Server
+
+    from kvserve import Model
+
+    srv = Server(
+        [
+            "--model", str(f32.path), "--threads", "2", "--parallel", "2",
+            "--ctx-size", "256", "--session-dir", str(tmp_path / "saved"),
+        ],
+        tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+        url = srv.url
+
+        def complete(**body):
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        long = "the cat in the hat ran on and on, then another one sat in the sun; the end"
+        a = complete(prompt=long, max_tokens=6)
+        b = complete(prompt=long, max_tokens=6)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        want = Model(str(f32.path), threads=2).generate(long, max_tokens=6)
+        assert a["choices"][0]["text"] == want.text
+
+        r1 = complete(prompt=long, max_tokens=4, session_id="s")
+        r2 = complete(prompt=" and on", max_tokens=4, session_id="s")
+        held = r1["usage"]["prompt_tokens"] + r1["usage"]["completion_tokens"]
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+        assert httpx.post(f"{url}/v1/sessions/s/save").status_code == 200
+        r3 = complete(prompt=" then", max_tokens=4, session_id="s")
+        assert httpx.delete(f"{url}/v1/sessions/s").status_code == 200
+        r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "s"})
+        assert r.status_code == 200, r.text
+        r3b = complete(prompt=" then", max_tokens=4, session_id="s")
+        assert r3b["choices"][0]["text"] == r3["choices"][0]["text"]
+        assert (
+            r3b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            == r3["usage"]["prompt_tokens_details"]["cached_tokens"]
+        )
+    finally:
+        srv.stop()

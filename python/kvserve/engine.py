@@ -1085,14 +1085,27 @@ class Engine:
         if s.resident:
             n = min(turn.base, s.n_kv, len(context) - 1)
             if n < s.n_kv:
-                self._ctx.seq_rm(s.seq, n, -1)
+                n = self._truncate(s.seq, n)
             req.seq = s.seq
+            if n == 0 and self.prefix_cache:
+                return self._ctx.match_prefix(req.seq, context)
             return n
         s.seq = req.seq = self._alloc_seq()
         if req.cached_tokens < 0 and s.evicted:
             self._session_misses += 1
         s.evicted = False
         return self._ctx.match_prefix(req.seq, context) if self.prefix_cache else 0
+
+    def _truncate(self, seq: int, n: int) -> int:
+        """Keeps the first ``n`` positions of ``seq``; returns what it holds then. A hybrid
+        model's recurrent state cannot be cut back (``seq_rm`` refuses, changing nothing): the
+        whole sequence goes instead (0), and the caller recomputes from the prefix cache."""
+        try:
+            self._ctx.seq_rm(seq, n, -1)
+            return n
+        except ValueError:
+            self._ctx.seq_rm(seq)
+            return 0
 
     def _end_turn(self, req: _Request, ok: bool) -> None:
         """The session's running or waiting request ends. Finished: the session takes its
@@ -1119,7 +1132,8 @@ class Engine:
             with self._cond:
                 del self._running[req.seq]
             if keep > 0:
-                self._ctx.seq_rm(req.seq, keep, -1)
+                keep = self._truncate(req.seq, keep)
+            if keep > 0:
                 s.seq, s.n_kv = req.seq, keep
             else:
                 self._ctx.seq_rm(req.seq)

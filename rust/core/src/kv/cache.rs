@@ -271,6 +271,11 @@ impl PagedCache {
         self.shared.model_id
     }
 
+    /// Whether committed batches key their blocks (see [`PagedCache::set_prefix_cache`]).
+    pub fn prefix_cache(&self) -> bool {
+        self.prefix_cache
+    }
+
     /// This context's prefix reuse counters (`indexed` counts the model's whole index).
     pub fn prefix_stats(&self) -> PrefixStats {
         PrefixStats {
@@ -339,10 +344,12 @@ impl PagedCache {
         Ok((plan.slots, tx))
     }
 
-    /// The batch's K/V are written: indexes the blocks it filled (see the module docs).
-    pub fn commit(&mut self, tx: BatchTx) {
+    /// The batch's K/V are written: indexes the blocks it filled (see the module docs) and
+    /// returns them with their keys (a hybrid model checkpoints its states there).
+    pub fn commit(&mut self, tx: BatchTx) -> Vec<(BlockId, Key)> {
         let id = self.prefix_cache.then_some(self.shared.model_id);
         let keyed = self.table.commit(tx, id);
+        let out = keyed.iter().map(|&(b, key, _)| (b, key)).collect();
         for (b, key, parent) in keyed {
             // Cannot fail: the block is held and its tokens are block_size long.
             let _ = self.shared.index.insert(
@@ -353,6 +360,7 @@ impl PagedCache {
                 self.table.block_tokens(b),
             );
         }
+        out
     }
 
     /// The batch's K/V could not be written: undoes it (see [`KvTable::rollback`]).

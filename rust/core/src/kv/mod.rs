@@ -13,7 +13,8 @@
 //!   (saving and restoring sessions).
 //!
 //! - [`recurrent`]: the recurrent-state group of hybrid models (one state per sequence in pool
-//!   blocks, copy-on-write, llama.cpp's rules for what it cannot honour).
+//!   blocks, copy-on-write, llama.cpp's rules for what it cannot honour, state checkpoints at
+//!   block boundaries for prefix reuse).
 //!
 //! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements.
 //! - [`cache`]: `SharedKv` (pool + storage + index of one model, shared by its contexts) and

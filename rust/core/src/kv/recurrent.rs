@@ -25,6 +25,14 @@
 //! [`RecurrentGroup::commit`] writes it back and moves each sequence to its new blocks, or
 //! [`RecurrentGroup::rollback`] gives the fresh blocks back and leaves every state as it was.
 //!
+//! **Checkpoints** (prefix reuse): when a decode fills a clean K/V block that the prefix index
+//! keys, the state after that block's last token is stored in a pool block of its own, keyed
+//! by [`checkpoint_key`] (a hash of the K/V block's key and tokens) in the same prefix index,
+//! and released at once: it is a *cached* block, evicted by the pool's LRU like any other. A
+//! new sequence that maps a cached prefix resumes from the checkpoint at the end of the longest
+//! mapped prefix that has one ([`RecurrentGroup::find_checkpoint`]), instead of recomputing it.
+//! Checkpoints are kept only for states that fit one block.
+//!
 //! Complexity: every operation is O(sequences touched × blocks_per_state); a decode moves each
 //! batch sequence's state twice (load and store), O(state size).
 
@@ -32,7 +40,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::pool::{BlockId, BlockPool};
-use super::prefix::PrefixIndex;
+use super::prefix::{block_key, Key, PrefixIndex};
 use super::storage::KvStorage;
 use super::table::{Pos, SeqId};
 use crate::error::{Error, Result};
@@ -55,6 +63,15 @@ impl StateLayout {
     pub fn bytes(&self) -> usize {
         self.floats() * 4
     }
+}
+
+/// Domain of checkpoint keys, so that they never equal a K/V block key.
+const CHECKPOINT_DOMAIN: u128 = 0x6b76_7365_7276_6543_6b70_7453_7461_7465; // "kvserveCkptState"
+
+/// The prefix-index key of the state checkpoint after the K/V block keyed `kv_key` (holding
+/// `tokens`) of model `model_id`.
+pub fn checkpoint_key(model_id: Key, kv_key: Key, tokens: &[u32]) -> Key {
+    block_key(model_id ^ CHECKPOINT_DOMAIN, kv_key, tokens)
 }
 
 #[derive(Debug, Clone)]
@@ -441,6 +458,54 @@ impl RecurrentGroup {
         self.store(storage, &bl, vals)?;
         self.seqs.insert(s, Slot { blocks: bl, pos });
         Ok(())
+    }
+
+    /// Whether states are checkpointed for prefix reuse (they fit one block).
+    pub fn can_checkpoint(&self) -> bool {
+        self.blocks_per_state == 1 && self.index.is_some()
+    }
+
+    /// Stores `vals` as the checkpoint after the K/V block keyed `kv_key` holding `tokens`:
+    /// a fresh block, keyed and released into the pool's cache at once. Skipped (false) when
+    /// the pool has no block to spare: a checkpoint never fails a batch.
+    pub fn store_checkpoint(
+        &self,
+        storage: &mut KvStorage,
+        model_id: Key,
+        kv_key: Key,
+        tokens: &[u32],
+        vals: &[f32],
+    ) -> bool {
+        let Some(ix) = self.index.as_ref().filter(|_| self.can_checkpoint()) else {
+            return false;
+        };
+        let mut bl = Vec::new();
+        if !self.take_blocks(1, &mut bl) {
+            return false;
+        }
+        let b = bl[0];
+        let key = checkpoint_key(model_id, kv_key, tokens);
+        let ok = self.store(storage, &bl, vals).is_ok()
+            && ix.insert(&self.pool, b, key, kv_key, tokens).is_ok();
+        let _ = self.pool.release(b);
+        ok
+    }
+
+    /// The checkpoint after the K/V block keyed `kv_key` holding `tokens`, if still cached.
+    pub fn find_checkpoint(
+        &self,
+        storage: &KvStorage,
+        model_id: Key,
+        kv_key: Key,
+        tokens: &[u32],
+    ) -> Option<Vec<f32>> {
+        let ix = self.index.as_ref().filter(|_| self.can_checkpoint())?;
+        let key = checkpoint_key(model_id, kv_key, tokens);
+        let b = ix.lookup(&self.pool, key, kv_key, tokens)?;
+        let mut out = vec![0.0f32; self.layout.floats()];
+        let ok = self.load(storage, &[b], &mut out).is_ok();
+        let _ = self.pool.release(b);
+        ok.then_some(out)
     }
 
     /// Checks the bookkeeping: every state holds `blocks_per_state` distinct referenced

@@ -152,11 +152,23 @@ pub fn state_floats_per_layer(c: &Config) -> usize {
         .map_or(0, |s| (s.l_cache - 1) * c.n_embd)
 }
 
-/// Runs one batch through an LFM2 model. `cells`/`views` as for llama.rs; `states` holds the
-/// recurrent state of every batch sequence (`state_of[t]`: token `t`'s index there), each
-/// `n_conv_layers * state_floats_per_layer` values laid out `[conv layer][channel][l_cache-1]`
-/// (oldest input first); the pass advances them over the batch's tokens.
-#[allow(clippy::too_many_arguments)]
+/// The recurrent states a batch runs on.
+pub(crate) struct ConvStates<'a> {
+    /// Every batch sequence's state, `n_conv_layers * state_floats_per_layer` values each, laid
+    /// out `[conv layer][channel][l_cache - 1]` (oldest input first); advanced by the pass.
+    pub states: &'a mut [f32],
+    /// Per token, its sequence's index in `states`.
+    pub state_of: &'a [usize],
+    /// Snapshots of the state after chosen tokens (checkpoints), same layout per snapshot.
+    pub ckpts: &'a mut [f32],
+    /// Per token, its snapshot's index in `ckpts`, or [`NO_CHECKPOINT`].
+    pub ckpt_of: &'a [usize],
+}
+
+pub(crate) const NO_CHECKPOINT: usize = usize::MAX;
+
+/// Runs one batch through an LFM2 model. `cells`/`views` as for llama.rs; `conv`: the states
+/// of the batch's sequences, which the pass advances over the batch's tokens.
 pub(crate) fn forward(
     model: &Model,
     wts: &Weights,
@@ -164,9 +176,14 @@ pub(crate) fn forward(
     cells: &[(BlockId, u16)],
     views: &HashMap<SeqId, SeqView>,
     batch: &Batch,
-    states: &mut [f32],
-    state_of: &[usize],
+    conv_states: ConvStates<'_>,
 ) -> Result<Logits> {
+    let ConvStates {
+        states,
+        state_of,
+        ckpts,
+        ckpt_of,
+    } = conv_states;
     let c = &model.config;
     let n = batch.len();
     let (d, kvd, hd, ff) = (c.n_embd, c.kv_dim(), c.head_dim, c.n_ff);
@@ -174,7 +191,12 @@ pub(crate) fn forward(
     let dc = l_cache - 1;
     let per_layer = state_floats_per_layer(c);
     let per_seq = per_layer * c.shortconv.as_ref().map_or(0, |s| s.n_conv_layers());
-    if state_of.len() != n || state_of.iter().any(|&i| (i + 1) * per_seq > states.len()) {
+    let bad_ckpt = |&i: &usize| i != NO_CHECKPOINT && (i + 1) * per_seq > ckpts.len();
+    if state_of.len() != n
+        || ckpt_of.len() != n
+        || state_of.iter().any(|&i| (i + 1) * per_seq > states.len())
+        || ckpt_of.iter().any(bad_ckpt)
+    {
         return Err(Error::Internal(
             "recurrent states do not match the batch".into(),
         ));
@@ -222,6 +244,7 @@ pub(crate) fn forward(
     let out = SharedSlice::new(&mut logits);
     let acts = SharedSlice::new(&mut acts);
     let states = SharedSlice::new(states);
+    let ckpts = SharedSlice::new(ckpts);
     let storage = SharedSlice::new(std::slice::from_mut(storage));
 
     let scale = 1.0 / (hd as f32).sqrt();
@@ -350,6 +373,10 @@ pub(crate) fn forward(
                                 st.copy_within(1.., 0);
                                 st[dc - 1] = bx;
                                 attn.write(t * d + ch, cg * acc);
+                                if ckpt_of[t] != NO_CHECKPOINT {
+                                    let at = ckpt_of[t] * per_seq + base + ch * dc;
+                                    ckpts.slice_mut(at..at + dc).copy_from_slice(st);
+                                }
                             }
                         }
                     }

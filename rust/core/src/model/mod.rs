@@ -38,6 +38,21 @@ pub struct Model {
     fault_layer: AtomicI64,
 }
 
+/// The recurrent part of a hybrid model's sequence state (see [`Context::seq_state_read`]).
+const REC_MAGIC: &[u8; 4] = b"KVRS";
+const REC_VERSION: u32 = 1;
+const REC_FOOTER: usize = 20;
+
+/// A hybrid batch's recurrent side: the group's transaction, the states the pass advances and
+/// the checkpoint snapshots it takes.
+struct RecBatch {
+    tx: crate::kv::recurrent::StateTx,
+    states: Vec<f32>,
+    state_of: Vec<usize>,
+    ckpts: Vec<f32>,
+    ckpt_of: Vec<usize>,
+}
+
 /// The weights of one architecture family.
 pub(crate) enum Weights {
     Llama(llama::Weights),
@@ -383,16 +398,39 @@ impl Context {
                 e.insert(self.cache.view(s));
             }
         }
-        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones).
+        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones)
+        // and the tokens after which a state checkpoint is taken (the last of each block).
         let mut rec = match self.recurrent.as_mut() {
             Some(r) => match r.begin(&batch.seq_ids, &batch.positions, &storage) {
-                Ok((rtx, states)) => {
+                Ok((tx, states)) => {
                     let state_of: Vec<usize> = batch
                         .seq_ids
                         .iter()
-                        .map(|s| rtx.seqs.iter().position(|x| x == s).unwrap_or(0))
+                        .map(|s| tx.seqs.iter().position(|x| x == s).unwrap_or(0))
                         .collect();
-                    Some((rtx, states, state_of))
+                    let bs = self.cache.table().block_size() as Pos;
+                    let on = self.cache.prefix_cache() && r.can_checkpoint();
+                    let mut n_ckpt = 0;
+                    let ckpt_of: Vec<usize> = batch
+                        .positions
+                        .iter()
+                        .map(|&p| {
+                            if on && (p + 1) % bs == 0 {
+                                n_ckpt += 1;
+                                n_ckpt - 1
+                            } else {
+                                lfm2::NO_CHECKPOINT
+                            }
+                        })
+                        .collect();
+                    let ckpts = vec![0.0f32; n_ckpt * r.layout().floats()];
+                    Some(RecBatch {
+                        tx,
+                        states,
+                        state_of,
+                        ckpts,
+                        ckpt_of,
+                    })
                 }
                 Err(e) => {
                     self.cache.rollback(tx);
@@ -405,41 +443,56 @@ impl Context {
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &model.weights {
             Weights::Llama(_) => llama::forward(model, &mut storage, &slots, &views, batch),
             Weights::Lfm2(w) => {
-                let (_, states, state_of) = rec
+                let rb = rec
                     .as_mut()
                     .ok_or_else(|| Error::Internal("lfm2 context without states".into()))?;
-                lfm2::forward(
-                    model,
-                    w,
-                    &mut storage,
-                    &slots,
-                    &views,
-                    batch,
-                    states,
-                    state_of,
-                )
+                let conv = lfm2::ConvStates {
+                    states: &mut rb.states,
+                    state_of: &rb.state_of,
+                    ckpts: &mut rb.ckpts,
+                    ckpt_of: &rb.ckpt_of,
+                };
+                lfm2::forward(model, w, &mut storage, &slots, &views, batch, conv)
             }
         }));
+        let mut ckpts = None;
         let run = match (run, rec) {
-            (Ok(Ok(logits)), Some((rtx, states, _))) => {
+            (Ok(Ok(logits)), Some(rb)) => {
                 let r = self.recurrent.as_mut().expect("states come from the group");
-                match r.commit(rtx, &states, &mut storage) {
-                    Ok(()) => Ok(Ok(logits)),
+                match r.commit(rb.tx, &rb.states, &mut storage) {
+                    Ok(()) => {
+                        ckpts = Some((rb.ckpts, rb.ckpt_of));
+                        Ok(Ok(logits))
+                    }
                     Err(e) => Ok(Err(e)),
                 }
             }
-            (run, Some((rtx, _, _))) => {
+            (run, Some(rb)) => {
                 self.recurrent
                     .as_mut()
                     .expect("states come from the group")
-                    .rollback(rtx);
+                    .rollback(rb.tx);
                 run
             }
             (run, None) => run,
         };
         match run {
             Ok(Ok(logits)) => {
-                self.cache.commit(tx);
+                let keyed = self.cache.commit(tx);
+                if let (Some((vals, of)), Some(r)) = (ckpts, self.recurrent.as_ref()) {
+                    // The state after the last token of every block the commit keyed.
+                    let n = r.layout().floats();
+                    let last = self.cache.table().block_size() as u16 - 1;
+                    let model_id = self.cache.model_id();
+                    for (b, key) in keyed {
+                        let t = slots.iter().position(|&c| c == (b, last));
+                        if let Some(i) = t.map(|t| of[t]).filter(|&i| i != lfm2::NO_CHECKPOINT) {
+                            let tokens = self.cache.table().block_tokens(b);
+                            let v = &vals[i * n..(i + 1) * n];
+                            r.store_checkpoint(&mut storage, model_id, key, tokens, v);
+                        }
+                    }
+                }
                 Ok(logits)
             }
             Ok(Err(e)) => {
@@ -466,24 +519,77 @@ impl Context {
     }
 
     /// For a new (empty) sequence: maps the longest cached prefix of `tokens` (see
-    /// [`PagedCache::match_prefix`]). A hybrid model maps nothing (0): the recurrent state of a
-    /// prefix is not kept, so the prefix is recomputed.
+    /// [`PagedCache::match_prefix`]) and returns its length. A hybrid model maps the longest
+    /// cached prefix that ends at a state checkpoint and gives the sequence that state
+    /// (`kv/recurrent.rs`), so the prefix is not recomputed; without one it maps nothing.
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        if self.recurrent.is_some() {
-            if seq < 0 || self.seq_pos_max(seq) >= 0 {
-                return Err(invalid(format!(
-                    "match_prefix: sequence {seq} must be >= 0 and empty"
-                )));
-            }
+        let Some(r) = self.recurrent.as_ref() else {
+            return self.cache.match_prefix(seq, tokens);
+        };
+        if seq < 0 || Memory::seq_pos_max(self, seq) >= 0 {
+            return Err(invalid(format!(
+                "match_prefix: sequence {seq} must be >= 0 and empty"
+            )));
+        }
+        if !r.can_checkpoint() {
             return Ok(0);
         }
-        self.cache.match_prefix(seq, tokens)
+        let n = self.cache.match_prefix(seq, tokens)?;
+        let bs = self.cache.table().block_size();
+        let model_id = self.cache.model_id();
+        let mut keys = Vec::with_capacity(n / bs);
+        let mut parent = crate::kv::ROOT_KEY;
+        for chunk in tokens[..n].chunks_exact(bs) {
+            parent = crate::kv::block_key(model_id, parent, chunk);
+            keys.push(parent);
+        }
+        let shared = Arc::clone(self.cache.shared());
+        let mut storage = shared.lock_storage();
+        let found = (0..keys.len()).rev().find_map(|i| {
+            let chunk = &tokens[i * bs..(i + 1) * bs];
+            r.find_checkpoint(&storage, model_id, keys[i], chunk)
+                .map(|v| ((i + 1) * bs, v))
+        });
+        let Some((m, vals)) = found else {
+            self.cache.seq_rm(seq, -1, -1)?;
+            return Ok(0);
+        };
+        if m < n {
+            self.cache.seq_rm(seq, m as Pos, -1)?;
+        }
+        let r = self.recurrent.as_mut().expect("checked above");
+        if r.write(seq, m as Pos - 1, &vals, &mut storage).is_err() {
+            // No block for the state: recompute instead.
+            self.cache.seq_rm(seq, -1, -1)?;
+            return Ok(0);
+        }
+        Ok(m)
     }
 
     /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
     /// rules in `kv::state`).
+    ///
+    /// A hybrid model's state is the K/V part as above followed by the recurrent state: its
+    /// values (`f32`), then a 20-byte footer: its position `i32` (-1: none), the number of
+    /// values `u64` (0 or the state's size), version `u32` (1) and `b"KVRS"`, little-endian.
     pub fn seq_state_read(&mut self, seq: i32) -> Result<Vec<u8>> {
-        self.cache.seq_state_read(seq)
+        let kv = self.cache.seq_state_read(seq)?;
+        let Some(r) = self.recurrent.as_ref() else {
+            return Ok(kv);
+        };
+        let shared = Arc::clone(self.cache.shared());
+        let state = r.read(seq, &shared.lock_storage())?;
+        let (pos, vals) = state.unwrap_or((-1, Vec::new()));
+        let mut out = kv;
+        out.reserve(vals.len() * 4 + REC_FOOTER);
+        for v in &vals {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&pos.to_le_bytes());
+        out.extend_from_slice(&(vals.len() as u64).to_le_bytes());
+        out.extend_from_slice(&REC_VERSION.to_le_bytes());
+        out.extend_from_slice(REC_MAGIC);
+        Ok(out)
     }
 
     /// Writes a state from [`Context::seq_state_read`] (of this or another context or process
@@ -491,7 +597,51 @@ impl Context {
     /// returns the number of cells. All or nothing.
     pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
         let n_vocab = self.model.n_vocab();
-        self.cache.seq_state_write(seq, data, n_vocab)
+        let Some(r) = self.recurrent.as_ref() else {
+            return self.cache.seq_state_write(seq, data, n_vocab);
+        };
+        let bad = |why: &str| invalid(format!("sequence state: {why}"));
+        let len = data.len();
+        if len < REC_FOOTER || &data[len - 4..] != REC_MAGIC {
+            return Err(bad("no recurrent state (not a state of a hybrid model)"));
+        }
+        let f = &data[len - REC_FOOTER..];
+        let word = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().expect("4 bytes"));
+        if word(12) != REC_VERSION {
+            return Err(bad(&format!(
+                "unsupported recurrent state version {}",
+                word(12)
+            )));
+        }
+        let pos = word(0) as i32;
+        let nf = u64::from_le_bytes(f[4..12].try_into().expect("8 bytes"));
+        let want = r.layout().floats() as u64;
+        if !((nf == 0 && pos == -1) || (nf == want && pos >= 0)) {
+            return Err(bad(&format!(
+                "recurrent state of {nf} values at position {pos} (this model's: {want})"
+            )));
+        }
+        let Some(start) = (len - REC_FOOTER).checked_sub(nf as usize * 4) else {
+            return Err(bad("truncated recurrent state"));
+        };
+        if seq < 0 || Memory::seq_pos_max(self, seq) >= 0 {
+            return Err(bad(&format!("sequence {seq} must be >= 0 and empty")));
+        }
+        let vals: Vec<f32> = data[start..len - REC_FOOTER]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let n = self.cache.seq_state_write(seq, &data[..start], n_vocab)?;
+        if nf > 0 {
+            let shared = Arc::clone(self.cache.shared());
+            let r = self.recurrent.as_mut().expect("checked above");
+            let written = r.write(seq, pos, &vals, &mut shared.lock_storage());
+            if let Err(e) = written {
+                self.cache.seq_rm(seq, -1, -1)?;
+                return Err(e);
+            }
+        }
+        Ok(n)
     }
 }
 
