@@ -479,3 +479,25 @@ def test_server_serves_lfm2_with_sessions_and_prefix_reuse(f32: Tiny, tmp_path: 
         )
     finally:
         srv.stop()
+
+
+def test_engine_chat_session_that_needs_a_state_cut_recomputes(f32: Tiny):
+    """A chat turn whose rendering diverges inside what the session holds would need the
+    state cut back (refused for a hybrid model): the engine recomputes from the prefix cache
+    instead, and the reply is what the conversation gives without a session."""
+    from kvserve import Engine, Model
+
+    m = Model(str(f32.path), threads=2)
+    with Engine(m, parallel=2, ctx_size=512) as e:
+        first = [{"role": "user", "content": "the cat in the hat"}]
+        r1 = e.chat(first, max_tokens=5, session_id="c")
+        # The client sends another assistant message than the reply: the conversation
+        # diverges from the session's tokens right after the first prompt.
+        conv = first + [
+            {"role": "assistant", "content": "on and on"},
+            {"role": "user", "content": "ran on and on"},
+        ]
+        r2 = e.chat(conv, max_tokens=5, session_id="c")
+        alone = e.chat(conv, max_tokens=5)
+        assert r2.tokens == alone.tokens
+        assert r2.cached_tokens < len(m.tokenize_chat(first)) + len(r1.tokens)
