@@ -250,17 +250,17 @@ pub(crate) fn forward(
     let scale = 1.0 / (hd as f32).sqrt();
     let group = c.n_head / c.n_head_kv;
 
-    // Safety pattern (as in llama.rs): each step writes only the parts it assigns to this
-    // member (token rows, task rows, a channel range, or everything on member 0), and reads
-    // shared data only after the barrier that ends the step which wrote it.
+    // Safety pattern (as in llama.rs): each step is a set of tasks (`for_tasks`, `for_rows`,
+    // `single`); a task writes only the rows, channels or cells its index assigns to it, and
+    // reads shared data only that earlier steps wrote. Nothing shared is written outside a task.
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
             if model.fault_at(li) {
                 panic!("injected worker panic at layer {li} (test hook)");
             }
-            for t in w.share(n) {
-                // SAFETY: token rows t of x (read) and h (write) belong to this member now.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x (read) and h (write) belong to this task.
                 unsafe {
                     ops::rms_norm(
                         x.slice(t * d..(t + 1) * d),
@@ -269,8 +269,7 @@ pub(crate) fn forward(
                         h.slice_mut(t * d..(t + 1) * d),
                     );
                 }
-            }
-            w.sync();
+            });
             match &layer.mixer {
                 Mixer::Attention {
                     wq,
@@ -283,8 +282,8 @@ pub(crate) fn forward(
                 } => {
                     // SAFETY: every member calls this in step; h is not written during it.
                     unsafe { project(model, w, &acts, &h, n, &[wq, wk, wv], &[&q, &k, &v]) };
-                    for t in w.share(n) {
-                        // SAFETY: token rows t of q and k belong to this member in this step.
+                    w.for_rows(n, |t| {
+                        // SAFETY: token rows t of q and k belong to this task.
                         let (qr, kr) = unsafe {
                             (
                                 q.slice_mut(t * d..(t + 1) * d),
@@ -296,10 +295,9 @@ pub(crate) fn forward(
                         let angles = &cs[t * half..(t + 1) * half];
                         c.rope.apply(qr, hd, angles);
                         c.rope.apply(kr, hd, angles);
-                    }
-                    w.sync();
-                    if w.id == 0 {
-                        // SAFETY: only member 0 touches the storage in this step.
+                    });
+                    w.single(|| {
+                        // SAFETY: only this task touches the storage in this step.
                         unsafe {
                             PagedCache::write(
                                 &mut storage.slice_mut(0..1)[0],
@@ -309,11 +307,12 @@ pub(crate) fn forward(
                                 v.all(),
                             )
                         };
-                    }
-                    w.sync();
-                    // SAFETY: the storage and q are read-only in this step.
-                    let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
+                    });
                     w.for_tasks(n * c.n_head_kv, |job| {
+                        // SAFETY: the storage and q are read-only in this step (taken inside
+                        // the task: a late member must not hold them while a later step
+                        // writes them).
+                        let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
                         let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
                         let view = &views[&batch.seq_ids[t]];
                         let cols = t * d + kvh * group * hd..t * d + (kvh + 1) * group * hd;
@@ -351,15 +350,15 @@ pub(crate) fn forward(
                 } => {
                     // SAFETY: every member calls this in step; h is not written during it.
                     unsafe { project(model, w, &acts, &h, n, &[in_proj], &[&bcx]) };
-                    // The conv over this member's channels, tokens in batch order (a
+                    // The conv, one task per channel range, tokens in batch order (a
                     // sequence's tokens come in increasing positions), each on its state.
                     let base = conv_layer * per_layer;
-                    for ch in w.share(d) {
+                    w.for_rows(d, |ch| {
                         let taps = &conv[ch * l_cache..(ch + 1) * l_cache];
                         for t in 0..n {
                             let at = state_of[t] * per_seq + base + ch * dc;
-                            // SAFETY: channel ch of every state and column ch of every token
-                            // row of attn belong to this member in this step; bcx is read-only.
+                            // SAFETY: channel ch of every state and snapshot and column ch of
+                            // every token row of attn belong to this task; bcx is read-only.
                             unsafe {
                                 let row = bcx.slice(t * 3 * d..(t + 1) * 3 * d);
                                 let (b, cg, xin) = (row[ch], row[d + ch], row[2 * d + ch]);
@@ -379,14 +378,13 @@ pub(crate) fn forward(
                                 }
                             }
                         }
-                    }
-                    w.sync();
+                    });
                     // SAFETY: every member calls this in step; attn is not written during it.
                     unsafe { project(model, w, &acts, &attn, n, &[out_proj], &[&o]) };
                 }
             }
-            for t in w.share(n) {
-                // SAFETY: token rows t of x, o, h belong to this member in this step.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x, o, h belong to this task.
                 unsafe {
                     let xr = x.slice_mut(t * d..(t + 1) * d);
                     ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
@@ -397,8 +395,7 @@ pub(crate) fn forward(
                         h.slice_mut(t * d..(t + 1) * d),
                     );
                 }
-            }
-            w.sync();
+            });
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
                 project(
@@ -411,35 +408,33 @@ pub(crate) fn forward(
                     &[&gate, &up],
                 )
             };
-            for t in w.share(n) {
-                // SAFETY: token rows t of gate (write) and up (read) belong to this member.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of gate (write) and up (read) belong to this task.
                 unsafe {
                     ops::swiglu(
                         gate.slice_mut(t * ff..(t + 1) * ff),
                         up.slice(t * ff..(t + 1) * ff),
                     )
                 };
-            }
-            w.sync();
+            });
             // SAFETY: every member calls this in step; gate is not written during it.
             unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
-            for t in w.share(n) {
-                // SAFETY: token rows t of x (write) and down (read) belong to this member.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x (write) and down (read) belong to this task.
                 unsafe {
                     ops::add_assign(
                         x.slice_mut(t * d..(t + 1) * d),
                         down.slice(t * d..(t + 1) * d),
                     )
                 };
-            }
-            w.sync();
+            });
         }
         if n_out == 0 {
             return;
         }
-        for r in w.share(n_out) {
+        w.for_rows(n_out, |r| {
             let t = out_rows[r];
-            // SAFETY: output row r of hs belongs to this member; x is read-only now.
+            // SAFETY: output row r of hs belongs to this task; x is read-only now.
             unsafe {
                 ops::rms_norm(
                     x.slice(t * d..(t + 1) * d),
@@ -448,8 +443,7 @@ pub(crate) fn forward(
                     hs.slice_mut(r * d..(r + 1) * d),
                 )
             };
-        }
-        w.sync();
+        });
         // SAFETY: every member calls this in step; hs is not written during it.
         unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
     });
