@@ -603,21 +603,4 @@ mod tests {
             assert!(c.seq_state_write(0, &state).is_err());
         }
     }
-
-    /// What the identity costs at load (printed; `--ignored --nocapture`).
-    #[test]
-    #[ignore = "measurement, not a test"]
-    fn measure_model_identity() {
-        let g = real_model();
-        let t0 = Instant::now();
-        let reps = 20;
-        for _ in 0..reps {
-            std::hint::black_box(model_identity(&g));
-        }
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
-        println!(
-            "model_identity: {ms:.2} ms for {} tensors",
-            g.tensors().len()
-        );
-    }
 }
