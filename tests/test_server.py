@@ -947,7 +947,7 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
 
 def test_access_log(server: Server) -> None:
     body = {"prompt": STORY, "max_tokens": 5, "user": "alice"}
-    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     rid = r.headers["x-request-id"]
     assert r.json()["id"] == f"cmpl-{rid}"
     usage = r.json()["usage"]
