@@ -30,11 +30,13 @@ Servers (all on 127.0.0.1, ``--ctx`` tokens per user: kvserve ``--ctx-size``, ll
   python -m kvserve serve --model MODEL --threads 2 --parallel 16 --ctx-size 2048 --port P
   $LLAMA_CPP_BIN_DIR/llama-server -m MODEL -t 2 -tb 2 -np 16 -c 32768 --port P --no-webui
   PYTHON_WITH_LLAMA_CPP -m llama_cpp.server --model MODEL --n_threads 2 \\
-      --n_threads_batch 2 --n_ctx 2048 --port P
+      --n_threads_batch 2 --n_ctx 2048 --interrupt_requests False --port P
 
 llama-server keeps its defaults otherwise (continuous batching, prompt cache on, unified KV).
 llama-cpp-python's server runs one request at a time (its ``Llama`` reuses the longest common
-prefix with the previous request). ``--write`` appends the table to BENCHMARKS.md.
+prefix with the previous request); by default a new request interrupts the running one (each
+user would get an empty answer), so ``--interrupt_requests False`` makes them wait their turn.
+``--write`` appends the table to BENCHMARKS.md.
 
   python benches/bench_server.py --scenario A --llama-python PY --write
 """
@@ -216,10 +218,12 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
     timeout = httpx.Timeout(args.timeout, connect=30)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         t0 = time.perf_counter()
-        await asyncio.wait_for(
-            asyncio.gather(*(user(http, u) for u in range(args.users))), args.timeout
-        )
+        tasks = [asyncio.ensure_future(user(http, u)) for u in range(args.users)]
+        _, pending = await asyncio.wait(tasks, timeout=args.timeout)
         wall = time.perf_counter() - t0
+        for task in pending:  # past --timeout: the turns not finished count as errors
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     errors = [f"{k}: {t.error}" for k, t in sorted(turns.items()) if t.error is not None]
     missing = 2 * args.users - len(turns)
     ttfts = [t.ttft for t in turns.values() if t.ttft is not None]
@@ -231,6 +235,7 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "tokens": tokens,
         "tok_s": tokens / wall if wall > 0 else 0.0,
         "errors": len(errors) + missing,
+        "timed_out": bool(pending),
         "error_list": errors[:5],
         "answers": {k: t.text for k, t in turns.items()},
     }
@@ -260,14 +265,17 @@ def server_cmd(name: str, args: argparse.Namespace, port: int) -> list[str]:
         ]  # fmt: skip
     return [
         args.llama_python, "-m", "llama_cpp.server", "--model", args.model, "--n_threads", t,
-        "--n_threads_batch", t, "--n_ctx", ctx, "--host", "127.0.0.1", "--port", str(port),
+        "--n_threads_batch", t, "--n_ctx", ctx, "--interrupt_requests", "False",
+        "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
 
 
 def display(cmd: list[str], args: argparse.Namespace) -> str:
     """``cmd`` with this machine's paths as placeholders."""
     words = []
-    for w in cmd:
+    for i, w in enumerate(cmd):
+        if i and cmd[i - 1] == "--port":
+            w = "PORT"
         w = w.replace(args.model, "MODEL").replace(args.llama_bin_dir, "$LLAMA_CPP_BIN_DIR")
         if w == sys.executable:
             w = "python"
@@ -303,18 +311,34 @@ def status_kib(pid: int, field: str) -> int:
     return 0
 
 
+def state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 class RssSampler(threading.Thread):
-    """The peak of the summed RSS of a process tree, sampled every 50 ms."""
+    """The peak of the summed RSS of a process tree, sampled every 50 ms. A process of the
+    tree found stopped is resumed: load control on a shared machine that pauses other
+    processes with SIGSTOP can catch a server just as it starts."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid = pid
         self.peak_kib = 0
+        self.resumed = 0
         self.stop_event = threading.Event()
 
     def run(self) -> None:
         while not self.stop_event.is_set():
-            total = sum(status_kib(p, "VmRSS") for p in tree(self.pid))
+            pids = tree(self.pid)
+            for p in pids:
+                if state(p) == "T":
+                    self.resumed += 1
+                    os.kill(p, signal.SIGCONT)
+            total = sum(status_kib(p, "VmRSS") for p in pids)
             self.peak_kib = max(self.peak_kib, total)
             self.stop_event.wait(0.05)
 
@@ -367,6 +391,7 @@ def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         if name == "kvserve":
             res["kvserve_stats"] = kvserve_stats(url)
         res["peak_rss_mib"] = sampler.finish()
+        res["resumed"] = sampler.resumed
     finally:
         if sampler.is_alive():
             sampler.finish()
@@ -419,6 +444,10 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], load: s
     ]
     for name, r in results.items():
         lines.append(f"- {name}: `{r['command']}`")
+        if r.get("resumed"):
+            lines.append(f"  - its processes were found stopped and resumed {r['resumed']} times")
+        if r.get("timed_out"):
+            lines.append(f"  - stopped after --timeout {args.timeout:.0f} s with turns unfinished")
         if r.get("error_list"):
             lines.append(f"  - first errors: {r['error_list']}")
     kv = results.get("kvserve", {}).get("kvserve_stats")
