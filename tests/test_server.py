@@ -684,6 +684,7 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"prompt": "x", "min_p": 2}, 400, "min_p", "[0, 1]"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "greater"),
     ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "n", "less"),
+    ("/v1/completions", {"prompt": "x", "n": PARALLEL + 1}, 400, "n", f"parallel={PARALLEL}"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "greater"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", "must be one of"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
