@@ -62,8 +62,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_users import pct, questions, system_prompt  # noqa: E402
-from bench_vs_llama import (  # noqa: E402
+from _common import (  # noqa: E402
     REPO_ROOT,
     append_section,
     default_llama_bin_dir,
@@ -71,6 +70,7 @@ from bench_vs_llama import (  # noqa: E402
     loadavg,
     machine_desc,
 )
+from bench_users import pct, questions, system_prompt  # noqa: E402
 
 HEADING = "## The server under many users (issue #8)"
 SERVERS = ("kvserve", "llama-server", "llama-cpp-python")
