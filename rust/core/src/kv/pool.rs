@@ -749,7 +749,10 @@ mod tests {
                                         let n = mine.iter().filter(|&&x| x == b).count() as u32;
                                         if pool.untag(mine[j], n).is_some() {
                                             assert_eq!(pool.key(b), NO_KEY);
-                                            assert_eq!(pool.refcount(b), n);
+                                            // A concurrent `revive` of an old tag may hold
+                                            // a reference for a moment (it takes one, sees
+                                            // the tag changed, gives it back): never fewer.
+                                            assert!(pool.refcount(b) >= n);
                                         }
                                     }
                                 }
