@@ -3,7 +3,7 @@
 
 What it records (``--set smollm2``, the default: the SmolLM2-135M-Instruct Q4_1 GGUF, into
 tests/fixtures/llama_smollm2*; ``--set gemma3``: the Gemma 3 270M Q4_K_M GGUF, into
-tests/fixtures/llama_gemma3*, with prompts of up to ~1,900 tokens so that Gemma's 512-token
+tests/fixtures/llama_gemma3*, with prompts of up to ~1,800 tokens so that Gemma's 512-token
 sliding window is exceeded and answers depend on the global layers):
   * prompt token ids (add_special=True, i.e. the model's own add_bos rule, parse_special=True),
   * a 16-token greedy continuation computed by argmax over llama.cpp's *raw* logits
@@ -120,7 +120,7 @@ FULL_LOGIT_PROMPTS = ["capital_france", "chat_2plus2", "long_lighthouse"]
 
 
 def _keeper_records() -> str:
-    """A ~1,900-token document of 110 records and a question about record 4, far outside a
+    """A ~1,800-token document of 85 records and a question about record 3, far outside a
     512-token window from the question (deterministic, no randomness)."""
     first = ["Ada", "Bram", "Cora", "Dov", "Elin", "Finn", "Greta", "Hugo", "Iris", "Jonas", "Kaia"]
     last = [
@@ -137,7 +137,7 @@ def _keeper_records() -> str:
     ]
     places = ["Fenwick", "Harlow", "Kestrel", "Marrow", "Penhallow", "Quill", "Rookhaven", "Saltby"]
     lines = []
-    for i in range(110):
+    for i in range(85):
         who = f"{first[(i * 7) % len(first)]} {last[(i * 3) % len(last)]}"
         where = f"{places[i % len(places)]} Point {i + 1}"
         lines.append(f"Record {i + 1}: the lighthouse at {where} is kept by {who}.")
@@ -167,10 +167,10 @@ GEMMA_PROMPTS: list[tuple[str, str]] = [
     ("json_snippet", '{"name": "Alice", "age": 30, "city": "'),
     ("question_sky", "Q: Why is the sky blue?\nA:"),
     ("german", "Der schnelle braune Fuchs springt über den"),
-    # Beyond the window: the lighthouse text four times (~1,350 tokens) then a question.
+    # Beyond the window: the lighthouse text five times (~1,560 tokens) then a question.
     (
         "long_repeated",
-        "\n\n".join([LONG_PROMPT] * 4) + "\n\nQuestion: what changed everything in 1822?\nAnswer:",
+        "\n\n".join([LONG_PROMPT] * 5) + "\n\nQuestion: what changed everything in 1822?\nAnswer:",
     ),
     ("long_register", _keeper_records()),
 ]
