@@ -1,5 +1,9 @@
 //! Thread-count policy: `--threads` / `KVSERVE_THREADS`, default the number of physical cores.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
 /// Threads to use when the caller gives none: `KVSERVE_THREADS` if set and valid, else the
 /// number of physical cores (logical CPUs halved when SMT siblings are detected).
 pub fn default_threads() -> usize {
@@ -51,22 +55,32 @@ pub fn build_pool(n: Option<usize>) -> rayon::ThreadPool {
         .expect("building a rayon thread pool only fails if threads cannot be spawned")
 }
 
-/// A fixed team of worker threads that runs one closure on every member at once (SPMD), with a
-/// spinning barrier and a shared task counter between the steps of that closure.
+/// A fixed team of worker threads that runs one closure on every member at once (SPMD); the
+/// steps of that closure are sets of tasks (`Worker::for_tasks`) that members claim dynamically.
 ///
 /// Why: a decode step of a small model is ~150 short parallel operations; forking and joining
 /// rayon tasks for each costs more than the work (threads fall asleep between them). A team runs
-/// the whole forward pass as one parallel region; each operation ends in a barrier that spins
-/// (then yields), the way ggml's thread pool works.
+/// the whole forward pass as one parallel region, the way ggml's thread pool works.
 ///
-/// Only one closure runs on a team at a time (a mutex serializes callers), so barriers of two
-/// callers can never interleave.
+/// A step ends when all its *tasks* are done, not when all *members* have arrived: a member that
+/// the OS has descheduled while holding no task holds nobody up. When it runs again it finds the
+/// steps it missed finished and skips them. This matters on a small machine where an event loop
+/// or another process takes a core now and then: the members left running go on with all the
+/// work instead of waiting at every step for the one that lost its core (a member preempted in
+/// the middle of a task still holds up the end of that step). A member that waits for a step
+/// spins briefly, then yields.
+///
+/// Only one closure runs on a team at a time (a mutex serializes callers).
 pub struct Team {
     pool: rayon::ThreadPool,
     n: usize,
     barrier: SpinBarrier,
-    counter: std::sync::atomic::AtomicUsize,
-    lock: std::sync::Mutex<()>,
+    /// `(step << 32) | next task to hand out` of the step being handed out.
+    claim: AtomicU64,
+    /// `(step << 32) | tasks finished` of the step being worked on. Moves to the next step only
+    /// once every task of this one has finished, so `step(done) > k` means step `k` is over.
+    done: AtomicU64,
+    lock: Mutex<()>,
 }
 
 /// One member's view of a running team.
@@ -76,9 +90,16 @@ pub struct Worker<'a> {
     /// Team size.
     pub n: usize,
     team: &'a Team,
-    /// Value of the shared counter at the start of the next `for_tasks` (the same on every
-    /// member, see `for_tasks`).
-    base: std::cell::Cell<usize>,
+    /// Number of `for_tasks` steps this member has entered in this run (the same sequence on
+    /// every member, since every member calls `for_tasks` in the same order).
+    step: Cell<u32>,
+}
+
+const STEP_SHIFT: u32 = 32;
+const LOW: u64 = (1 << STEP_SHIFT) - 1;
+
+fn step_of(v: u64) -> u32 {
+    (v >> STEP_SHIFT) as u32
 }
 
 impl Team {
@@ -89,8 +110,9 @@ impl Team {
             pool,
             n,
             barrier: SpinBarrier::new(n),
-            counter: std::sync::atomic::AtomicUsize::new(0),
-            lock: std::sync::Mutex::new(()),
+            claim: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            lock: Mutex::new(()),
         }
     }
 
@@ -104,59 +126,143 @@ impl Team {
     where
         F: Fn(&Worker<'_>) + Sync,
     {
-        use std::sync::atomic::Ordering;
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        // A previous run that panicked may have left the barrier half-filled.
+        // A previous run that panicked may have left the barrier half-filled. Step 0 is an
+        // empty step that is over.
         self.barrier.reset();
-        let start = self.counter.load(Ordering::Relaxed);
+        self.claim.store(0, Ordering::Relaxed);
+        self.done.store(0, Ordering::Relaxed);
         self.pool.broadcast(|ctx| {
             let w = Worker {
                 id: ctx.index(),
                 n: self.n,
                 team: self,
-                base: std::cell::Cell::new(start),
+                step: Cell::new(0),
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
             if let Err(payload) = r {
-                // Release members waiting at a barrier: they see the flag and unwind too.
+                // Release members waiting at a barrier or for a step: they see the flag and
+                // unwind too.
                 self.barrier.poisoned.store(true, Ordering::Release);
                 std::panic::resume_unwind(payload);
             }
         });
     }
+
+    /// Whether step `k` (of `n_tasks` tasks) is over.
+    fn step_over(&self, k: u32, n_tasks: usize) -> bool {
+        let d = self.done.load(Ordering::Acquire);
+        step_of(d) > k || (d & LOW) as usize >= n_tasks
+    }
+
+    /// Waits until step `k` is over: spins for a while, then yields its core between checks.
+    /// (Sleeping instead — a condvar woken by whoever finishes the step — measured slower both
+    /// quiet and beside a busy thread: BENCHMARKS.md, "Decode beside a busy Python thread".)
+    fn wait_done(&self, k: u32, n_tasks: usize) {
+        let mut spins = 0u32;
+        while !self.step_over(k, n_tasks) {
+            if self.barrier.poisoned.load(Ordering::Acquire) {
+                panic!("another member of the thread team panicked");
+            }
+            if spins < SPINS_BEFORE_YIELD {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
 }
 
+/// About 20–40 µs of spinning before a waiting member starts yielding.
+const SPINS_BEFORE_YIELD: u32 = 20_000;
+
 impl Worker<'_> {
-    /// Waits until every member has reached this point.
+    /// Waits until every member has reached this point (a classic barrier; the forward passes
+    /// use `for_tasks`, whose steps end when their tasks are done).
     pub fn sync(&self) {
         self.team.barrier.wait();
     }
 
     /// Executes tasks `0..n_tasks`, each exactly once across the team, handed out dynamically
-    /// (fast members take more), then waits for the whole team.
+    /// (fast members take more), and returns once all of them are done — whoever ran them.
     ///
-    /// Every member must call this with the same `n_tasks` in the same order. The shared
-    /// counter is never reset: each member's last `fetch_add` overshoots exactly once, so after
-    /// a call the counter has grown by `n_tasks + n` on every member's books.
+    /// Every member must call this with the same `n_tasks` in the same order. Whatever a step
+    /// writes must be written inside its tasks: a member may reach a step after the team has
+    /// finished it (it was descheduled), and then skips it. Reading what earlier steps wrote is
+    /// safe anywhere after they returned.
     pub fn for_tasks(&self, n_tasks: usize, mut f: impl FnMut(usize)) {
-        use std::sync::atomic::Ordering;
-        let base = self.base.get();
+        assert!(n_tasks as u64 <= LOW, "too many tasks in one step");
+        let team = self.team;
+        let k = self.step.get() + 1;
+        self.step.set(k);
+        let mut mine = 0u64;
+        let mut c = team.claim.load(Ordering::Acquire);
         loop {
-            let i = self
-                .team
-                .counter
-                .fetch_add(1, Ordering::Relaxed)
-                .wrapping_sub(base);
-            if i >= n_tasks {
-                break;
+            let (step, next) = (step_of(c), (c & LOW) as usize);
+            if step < k {
+                // Step k - 1 is over (this member waited for it, or k = 1): open step k,
+                // first its completion count, then its task counter. Others may race to do the
+                // same; each exchange succeeds once.
+                let d = team.done.load(Ordering::Acquire);
+                if step_of(d) < k {
+                    let _ = team.done.compare_exchange(
+                        d,
+                        u64::from(k) << STEP_SHIFT,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                }
+                let _ = team.claim.compare_exchange(
+                    c,
+                    u64::from(k) << STEP_SHIFT,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                c = team.claim.load(Ordering::Acquire);
+                continue;
             }
-            f(i);
+            if step > k || next >= n_tasks {
+                break; // step k is handed out (or over)
+            }
+            match team
+                .claim
+                .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    f(next);
+                    mine += 1;
+                    c = team.claim.load(Ordering::Acquire);
+                }
+                Err(now) => c = now,
+            }
         }
-        self.base.set(base.wrapping_add(n_tasks + self.n));
-        self.sync();
+        if mine > 0 {
+            // Release: this member's task writes happen before anyone sees the step over.
+            let before = team.done.fetch_add(mine, Ordering::AcqRel);
+            debug_assert_eq!(step_of(before), k);
+        }
+        team.wait_done(k, n_tasks);
     }
 
-    /// This member's contiguous share of `0..len` (static split), for cheap element-wise work.
+    /// Runs `f` once, on whichever member gets there first, and returns when it has run.
+    pub fn single(&self, f: impl FnOnce()) {
+        let mut f = Some(f);
+        self.for_tasks(1, |_| (f.take().expect("one task"))());
+    }
+
+    /// Runs `f(i)` for every `i` in `0..len` across the team in contiguous chunks (a few per
+    /// member, handed out dynamically), for cheap per-row work.
+    pub fn for_rows(&self, len: usize, mut f: impl FnMut(usize)) {
+        let chunk = len.div_ceil(4 * self.n).max(1);
+        self.for_tasks(len.div_ceil(chunk), |c| {
+            for i in c * chunk..((c + 1) * chunk).min(len) {
+                f(i);
+            }
+        });
+    }
+
+    /// This member's contiguous share of `0..len` (static split; pair it with `sync`).
     pub fn share(&self, len: usize) -> std::ops::Range<usize> {
         let per = len.div_ceil(self.n);
         let start = (self.id * per).min(len);
@@ -408,6 +514,135 @@ mod tests {
                 });
                 assert_eq!(hits.load(Ordering::Relaxed), 10);
             });
+        }
+    }
+
+    #[test]
+    fn steps_order_task_writes_for_late_and_dawdling_members() {
+        // Each step's tasks write cells; the next step's tasks read every cell (through any
+        // member) and must see this step's values. One member dawdles now and then outside a
+        // task (it then skips steps the others finish) or inside one (the step waits for it).
+        const CELLS: usize = 64;
+        const STEPS: usize = 400;
+        for threads in [2, 3] {
+            let stale = within(Duration::from_secs(120), move || {
+                let team = Team::new(Some(threads));
+                let mut cells = vec![0usize; CELLS];
+                let shared = SharedSlice::new(&mut cells);
+                let stale = AtomicUsize::new(0);
+                team.run(|w| {
+                    for step in 1..=STEPS {
+                        if w.id == step % w.n && step % 7 == 0 {
+                            std::thread::sleep(SPIN_LIMIT * 2);
+                        }
+                        w.for_tasks(CELLS, |i| {
+                            if i == 0 && step % 11 == 0 {
+                                std::thread::sleep(SPIN_LIMIT * 2);
+                            }
+                            // SAFETY: nobody writes the cells during a reading step.
+                            let all = unsafe { shared.all() };
+                            let want = if step == 1 { 0 } else { step - 1 };
+                            if all[(i * 7) % CELLS] != want {
+                                stale.fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                        w.for_tasks(CELLS, |i| {
+                            // SAFETY: task i alone writes cell i in this step.
+                            unsafe { shared.slice_mut(i..i + 1)[0] = step };
+                        });
+                    }
+                });
+                stale.into_inner()
+            });
+            assert_eq!(
+                stale, 0,
+                "{threads} threads: a step read cells before they were written"
+            );
+        }
+    }
+
+    #[test]
+    fn a_descheduled_member_without_a_task_holds_nobody_up() {
+        // Member 1 is away (sleeping, as if the OS had given its core to another thread) for
+        // the whole run: member 0 must run every task of every step alone instead of waiting at
+        // the first step's end, and member 1 then skips the finished steps.
+        within(Duration::from_secs(60), || {
+            let team = Team::new(Some(2));
+            let by = [AtomicUsize::new(0), AtomicUsize::new(0)];
+            let t0 = Instant::now();
+            let member0_done = std::sync::Mutex::new(Duration::ZERO);
+            team.run(|w| {
+                if w.id == 1 {
+                    std::thread::sleep(Duration::from_millis(400));
+                }
+                for _ in 0..50 {
+                    w.for_tasks(8, |_| {
+                        by[w.id].fetch_add(1, Ordering::Relaxed);
+                    });
+                }
+                if w.id == 0 {
+                    *member0_done.lock().unwrap() = t0.elapsed();
+                }
+            });
+            assert_eq!(by[0].load(Ordering::Relaxed), 400);
+            assert_eq!(by[1].load(Ordering::Relaxed), 0);
+            let done = *member0_done.lock().unwrap();
+            assert!(
+                done < Duration::from_millis(300),
+                "member 0 waited for member 1: {done:?}"
+            );
+        });
+    }
+
+    #[test]
+    fn a_member_panicking_in_a_task_releases_the_waiting_members() {
+        within(Duration::from_secs(60), || {
+            let team = Team::new(Some(3));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                team.run(|w| {
+                    w.for_tasks(3, |i| {
+                        if i == 1 {
+                            std::thread::sleep(SPIN_LIMIT * 5);
+                            panic!("boom");
+                        }
+                    });
+                })
+            }));
+            assert!(r.is_err());
+            let hits = AtomicUsize::new(0);
+            team.run(|w| {
+                w.for_rows(37, |_| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                });
+                w.single(|| {
+                    hits.fetch_add(100, Ordering::Relaxed);
+                });
+            });
+            assert_eq!(hits.load(Ordering::Relaxed), 137);
+        });
+    }
+
+    #[test]
+    fn for_rows_and_single_cover_each_index_once() {
+        for threads in [1, 2, 3] {
+            let team = Team::new(Some(threads));
+            for len in [0usize, 1, 5, 64, 1000] {
+                let seen: Vec<AtomicUsize> = (0..len).map(|_| AtomicUsize::new(0)).collect();
+                let singles = AtomicUsize::new(0);
+                team.run(|w| {
+                    w.for_rows(len, |i| {
+                        seen[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                    w.single(|| {
+                        singles.fetch_add(1, Ordering::Relaxed);
+                    });
+                });
+                assert!(
+                    seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
+                    "len {len}"
+                );
+                assert_eq!(singles.load(Ordering::Relaxed), 1);
+            }
         }
     }
 

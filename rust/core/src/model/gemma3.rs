@@ -143,8 +143,8 @@ pub(crate) fn forward(
     let kv = group_kv(io);
     let eps = c.rms_eps;
 
-    // Safety pattern as in `llama::forward`: each step writes only this member's share and
-    // reads shared data only after the barrier that ends the step which wrote it.
+    // Safety pattern as in `llama::forward`: each step is a set of tasks; a task writes only the
+    // rows its index assigns to it and reads what earlier steps wrote.
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
@@ -156,8 +156,8 @@ pub(crate) fn forward(
                 _ => (&c.rope, &cs_global),
             };
             // 1. h = norm(x).
-            for t in w.share(n) {
-                // SAFETY: token rows t of x (read) and h (write) belong to this member now.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x (read) and h (write) belong to this task.
                 unsafe {
                     ops::rms_norm(
                         x.slice(t * d..(t + 1) * d),
@@ -166,8 +166,7 @@ pub(crate) fn forward(
                         h.slice_mut(t * d..(t + 1) * d),
                     )
                 };
-            }
-            w.sync();
+            });
             // 2. Q, K, V.
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
@@ -182,8 +181,8 @@ pub(crate) fn forward(
                 )
             };
             // 3. q/k norms per head, RoPE.
-            for t in w.share(n) {
-                // SAFETY: token rows t of q and k belong to this member in this step.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of q and k belong to this task.
                 let (qr, kr) = unsafe {
                     (
                         q.slice_mut(t * qd..(t + 1) * qd),
@@ -195,8 +194,7 @@ pub(crate) fn forward(
                 let a = &cs[t * half..(t + 1) * half];
                 rope.apply(qr, hd, a);
                 rope.apply(kr, hd, a);
-            }
-            w.sync();
+            });
             // 4-5. Store K and V, attention (windowed on local layers).
             // SAFETY: every member calls this in step; q, k, v are not written during it.
             unsafe {
@@ -215,8 +213,8 @@ pub(crate) fn forward(
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };
             // 7. x += norm(o); h = norm(x).
-            for t in w.share(n) {
-                // SAFETY: token rows t of x, o, h belong to this member in this step.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x, o, h belong to this task.
                 unsafe {
                     let or = o.slice_mut(t * d..(t + 1) * d);
                     ops::rms_norm_rows(or, d, &layer.post_attn_norm, eps);
@@ -224,8 +222,7 @@ pub(crate) fn forward(
                     ops::add_assign(xr, or);
                     ops::rms_norm(xr, &layer.ffn_norm, eps, h.slice_mut(t * d..(t + 1) * d));
                 }
-            }
-            w.sync();
+            });
             // 8. Gate and up, GeGLU.
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
@@ -239,35 +236,33 @@ pub(crate) fn forward(
                     &[&gate, &up],
                 )
             };
-            for t in w.share(n) {
-                // SAFETY: token rows t of gate (write) and up (read) belong to this member.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of gate (write) and up (read) belong to this task.
                 unsafe {
                     ops::geglu(
                         gate.slice_mut(t * ff..(t + 1) * ff),
                         up.slice(t * ff..(t + 1) * ff),
                     )
                 };
-            }
-            w.sync();
+            });
             // 9. Down, x += norm(down).
             // SAFETY: every member calls this in step; gate is not written during it.
             unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
-            for t in w.share(n) {
-                // SAFETY: token rows t of x and down belong to this member.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x and down belong to this task.
                 unsafe {
                     let dr = down.slice_mut(t * d..(t + 1) * d);
                     ops::rms_norm_rows(dr, d, &layer.post_ffn_norm, eps);
                     ops::add_assign(x.slice_mut(t * d..(t + 1) * d), dr);
                 }
-            }
-            w.sync();
+            });
         }
         if n_out == 0 {
             return;
         }
-        for r in w.share(n_out) {
+        w.for_rows(n_out, |r| {
             let t = out_rows[r];
-            // SAFETY: output row r of hs belongs to this member; x is read-only now.
+            // SAFETY: output row r of hs belongs to this task; x is read-only now.
             unsafe {
                 ops::rms_norm(
                     x.slice(t * d..(t + 1) * d),
@@ -276,16 +271,14 @@ pub(crate) fn forward(
                     hs.slice_mut(r * d..(r + 1) * d),
                 )
             };
-        }
-        w.sync();
+        });
         // SAFETY: every member calls this in step; hs is not written during it.
         unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
         if let Some(cap) = c.final_softcap {
-            for r in w.share(n_out) {
-                // SAFETY: logits row r belongs to this member after the projection's barrier.
+            w.for_rows(n_out, |r| {
+                // SAFETY: logits row r belongs to this task; the projection step is over.
                 unsafe { ops::softcap(out.slice_mut(r * c.n_vocab..(r + 1) * c.n_vocab), cap) };
-            }
-            w.sync();
+            });
         }
     });
     Ok(Logits {

@@ -207,7 +207,7 @@ fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: u
     }
 }
 
-/// `outs[i] = x W_i^T` for every weight in `ws` (same input width): member 0 quantizes `x` (`n`
+/// `outs[i] = x W_i^T` for every weight in `ws` (same input width): one task quantizes `x` (`n`
 /// rows) once per activation format, then the team runs all the products as one set of tasks.
 ///
 /// # Safety
@@ -222,40 +222,53 @@ pub(super) unsafe fn project(
     ws: &[&WeightRef],
     outs: &[&SharedSlice<f32>],
 ) {
-    if w.id == 0 {
-        // SAFETY: member 0 alone writes `acts`, before the barrier; `x` is read-only (contract).
+    w.single(|| {
+        // SAFETY: one task alone writes `acts`, in a step of its own; `x` is read-only (contract).
         unsafe { quantize_for(&mut acts.slice_mut(0..1)[0], ws, x.all(), n, ws[0].cols) };
-    }
-    w.sync();
-    // SAFETY: after the barrier `acts` is only read, until every member has passed the barrier
-    // that ends `matmuls`.
-    let a = unsafe { &acts.slice(0..1)[0] };
-    matmuls(model, w, ws, a, outs);
+    });
+    matmuls(model, w, ws, acts, n, outs);
 }
 
-/// Runs `out_i = W_i a` for several weights as one set of team tasks (one barrier at the end).
+/// Runs `out_i = W_i a` for several weights (`n` tokens of activations in `acts`) as one set of
+/// team tasks (one step). The task count is planned from the shapes alone; the activations are
+/// read only inside the tasks, since a member that reaches this step late (after the team has
+/// finished it) must not touch them: by then a later step may be rewriting them.
 pub(super) fn matmuls(
     model: &Model,
     w: &Worker<'_>,
     ws: &[&WeightRef],
-    acts: &Acts,
+    acts: &SharedSlice<Acts>,
+    n: usize,
     outs: &[&SharedSlice<f32>],
 ) {
-    let jobs: Vec<MatmulJob<'_, '_>> = ws
-        .iter()
-        .zip(outs)
-        .map(|(wr, out)| {
-            let a = &acts[quant::act_format_index(wr.ty)];
-            MatmulJob::new(model.mat(wr), a, out, w.n)
-                .expect("weight shapes and types were validated at load")
-        })
-        .collect();
-    let total: usize = jobs.iter().map(|j| j.n_tasks()).sum();
-    w.for_tasks(total, |mut i| {
-        for j in &jobs {
+    let mut counts = [0usize; 4];
+    assert!(ws.len() <= counts.len() && ws.len() == outs.len());
+    for (c, wr) in counts.iter_mut().zip(ws) {
+        *c = MatmulJob::planned_tasks(&model.mat(wr), n, w.n);
+    }
+    let counts = &counts[..ws.len()];
+    let mut jobs: Option<Vec<MatmulJob<'_, '_>>> = None;
+    w.for_tasks(counts.iter().sum(), |mut i| {
+        let jobs = jobs.get_or_insert_with(|| {
+            // SAFETY: inside a task of this step: the previous step wrote `acts`, and nobody
+            // writes them again before this step is over, which waits for this task.
+            let a = unsafe { &acts.slice(0..1)[0] };
+            let jobs: Vec<MatmulJob<'_, '_>> = ws
+                .iter()
+                .zip(outs)
+                .map(|(wr, out)| {
+                    MatmulJob::new(model.mat(wr), &a[quant::act_format_index(wr.ty)], out, w.n)
+                        .expect("weight shapes and types were validated at load")
+                })
+                .collect();
+            let planned: Vec<usize> = jobs.iter().map(|j| j.n_tasks()).collect();
+            assert_eq!(planned, counts, "matmul plan differs from its task count");
+            jobs
+        });
+        for j in jobs.iter() {
             if i < j.n_tasks() {
                 // SAFETY: `for_tasks` hands out each index once; the outputs are written only by
-                // these tasks until the barrier that ends `for_tasks`.
+                // these tasks until the step is over.
                 unsafe { j.run_task(i) };
                 return;
             }
@@ -282,7 +295,7 @@ pub(super) fn group_kv<'a>(io: &'a mut [KvIo<'_>]) -> Vec<GroupKv<'a>> {
                 views,
             } = g;
             GroupKv {
-                storage: SharedSlice::new(std::slice::from_mut(&mut **storage)),
+                storage: SharedSlice::new(std::slice::from_mut(storage)),
                 cells,
                 views,
             }
@@ -290,15 +303,15 @@ pub(super) fn group_kv<'a>(io: &'a mut [KvIo<'_>]) -> Vec<GroupKv<'a>> {
         .collect()
 }
 
-/// Steps 4 and 5 of a layer, shared by every architecture: member 0 stores the batch's keys and
-/// values of layer `li` at its planned cells in the layer's group; then attention runs as one task per (token, KV head): the
-/// query heads of a GQA group read each cached key and value once, over the token's own
-/// sequence only, with the layer's mask (causal, or causal within the layer's window).
-/// `qkva` = [q, k, v, attn output].
+/// Steps 4 and 5 of a layer, shared by every architecture: one task stores the batch's keys and
+/// values of layer `li` at its planned cells in the layer's group; then attention runs as one
+/// task per (token, KV head): the query heads of a GQA group read each cached key and value
+/// once, over the token's own sequence only, with the layer's mask (causal, or causal within
+/// the layer's window). `qkva` = [q, k, v, attn output].
 ///
 /// # Safety
 /// Every member calls this at the same step; nobody writes q, k, v during the call, and the
-/// attention output's rows are written only here until the closing barrier.
+/// attention output's rows are written only here.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn store_and_attend(
     w: &Worker<'_>,
@@ -321,18 +334,18 @@ pub(super) unsafe fn store_and_attend(
     let (qd, hd) = (c.q_dim(), c.head_dim);
     let group = c.n_head / c.n_head_kv;
     let n = batch.len();
-    if w.id == 0 {
-        // SAFETY: only member 0 touches the storage in this step; k and v are read-only.
+    w.single(|| {
+        // SAFETY: only this task touches the storage in this step; k and v are read-only.
         unsafe { PagedCache::write(&mut storage.slice_mut(0..1)[0], kl, cells, k.all(), v.all()) };
-    }
-    w.sync();
+    });
     let window = match c.layer_kinds[li] {
         LayerKind::Window(n) => Some(n.min(i32::MAX as usize) as i32),
         LayerKind::Full => None,
     };
-    // SAFETY: the storage and q are read-only in this step.
-    let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
     w.for_tasks(n * c.n_head_kv, |job| {
+        // SAFETY: the storage and q are read-only in this step (taken inside the task: a late
+        // member must not hold them while a later step writes them).
+        let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
         let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
         let view = &views[&batch.seq_ids[t]];
         let cols = t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
@@ -371,8 +384,8 @@ pub(super) unsafe fn store_and_attend(
 /// positions, including the new cells).
 ///
 /// The pass is one SPMD region on the model's team: every member walks the layers; each step
-/// splits its work (tokens, output rows, (token, head) pairs) across the members and ends in a
-/// barrier. Activation quantization and cache writes are cheap and run on member 0.
+/// splits its work (tokens, output rows, (token, head) pairs) into tasks the members claim, and
+/// is over when they are all done. Activation quantization and cache writes are one task each.
 pub(crate) fn forward(
     model: &Model,
     wts: &Weights,
@@ -430,18 +443,19 @@ pub(crate) fn forward(
 
     let scale = c.attn_scale;
 
-    // Safety pattern for the whole region: each step writes only the parts the step assigns to
-    // this member (its token share, its tasks' rows, or everything on member 0 alone), and reads
-    // shared data only after the barrier that ends the step which wrote it.
+    // Safety pattern for the whole region: each step is a set of tasks (`for_tasks`, `for_rows`,
+    // `single`); a task writes only the rows or cells its index assigns to it, and reads shared
+    // data only that earlier steps wrote (a step returns once all its tasks are done). Nothing
+    // shared is written outside a task: a member may skip a step the others have finished.
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
             if model.fault_at(li) {
                 panic!("injected worker panic at layer {li} (test hook)");
             }
-            // 1. h = norm(x) over this member's tokens.
-            for t in w.share(n) {
-                // SAFETY: token rows t of x (read) and h (write) belong to this member now.
+            // 1. h = norm(x) per token.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x (read) and h (write) belong to this task.
                 unsafe {
                     ops::rms_norm(
                         x.slice(t * d..(t + 1) * d),
@@ -450,8 +464,7 @@ pub(crate) fn forward(
                         h.slice_mut(t * d..(t + 1) * d),
                     );
                 }
-            }
-            w.sync();
+            });
             // 2. Q, K, V projections.
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
@@ -465,9 +478,9 @@ pub(crate) fn forward(
                     &[&q, &k, &v],
                 )
             };
-            // 3. Biases, q/k norms, RoPE over this member's tokens.
-            for t in w.share(n) {
-                // SAFETY: token rows t of q and k belong to this member in this step.
+            // 3. Biases, q/k norms, RoPE per token.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of q and k belong to this task.
                 let (qr, kr, vr) = unsafe {
                     (
                         q.slice_mut(t * qd..(t + 1) * qd),
@@ -493,8 +506,7 @@ pub(crate) fn forward(
                 let angles = &cs[t * half..(t + 1) * half];
                 c.rope.apply(qr, hd, angles);
                 c.rope.apply(kr, hd, angles);
-            }
-            w.sync();
+            });
             // 4-5. Store K and V, attention.
             // SAFETY: every member calls this in step; q, k, v are not written during it.
             unsafe {
@@ -512,9 +524,9 @@ pub(crate) fn forward(
             // 6. Output projection.
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };
-            // 7. Residual, then h = norm(x) for the FFN, over this member's tokens.
-            for t in w.share(n) {
-                // SAFETY: token rows t of x, o, h belong to this member in this step.
+            // 7. Residual, then h = norm(x) for the FFN, per token.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x, o, h belong to this task.
                 unsafe {
                     let xr = x.slice_mut(t * d..(t + 1) * d);
                     ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
@@ -525,8 +537,7 @@ pub(crate) fn forward(
                         h.slice_mut(t * d..(t + 1) * d),
                     );
                 }
-            }
-            w.sync();
+            });
             // 8. Gate and up projections, SwiGLU.
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
@@ -540,37 +551,35 @@ pub(crate) fn forward(
                     &[&gate, &up],
                 )
             };
-            for t in w.share(n) {
-                // SAFETY: token rows t of gate (write) and up (read) belong to this member.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of gate (write) and up (read) belong to this task.
                 unsafe {
                     ops::swiglu(
                         gate.slice_mut(t * ff..(t + 1) * ff),
                         up.slice(t * ff..(t + 1) * ff),
                     )
                 };
-            }
-            w.sync();
+            });
             // 9. Down projection and residual.
             // SAFETY: every member calls this in step; gate is not written during it.
             unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
-            for t in w.share(n) {
-                // SAFETY: token rows t of x (write) and down (read) belong to this member.
+            w.for_rows(n, |t| {
+                // SAFETY: token rows t of x (write) and down (read) belong to this task.
                 unsafe {
                     ops::add_assign(
                         x.slice_mut(t * d..(t + 1) * d),
                         down.slice(t * d..(t + 1) * d),
                     )
                 };
-            }
-            w.sync();
+            });
         }
         // Output head, only for rows that want logits.
         if n_out == 0 {
             return;
         }
-        for r in w.share(n_out) {
+        w.for_rows(n_out, |r| {
             let t = out_rows[r];
-            // SAFETY: output row r of hs belongs to this member; x is read-only now.
+            // SAFETY: output row r of hs belongs to this task; x is read-only now.
             unsafe {
                 ops::rms_norm(
                     x.slice(t * d..(t + 1) * d),
@@ -579,8 +588,7 @@ pub(crate) fn forward(
                     hs.slice_mut(r * d..(r + 1) * d),
                 )
             };
-        }
-        w.sync();
+        });
         // SAFETY: every member calls this in step; hs is not written during it.
         unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
     });

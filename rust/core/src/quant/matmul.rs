@@ -148,6 +148,52 @@ pub struct MatmulJob<'a, 'o> {
     n_tasks: usize,
 }
 
+/// How `rows` output rows times `n` tokens are split into about `4 * threads` tasks for
+/// activations packed as `pack`: the plan and its task count.
+fn plan(
+    rows: usize,
+    ty: super::GgmlType,
+    n: usize,
+    pack: Pack,
+    threads: usize,
+    level: SimdLevel,
+) -> (Plan, usize) {
+    let target = 4 * threads.max(1);
+    if n == 0 || rows == 0 {
+        return (Plan::PerRow { chunk: 1 }, 0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let narrow = matches!(pack, Pack::Narrow4 | Pack::Narrow8);
+        if level >= SimdLevel::Avx512Vnni && narrow && legacy::is_legacy(ty) {
+            let chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
+            return (Plan::Narrow { chunk }, rows.div_ceil(chunk));
+        }
+        if level >= SimdLevel::Avx512Vnni && pack == Pack::Wide && legacy::is_legacy(ty) {
+            let groups = n.div_ceil(q8::GROUP);
+            let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
+            let row_chunks = rows.div_ceil(row_chunk);
+            let tok_chunks = if row_chunks >= target {
+                1
+            } else {
+                target.div_ceil(row_chunks).min(groups)
+            };
+            let group_chunk = groups.div_ceil(tok_chunks);
+            let tok_chunks = groups.div_ceil(group_chunk);
+            let plan = Plan::Tiled {
+                row_chunk,
+                group_chunk,
+                tok_chunks,
+            };
+            return (plan, row_chunks * tok_chunks);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ty, pack, level);
+    let chunk = rows.div_ceil(target).max(1);
+    (Plan::PerRow { chunk }, rows.div_ceil(chunk))
+}
+
 impl<'a, 'o> MatmulJob<'a, 'o> {
     /// Plans `out = W a` for about `4 * threads` tasks at the detected SIMD level.
     pub fn new(
@@ -187,70 +233,28 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             )));
         }
         let level = level.min(simd::detect());
-        let threads = threads.max(1);
-        let rows = w.rows;
-        let target = 4 * threads;
-        if n == 0 || rows == 0 {
-            let plan = Plan::PerRow { chunk: 1 };
-            return Ok(MatmulJob {
-                w,
-                a,
-                out,
-                level,
-                plan,
-                n_tasks: 0,
-            });
-        }
-        #[cfg(target_arch = "x86_64")]
-        let narrow = matches!(a.pack, Pack::Narrow4 | Pack::Narrow8);
-        if level >= SimdLevel::Avx512Vnni && narrow && legacy::is_legacy(w.ty) {
-            let chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
-            let n_tasks = rows.div_ceil(chunk);
-            return Ok(MatmulJob {
-                w,
-                a,
-                out,
-                level,
-                plan: Plan::Narrow { chunk },
-                n_tasks,
-            });
-        }
-        #[cfg(target_arch = "x86_64")]
-        if level >= SimdLevel::Avx512Vnni && a.pack == Pack::Wide && legacy::is_legacy(w.ty) {
-            let groups = n.div_ceil(q8::GROUP);
-            let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
-            let row_chunks = rows.div_ceil(row_chunk);
-            let tok_chunks = if row_chunks >= target {
-                1
-            } else {
-                target.div_ceil(row_chunks).min(groups)
-            };
-            let group_chunk = groups.div_ceil(tok_chunks);
-            let tok_chunks = groups.div_ceil(group_chunk);
-            let plan = Plan::Tiled {
-                row_chunk,
-                group_chunk,
-                tok_chunks,
-            };
-            return Ok(MatmulJob {
-                w,
-                a,
-                out,
-                level,
-                plan,
-                n_tasks: row_chunks * tok_chunks,
-            });
-        }
-        let chunk = rows.div_ceil(target).max(1);
-        let n_tasks = rows.div_ceil(chunk);
+        let (plan, n_tasks) = plan(w.rows, w.ty, n, a.pack, threads, level);
         Ok(MatmulJob {
             w,
             a,
             out,
             level,
-            plan: Plan::PerRow { chunk },
+            plan,
             n_tasks,
         })
+    }
+
+    /// The number of tasks `new` plans for `w` times `n_tokens` tokens of activations quantized
+    /// by `quantize_acts_into` for `w`'s type — known before the activations exist (a team
+    /// step must know its task count before anyone may read its inputs).
+    pub fn planned_tasks(w: &QMatrix<'_>, n_tokens: usize, threads: usize) -> usize {
+        let level = simd::level().min(simd::detect());
+        let pack = if super::q8::act_kind(w.ty) == Some(super::q8::ActKind::Q8) {
+            Pack::for_tokens(n_tokens, simd::level())
+        } else {
+            Pack::None
+        };
+        plan(w.rows, w.ty, n_tokens, pack, threads, level).1
     }
 
     pub fn n_tasks(&self) -> usize {
