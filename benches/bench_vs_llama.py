@@ -10,7 +10,8 @@ runs on a "warmer" or quieter machine):
 takes the median tokens/s of each engine over the rounds, and prints a markdown table (date,
 machine, load average, both commands, llama.cpp ppP/tgN, kvserve ppP/tgN, ratios).
 ``--write`` appends the table to BENCHMARKS.md at the repository root, at the end of the section
-"Prefill and decode, one sequence (issue #2)".
+"Prefill and decode, one sequence (issue #2)", or of the section ``--heading`` names (e.g.
+"## Gemma 3 270M: prefill and decode (issue #9)" with ``--model`` the Gemma 3 GGUF).
 
 llama-bench is looked up in --llama-bin-dir, else $LLAMA_CPP_BIN_DIR, else the output of
 ``scripts/build_llama_cpp.sh`` run with its default directory
@@ -132,6 +133,11 @@ def main() -> int:
     ap.add_argument("--skip-kvserve", action="store_true", help="only run llama-bench")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per command")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
+    ap.add_argument(
+        "--heading",
+        default=HEADING,
+        help=f"BENCHMARKS.md section --write appends to (default: {HEADING!r}; made if absent)",
+    )
     add_idle_args(ap)
     args = ap.parse_args()
 
@@ -204,8 +210,8 @@ def main() -> int:
     print(table)
     if args.write:
         path = REPO_ROOT / "BENCHMARKS.md"
-        append_section(path, HEADING, table, "python benches/bench_vs_llama.py --write")
-        print(f"appended to {path} under {HEADING!r}", file=sys.stderr)
+        append_section(path, args.heading, table, "python benches/bench_vs_llama.py --write")
+        print(f"appended to {path} under {args.heading!r}", file=sys.stderr)
     return 1 if errors else 0
 
 

@@ -90,8 +90,22 @@ def wait_for(cond: object, timeout: float = 30.0) -> None:
 def test_exported_and_stats_keys(engine: Engine) -> None:
     assert "Engine" in kvserve.__all__ and kvserve.Engine is Engine
     st = engine.stats()
-    assert set(st) == STATS_KEYS
+    # SmolLM2 has one layer group (full attention, all 30 layers), reported as kv_full_*.
+    group_keys = {
+        f"kv_full_{k}"
+        for k in (
+            "layers",
+            "blocks_total",
+            "blocks_used",
+            "blocks_cached",
+            "bytes_used",
+            "bytes_total",
+            "usage",
+        )
+    }
+    assert set(st) == STATS_KEYS | group_keys
     assert st["kv_blocks_total"] > 0 and 0.0 <= st["kv_usage"] <= 1.0
+    assert st["kv_full_layers"] == 30 and st["kv_full_blocks_total"] == st["kv_blocks_total"]
 
 
 def test_async_streams_and_sync_threads_share_batches_and_match_sequential_greedy(

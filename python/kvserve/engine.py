@@ -418,6 +418,22 @@ def _load_model(model: Model | StrPath | None, threads: int | None) -> Model:
     return Model(model, threads)
 
 
+def _group_stats(st: dict[str, Any]) -> dict[str, float | int]:
+    """``kv_<kind>_*`` counters of each layer group in a context's ``stats()``."""
+    out: dict[str, float | int] = {}
+    for g in st.get("groups", []):
+        k = str(g["kind"])
+        total, used = int(g["blocks_total"]), int(g["blocks_referenced"])
+        out[f"kv_{k}_layers"] = int(g["layers"])
+        out[f"kv_{k}_blocks_total"] = total
+        out[f"kv_{k}_blocks_used"] = used
+        out[f"kv_{k}_blocks_cached"] = int(g["blocks_cached"])
+        out[f"kv_{k}_bytes_used"] = int(g["bytes_referenced"])
+        out[f"kv_{k}_bytes_total"] = int(g["bytes_total"])
+        out[f"kv_{k}_usage"] = used / total if total else 0.0
+    return out
+
+
 class Engine:
     """Serves one model to many callers at once; see the module docs.
 
@@ -888,7 +904,9 @@ class Engine:
         ``sessions``: sessions held; ``evictions``: times an idle session's K/V was reclaimed;
         ``session_misses``: turns of an evicted session (recomputed); ``kv_blocks_evicted``:
         cached blocks the pool evicted for new content (all users of the model's pool, since
-        it was made)."""
+        it was made). ``kv_<kind>_*`` (``kind``: ``full``, ``window``) describe each layer
+        group's pool: a model with sliding-window layers (Gemma 3) has both, and its
+        ``kv_window_blocks_used`` stays bounded by the window, not the context."""
         st = self._ctx.stats()
         total = int(st["blocks_total"])
         used = int(st["blocks_referenced"])
@@ -919,6 +937,7 @@ class Engine:
             "session_misses": self._session_misses,
             "kv_blocks_evicted": int(st["blocks_evicted"]),
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
+            **_group_stats(st),
         }
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -1267,7 +1286,13 @@ class Engine:
         if s.resident:
             n = min(turn.base, s.n_kv, len(context) - 1)
             if n < s.n_kv:
-                self._ctx.seq_rm(s.seq, n, -1)
+                try:
+                    self._ctx.seq_rm(s.seq, n, -1)
+                except ValueError:
+                    # Sliding-window layers already dropped what continuing at n needs: start
+                    # the sequence again from what the prefix cache holds.
+                    self._ctx.seq_rm(s.seq)
+                    n = self._ctx.match_prefix(s.seq, context) if self.prefix_cache else 0
             req.seq = s.seq
             return n
         s.seq = req.seq = self._alloc_seq()
@@ -1301,7 +1326,11 @@ class Engine:
             with self._cond:
                 del self._running[req.seq]
             if keep > 0:
-                self._ctx.seq_rm(req.seq, keep, -1)
+                try:
+                    self._ctx.seq_rm(req.seq, keep, -1)
+                except ValueError:  # a sliding window cannot continue at keep
+                    keep = 0
+            if keep > 0:
                 s.seq, s.n_kv = req.seq, keep
             else:
                 self._ctx.seq_rm(req.seq)

@@ -46,6 +46,14 @@ pub enum Mask<'a> {
     All,
     /// Cell `i` is visible iff `0 <= positions[i] <= qpos` (negative positions mark empty cells).
     Causal { positions: &'a [i32], qpos: i32 },
+    /// Causal within a sliding window: cell `i` is visible iff
+    /// `0 <= positions[i] <= qpos` and `qpos - positions[i] < window` (llama.cpp's standard
+    /// SWA mask).
+    Window {
+        positions: &'a [i32],
+        qpos: i32,
+        window: i32,
+    },
     /// Cell `i` is visible iff `f(i)`.
     Custom(&'a dyn Fn(usize) -> bool),
 }
@@ -58,6 +66,14 @@ impl Mask<'_> {
             Mask::Causal { positions, qpos } => {
                 let p = positions[i];
                 p >= 0 && p <= *qpos
+            }
+            Mask::Window {
+                positions,
+                qpos,
+                window,
+            } => {
+                let p = positions[i];
+                p >= 0 && p <= *qpos && *qpos - p < *window
             }
             Mask::Custom(f) => f(i),
         }
@@ -152,7 +168,7 @@ pub fn attend_at(
             store.n_blocks()
         )));
     }
-    if let Mask::Causal { positions, .. } = query.mask {
+    if let Mask::Causal { positions, .. } | Mask::Window { positions, .. } = query.mask {
         if positions.len() < n_kv {
             return Err(invalid(format!(
                 "attention: {} positions for {n_kv} cells",
@@ -1208,6 +1224,8 @@ mod tests {
             // 80 columns: a partial 64-column chunk in the value pass; Q8_0 with 96.
             (KvType::F16, 80, 1, 16),
             (KvType::Q8_0, 96, 1, 16),
+            // Gemma 3: head_dim 256, one KV head of four query heads.
+            (KvType::F16, 256, 1, 16),
         ];
         for (ty, hd, n_kv_heads, bs) in cases {
             let layout = KvLayout {
@@ -1233,6 +1251,12 @@ mod tests {
                     qpos,
                 },
                 Mask::Custom(&every_third),
+                // A window that hides whole blocks and parts of others.
+                Mask::Window {
+                    positions: &positions,
+                    qpos,
+                    window: 2 * bs as i32 + 3,
+                },
             ];
             // 5 heads: a group of 4 and one more in the head-group kernels.
             for g in [1, 3, 5] {

@@ -2,8 +2,10 @@
 //! [`Context`] that runs batches through it and keeps their keys and values.
 
 pub mod config;
+pub mod gemma3;
 pub mod llama;
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,23 +14,38 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Error, Result};
 use crate::gguf::GgufFile;
+use crate::kv::memory::{Group, LayerGroups, Memory};
+use crate::kv::storage::KvStorage;
 use crate::kv::storage::{KvLayout, KvType};
-use crate::kv::{blocks_for_tokens, Key, KeyHasher, PagedCache, SharedKv, DEFAULT_BLOCK_SIZE};
+use crate::kv::{
+    blocks_for_tokens, BlockId, Key, KeyHasher, PagedCache, SeqId, SeqView, SharedKv,
+    DEFAULT_BLOCK_SIZE,
+};
 use crate::tokenizer::{Tokenizer, VocabData};
 
-pub use config::{Arch, Config};
+pub use config::{Arch, Config, LayerKind};
+
+/// The weights of one architecture family (each family's file loads and runs its own).
+enum Weights {
+    Llama(llama::Weights),
+    Gemma3(gemma3::Weights),
+}
 
 /// A loaded model: configuration, weight locations in the mmapped file, tokenizer, thread pool.
 pub struct Model {
     pub config: Config,
     pub tokenizer: Tokenizer,
-    weights: llama::Weights,
+    weights: Weights,
     gguf: GgufFile,
     team: crate::threads::Team,
     /// Stable identity of the weights, part of every prefix-cache block key.
     id: Key,
     /// The K/V memory of each K/V format in use, shared by every context of this model.
-    kv: Mutex<Vec<Arc<SharedKv>>>,
+    kv: Mutex<Vec<Vec<Arc<SharedKv>>>>,
+    /// Layers grouped by memory kind ([`Config::layer_groups`]) and each layer's
+    /// (group, index in group).
+    groups: Vec<(LayerKind, Vec<usize>)>,
+    slots: Vec<(usize, usize)>,
     /// Test hook: a decode panics in one worker at this layer (-1: never). See
     /// [`Model::inject_worker_panic`].
     fault_layer: AtomicI64,
@@ -57,7 +74,10 @@ impl Model {
 
     pub fn from_gguf(gguf: GgufFile, threads: Option<usize>) -> Result<Model> {
         let mut config = Config::from_gguf(&gguf)?;
-        let weights = llama::Weights::load(&gguf, &mut config)?;
+        let weights = match config.arch {
+            Arch::Gemma3 => Weights::Gemma3(gemma3::Weights::load(&gguf, &config)?),
+            _ => Weights::Llama(llama::Weights::load(&gguf, &mut config)?),
+        };
         let tokenizer = Tokenizer::new(vocab_from_gguf(&gguf)?)?;
         if tokenizer.n_vocab() != config.n_vocab {
             return Err(crate::error::model_err(format!(
@@ -68,7 +88,16 @@ impl Model {
         }
         let team = crate::threads::Team::new(threads);
         let id = model_identity(&gguf);
+        let groups = config.layer_groups();
+        let mut slots = vec![(0, 0); config.n_layer];
+        for (gi, (_, layers)) in groups.iter().enumerate() {
+            for (i, &l) in layers.iter().enumerate() {
+                slots[l] = (gi, i);
+            }
+        }
         Ok(Model {
+            groups,
+            slots,
             config,
             tokenizer,
             weights,
@@ -80,58 +109,143 @@ impl Model {
         })
     }
 
-    /// The model's K/V memory for the format in `o`, created on first use and shared by every
-    /// context of that format. It is sized by `o.kv_memory` (bytes) or else for
-    /// `max(o.n_ctx, 4096)` tokens. A later request for more than it holds replaces it when no
-    /// context uses it (its cached prefixes are dropped); while contexts use it, the request
-    /// shares it as it is (the context's token limit is then what the memory holds).
-    pub fn kv_memory(&self, o: &KvOptions) -> Result<Arc<SharedKv>> {
+    /// The model's K/V memory for the format in `o`: one `SharedKv` per layer group
+    /// ([`Config::layer_groups`], in that order), created on first use and shared by every
+    /// context of that format. Full-attention groups are sized by `o.kv_memory` (bytes, split
+    /// between the groups) or else for `max(o.memory_tokens or o.n_ctx, 4096)` tokens; a window
+    /// group for at most `max(4096, o.n_ctx, 4 * (window + block))` of those tokens, since a
+    /// window group holds only each sequence's window and the current batch. A later request
+    /// for more than the memory holds replaces it when no context uses it (its cached prefixes
+    /// are dropped); while contexts use it, the request shares it as it is (the context's
+    /// token limit is then what the memory holds).
+    pub fn kv_memory(&self, o: &KvOptions) -> Result<Vec<Arc<SharedKv>>> {
         let c = &self.config;
-        let layout = KvLayout {
+        let groups = &self.groups;
+        let layout = |layers: usize| KvLayout {
             ty: o.kv_type,
-            n_layers: c.n_layer,
+            n_layers: layers,
             kv_dim: c.kv_dim(),
             block_size: o.block_size,
         };
-        layout.validate()?;
-        let want = match o.kv_memory {
-            Some(bytes) if layout.n_blocks_for_bytes(bytes) == 0 => {
-                return Err(invalid(format!(
-                    "KV memory of {bytes} bytes holds no block (one block takes {} bytes)",
-                    layout.bytes_per_block()
-                )))
-            }
-            Some(bytes) => layout.n_blocks_for_bytes(bytes),
-            None => blocks_for_tokens(
-                o.memory_tokens.unwrap_or(o.n_ctx).max(MIN_POOL_TOKENS),
-                o.block_size,
-            ),
+        for (_, layers) in groups {
+            layout(layers.len()).validate()?;
+        }
+        let bs = o.block_size;
+        let window_cap = |w: usize| {
+            MIN_POOL_TOKENS
+                .max(o.n_ctx)
+                .max(w.saturating_add(bs).saturating_mul(4))
         };
+        // Blocks of each group.
+        let want: Vec<usize> = match o.kv_memory {
+            Some(bytes) => {
+                let bpb: Vec<usize> = groups
+                    .iter()
+                    .map(|(_, l)| layout(l.len()).bytes_per_block())
+                    .collect();
+                let win: Vec<usize> = groups
+                    .iter()
+                    .map(|(k, _)| match k {
+                        LayerKind::Window(w) => blocks_for_tokens(window_cap(*w), bs),
+                        LayerKind::Full => 0,
+                    })
+                    .collect();
+                let win_bytes: usize = win.iter().zip(&bpb).map(|(n, b)| n * b).sum();
+                let full_bpb: usize = groups
+                    .iter()
+                    .zip(&bpb)
+                    .filter(|((k, _), _)| *k == LayerKind::Full)
+                    .map(|(_, b)| b)
+                    .sum();
+                if win_bytes == 0 || (full_bpb > 0 && win_bytes <= bytes / 2) {
+                    // Window groups take what they cap at; full groups share the rest.
+                    let n_full = bytes.saturating_sub(win_bytes) / full_bpb.max(1);
+                    groups
+                        .iter()
+                        .zip(&win)
+                        .map(|((k, _), &w)| if *k == LayerKind::Full { n_full } else { w })
+                        .collect()
+                } else {
+                    // Too small to cap the windows: the same number of blocks in every group.
+                    let n = bytes / bpb.iter().sum::<usize>();
+                    vec![n; groups.len()]
+                }
+            }
+            None => {
+                let t = o.memory_tokens.unwrap_or(o.n_ctx).max(MIN_POOL_TOKENS);
+                groups
+                    .iter()
+                    .map(|(k, _)| match k {
+                        LayerKind::Window(w) => blocks_for_tokens(t.min(window_cap(*w)), bs),
+                        LayerKind::Full => blocks_for_tokens(t, bs),
+                    })
+                    .collect()
+            }
+        };
+        if let (Some(bytes), true) = (o.kv_memory, want.contains(&0)) {
+            let per: usize = groups
+                .iter()
+                .map(|(_, l)| layout(l.len()).bytes_per_block())
+                .sum();
+            return Err(invalid(format!(
+                "KV memory of {bytes} bytes holds no block (one block takes {per} bytes)"
+            )));
+        }
         let mut pools = self.kv.lock().unwrap_or_else(|e| e.into_inner());
-        let same = |m: &Arc<SharedKv>| {
-            let l = m.layout();
+        let same = |m: &Vec<Arc<SharedKv>>| {
+            let l = m[0].layout();
             (l.ty, l.block_size) == (o.kv_type, o.block_size)
         };
         if let Some(i) = pools.iter().position(same) {
-            if pools[i].n_blocks() >= want {
-                return Ok(Arc::clone(&pools[i]));
+            if pools[i].iter().zip(&want).all(|(m, &w)| m.n_blocks() >= w) {
+                return Ok(pools[i].clone());
             }
-            if Arc::strong_count(&pools[i]) > 1 {
+            if pools[i].iter().any(|m| Arc::strong_count(m) > 1) {
                 // In use: share it as it is (the new context's limit is what it holds).
-                return Ok(Arc::clone(&pools[i]));
+                return Ok(pools[i].clone());
             }
             // Free the old memory before allocating the new one.
             pools.swap_remove(i);
         }
-        let m = match o.kv_memory {
-            Some(bytes) => {
-                SharedKv::with_bytes(layout, c.head_dim, c.rope.clone(), bytes, self.id)?
+        let mut made = Vec::with_capacity(groups.len());
+        for (gi, ((kind, layers), &n)) in groups.iter().zip(&want).enumerate() {
+            // Each group's keys are its own: the group's kind and layers join the weights id.
+            let mut h = KeyHasher::new(0x6b76_7365_7276_6547); // "kvserveG"
+            h.write_u128(self.id);
+            h.write_u64(gi as u64);
+            h.write_u64(match kind {
+                LayerKind::Full => 0,
+                LayerKind::Window(w) => 1 + *w as u64,
+            });
+            for &l in layers {
+                h.write_u64(l as u64);
             }
-            None => SharedKv::new(layout, c.head_dim, c.rope.clone(), want, self.id)?,
-        };
-        let m = Arc::new(m);
-        pools.push(Arc::clone(&m));
-        Ok(m)
+            let id = if groups.len() == 1 {
+                self.id
+            } else {
+                h.finish()
+            };
+            let rope = c.rope_for(layers[0]).clone();
+            made.push(Arc::new(SharedKv::new(
+                layout(layers.len()),
+                c.head_dim,
+                rope,
+                n,
+                id,
+            )?));
+        }
+        pools.push(made.clone());
+        Ok(made)
+    }
+
+    /// The layers grouped by memory kind (one K/V memory per group), from the config.
+    pub fn layer_groups(&self) -> &[(LayerKind, Vec<usize>)] {
+        &self.groups
+    }
+
+    /// (group, layer within the group's storage) of model layer `layer`.
+    pub(crate) fn kv_slot(&self, layer: usize) -> (usize, usize) {
+        self.slots[layer]
     }
 
     /// Testing hook: the next decode panics in one worker at layer `layer` (once), to exercise
@@ -275,10 +389,18 @@ impl Default for KvOptions {
 }
 
 /// A running context: the model plus the block tables of its sequences, over the model's shared
-/// K/V memory ([`Model::kv_memory`]).
+/// K/V memory ([`Model::kv_memory`]): one cache per layer group ([`LayerGroups`]).
 pub struct Context {
     model: Arc<Model>,
-    cache: PagedCache,
+    memory: LayerGroups,
+}
+
+/// One layer group's part of a forward pass: its storage (locked), the batch's planned cells
+/// in it and each batch sequence's view of its blocks.
+pub(crate) struct KvIo<'a> {
+    pub storage: &'a mut KvStorage,
+    pub cells: Vec<(BlockId, u16)>,
+    pub views: HashMap<SeqId, SeqView>,
 }
 
 impl Context {
@@ -295,7 +417,8 @@ impl Context {
     }
 
     /// A context over the model's K/V memory for `o`'s format. Its token limit is `o.n_ctx`,
-    /// or what the memory holds when `o.kv_memory` or `o.memory_tokens` is given.
+    /// or what the memory holds when `o.kv_memory` or `o.memory_tokens` is given (window
+    /// groups are limited by their pool only: they hold windows, not contexts).
     pub fn with_options(model: Arc<Model>, o: &KvOptions) -> Result<Context> {
         if o.memory_tokens == Some(0) {
             return Err(invalid("memory_tokens must be positive"));
@@ -304,14 +427,25 @@ impl Context {
             return Err(invalid("n_ctx must be positive"));
         }
         let shared = model.kv_memory(o)?;
-        let n_ctx = if o.kv_memory.is_some() || o.memory_tokens.is_some() {
-            shared.capacity_tokens()
-        } else {
-            o.n_ctx
-        };
-        let mut cache = PagedCache::new(shared, n_ctx)?;
-        cache.set_prefix_cache(o.prefix_cache);
-        Ok(Context { model, cache })
+        let mut groups = Vec::with_capacity(shared.len());
+        for ((kind, layers), sh) in model.groups.iter().zip(shared) {
+            let whole = o.kv_memory.is_some() || o.memory_tokens.is_some();
+            let n_ctx = match kind {
+                LayerKind::Full if !whole => o.n_ctx,
+                _ => sh.capacity_tokens(),
+            };
+            let mut cache = PagedCache::new(sh, n_ctx)?;
+            cache.set_prefix_cache(o.prefix_cache);
+            groups.push(Group {
+                kind: *kind,
+                layers: layers.clone(),
+                cache,
+            });
+        }
+        Ok(Context {
+            model,
+            memory: LayerGroups::new(groups)?,
+        })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -319,49 +453,105 @@ impl Context {
     }
 
     pub fn n_ctx(&self) -> usize {
-        self.cache.n_ctx()
+        self.memory.primary().n_ctx()
     }
 
+    /// The primary group's cache (the full-attention group; for a one-group model the whole
+    /// memory): its table answers position and token queries.
     pub fn cache(&self) -> &PagedCache {
-        &self.cache
+        self.memory.primary()
     }
 
     pub fn cache_mut(&mut self) -> &mut PagedCache {
-        &mut self.cache
+        self.memory.primary_mut()
+    }
+
+    /// Every layer group; sequence operations go through this ([`Memory`]).
+    pub fn memory(&self) -> &LayerGroups {
+        &self.memory
+    }
+
+    pub fn memory_mut(&mut self) -> &mut LayerGroups {
+        &mut self.memory
+    }
+
+    /// Maps the longest cached prefix of `tokens` that every layer group can resume from onto
+    /// the empty sequence `seq` (see [`LayerGroups::match_prefix`]).
+    pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        self.memory.match_prefix(seq, tokens)
     }
 
     /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
     ///
     /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
     /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
-    /// in every case the cache is left as before the call (the batch is rolled back, and no
-    /// block it touched was given a content key).
+    /// in every case the cache is left as before the call (the batch is rolled back in every
+    /// layer group, and no block it touched was given a content key). After a committed batch,
+    /// window groups drop the cells that left every later token's window.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
         batch.validate(self.model.n_vocab())?;
-        let shared = Arc::clone(self.cache.shared());
-        let mut storage = shared.lock_storage();
-        let (slots, tx) = self.cache.begin_batch(batch, &mut storage)?;
-        let mut views = std::collections::HashMap::new();
-        for &s in &batch.seq_ids {
-            if let std::collections::hash_map::Entry::Vacant(e) = views.entry(s) {
-                e.insert(self.cache.view(s));
+        let shared: Vec<Arc<SharedKv>> = self
+            .memory
+            .groups()
+            .iter()
+            .map(|g| Arc::clone(g.cache.shared()))
+            .collect();
+        // Locked in group order (every decode of the model takes them in this order).
+        let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
+        let mut planned = Vec::with_capacity(shared.len());
+        for (g, storage) in self.memory.groups_mut().iter_mut().zip(storages.iter_mut()) {
+            match g.cache.begin_batch(batch, storage) {
+                Ok(p) => planned.push(p),
+                Err(e) => {
+                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
+                        g.cache.rollback(tx);
+                    }
+                    return Err(e);
+                }
             }
         }
+        let mut seqs: Vec<SeqId> = batch.seq_ids.clone();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let mut txs = Vec::with_capacity(planned.len());
+        let mut io = Vec::with_capacity(planned.len());
+        for ((g, storage), (cells, tx)) in self
+            .memory
+            .groups_mut()
+            .iter_mut()
+            .zip(storages.iter_mut())
+            .zip(planned)
+        {
+            let views = seqs.iter().map(|&s| (s, g.cache.view(s))).collect();
+            txs.push(tx);
+            io.push(KvIo {
+                storage,
+                cells,
+                views,
+            });
+        }
         let model = &self.model;
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            llama::forward(model, &mut storage, &slots, &views, batch)
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &model.weights {
+            Weights::Llama(w) => llama::forward(model, w, &mut io, batch),
+            Weights::Gemma3(w) => gemma3::forward(model, w, &mut io, batch),
         }));
+        drop(io);
+        drop(storages);
+        let ok = matches!(run, Ok(Ok(_)));
+        for (g, tx) in self.memory.groups_mut().iter_mut().zip(txs) {
+            if ok {
+                g.cache.commit(tx);
+            } else {
+                g.cache.rollback(tx);
+            }
+        }
         match run {
             Ok(Ok(logits)) => {
-                self.cache.commit(tx);
+                self.memory.prune_windows(&seqs);
                 Ok(logits)
             }
-            Ok(Err(e)) => {
-                self.cache.rollback(tx);
-                Err(e)
-            }
+            Ok(Err(e)) => Err(e),
             Err(payload) => {
-                self.cache.rollback(tx);
                 let why = payload
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
@@ -376,21 +566,36 @@ impl Context {
     }
 
     pub fn clear(&mut self) {
-        self.cache.clear();
+        self.memory.clear();
+    }
+
+    /// Sequence states are per cell across all layers; a model with more than one layer group
+    /// (a sliding window) has no such cells for positions its window dropped.
+    fn one_group(&self, what: &str) -> Result<()> {
+        if self.memory.groups().len() > 1 {
+            return Err(Error::Unsupported(format!(
+                "{what} is not supported for models with layer groups (sliding-window \
+                 attention) yet"
+            )));
+        }
+        Ok(())
     }
 
     /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
-    /// rules in `kv::state`).
+    /// rules in `kv::state`). `Unsupported` for models with a sliding window.
     pub fn seq_state_read(&mut self, seq: i32) -> Result<Vec<u8>> {
-        self.cache.seq_state_read(seq)
+        self.one_group("reading a sequence state")?;
+        self.cache_mut().seq_state_read(seq)
     }
 
     /// Writes a state from [`Context::seq_state_read`] (of this or another context or process
     /// of the same model and K/V format) into the empty sequence `seq` without recomputing it;
-    /// returns the number of cells. All or nothing.
+    /// returns the number of cells. All or nothing. `Unsupported` for models with a sliding
+    /// window.
     pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
+        self.one_group("writing a sequence state")?;
         let n_vocab = self.model.n_vocab();
-        self.cache.seq_state_write(seq, data, n_vocab)
+        self.cache_mut().seq_state_write(seq, data, n_vocab)
     }
 }
 
