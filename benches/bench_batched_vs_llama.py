@@ -32,18 +32,16 @@ Example:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_llama import (  # noqa: E402
+from _common import (  # noqa: E402
     REPO_ROOT,
     BenchError,
     add_idle_args,
@@ -52,13 +50,16 @@ from bench_vs_llama import (  # noqa: E402
     default_model,
     display_cmd,
     fmt,
+    interleaved,
     kvserve_base,
     llama_build_flags,
     loadavg,
     machine_desc,
+    median,
     ratio,
     run,
     scrub,
+    utc_stamp,
     wait_for_idle,
 )
 
@@ -204,40 +205,35 @@ def main() -> int:
     }
     errors: list[str] = []
     busy: list[str] = []  # CPU busy % just before each measurement
-    for r in range(args.rounds):
-        order = ["llama", "kvserve"] if r % 2 == 0 else ["kvserve", "llama"]
-        for eng in order:
-            if eng == "kvserve" and args.skip_kvserve:
+    for r, eng in interleaved(args.rounds, ["llama", "kvserve"]):
+        if eng == "kvserve" and args.skip_kvserve:
+            continue
+        busy.append(f"{wait_for_idle(args.wait_idle, args.wait_max):.0f}")
+        print(f"round {r + 1} {eng}: CPUs {busy[-1]}% busy before", file=sys.stderr)
+        try:
+            if eng == "llama":
+                res = parse_llama(run(lcmd, args.timeout), args.p, args.n)
+            else:
+                res = parse_kvserve(run(kcmd, args.timeout))
+        except BenchError as e:
+            errors.append(f"{eng}: {e}")
+            print(f"round {r + 1} {eng}: FAILED: {e}", file=sys.stderr)
+            continue
+        for b in args.batch:
+            if b not in res:
+                errors.append(f"{eng}: round {r + 1}: no result for B = {b}")
                 continue
-            busy.append(f"{wait_for_idle(args.wait_idle, args.wait_max):.0f}")
-            print(f"round {r + 1} {eng}: CPUs {busy[-1]}% busy before", file=sys.stderr)
-            try:
-                if eng == "llama":
-                    res = parse_llama(run(lcmd, args.timeout), args.p, args.n)
-                else:
-                    res = parse_kvserve(run(kcmd, args.timeout))
-            except BenchError as e:
-                errors.append(f"{eng}: {e}")
-                print(f"round {r + 1} {eng}: FAILED: {e}", file=sys.stderr)
-                continue
-            for b in args.batch:
-                if b not in res:
-                    errors.append(f"{eng}: round {r + 1}: no result for B = {b}")
-                    continue
-                pp, tg = res[b]
-                samples[eng][b][0].append(pp)
-                samples[eng][b][1].append(tg)
-                print(f"round {r + 1} {eng:8s} B {b:3d}  pp {pp:8.1f}  tg {tg:8.1f} tok/s",
-                      file=sys.stderr)  # fmt: skip
+            pp, tg = res[b]
+            samples[eng][b][0].append(pp)
+            samples[eng][b][1].append(tg)
+            print(f"round {r + 1} {eng:8s} B {b:3d}  pp {pp:8.1f}  tg {tg:8.1f} tok/s",
+                  file=sys.stderr)  # fmt: skip
     load_after = loadavg()
-
-    def med(xs: list[float]) -> float | None:
-        return statistics.median(xs) if xs else None
 
     def rounded(xs: list[float]) -> list[float]:
         return [round(x, 1) for x in xs]
 
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = utc_stamp()
     ref = ", ".join(f"{v:.0f}" for v in ISSUE_REFERENCE_TG.values())
     ref_bs = ", ".join(map(str, ISSUE_REFERENCE_TG))
     lines = [
@@ -262,8 +258,8 @@ def main() -> int:
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in args.batch:
-        lp, lt = (med(x) for x in samples["llama"][b])
-        kp, kt = (med(x) for x in samples["kvserve"][b])
+        lp, lt = (median(x) for x in samples["llama"][b])
+        kp, kt = (median(x) for x in samples["kvserve"][b])
         lines.append(
             f"| {b} | {fmt(lp)} | {fmt(lt)} | {fmt(kp)} | {fmt(kt)} | {ratio(kp, lp)} "
             f"| {ratio(kt, lt)} |"
@@ -271,7 +267,7 @@ def main() -> int:
     lines.append("")
     tg_ratios: dict[int, float] = {}
     for b in args.batch:
-        lt, kt = med(samples["llama"][b][1]), med(samples["kvserve"][b][1])
+        lt, kt = median(samples["llama"][b][1]), median(samples["kvserve"][b][1])
         if lt is not None and kt is not None and lt > 0:
             tg_ratios[b] = kt / lt
     for b, x, who in TARGETS:

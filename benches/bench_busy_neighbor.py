@@ -24,7 +24,6 @@ round), so builds are interleaved and each build's quiet and busy runs share a p
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import shlex
@@ -36,7 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO_ROOT, append_section, loadavg, machine_desc, utc_stamp  # noqa: E402
+
 SECTION = "## Decode beside a busy Python thread (issue #6)"
 
 
@@ -170,26 +172,6 @@ def child_args(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def machine_desc() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical CPUs"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -262,7 +244,7 @@ def main() -> int:
         r += 1
     load_after = loadavg()
 
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = utc_stamp()
     p, n = args.p, args.n
     cmd = "python benches/bench_busy_neighbor.py " + shlex.join(
         [a for b in args.build for a in ("--build", b.split("=", 1)[0] + "=DIR")]
@@ -305,16 +287,12 @@ def main() -> int:
     print(table)
     if args.write:
         path = REPO_ROOT / "BENCHMARKS.md"
-        text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-        with open(path, "a", encoding="utf-8") as f:
-            if SECTION not in text:
-                f.write(
-                    f"\n{SECTION}\n\nDecode tok/s beside a Python thread of the same process "
-                    "that is busy 2 ms of every 10 ms (a loaded event loop), over quiet decode. "
-                    "Appended by `python benches/bench_busy_neighbor.py --write`. "
-                    "Target: busy / quiet >= 0.85x.\n\n"
-                )
-            f.write(table + "\n")
+        intro = (
+            "Decode tok/s beside a Python thread of the same process that is busy 2 ms of "
+            "every 10 ms (a loaded event loop), over quiet decode. Appended by "
+            "`python benches/bench_busy_neighbor.py --write`. Target: busy / quiet >= 0.85x."
+        )
+        append_section(path, SECTION, table, "python benches/bench_busy_neighbor.py", intro)
         print(f"appended to {path.name}", file=sys.stderr)
     return 0
 

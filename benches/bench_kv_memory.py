@@ -20,7 +20,11 @@ from pathlib import Path
 
 from kvserve import _core
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO_ROOT, append_section  # noqa: E402
+
+HEADING = "## KV memory and block size (issue #3)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_kv_memory: {used} blocks exceed the bound {bound}", file=sys.stderr)
         return 1
     if args.write:
-        with open(REPO_ROOT / "BENCHMARKS.md", "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+        command = "python benches/bench_kv_memory.py --write"
+        append_section(REPO_ROOT / "BENCHMARKS.md", HEADING, text, command)
     return 0
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,17 +25,11 @@ import numpy as np
 from kvserve import _core
 from kvserve.models import pull
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import REPO_ROOT, append_section, machine_desc  # noqa: E402
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+HEADING = "## KV core for many users (issue #4)"
 
 
 def fill_with_cached(model: _core.Model, n_ctx: int, rng: np.random.Generator) -> dict:
@@ -107,10 +101,9 @@ def main() -> None:
     print("\n".join(table))
     if a.write:
         text = [
-            "",
             f"### Pool full of cached blocks vs empty ({dt.date.today().isoformat()})",
             "",
-            f"- Machine: {cpu_name()}, {a.threads} threads; {a.rounds} interleaved rounds, "
+            f"- Machine: {machine_desc()}, {a.threads} threads; {a.rounds} interleaved rounds, "
             f"medians; pool of {a.n_ctx} tokens.",
             f"- Command: `python benches/bench_kv_pool.py --model MODEL --threads {a.threads} "
             f"--rounds {a.rounds} --write`",
@@ -119,8 +112,8 @@ def main() -> None:
             *table,
             "",
         ]
-        with open(REPO / "BENCHMARKS.md", "a") as f:
-            f.write("\n".join(text))
+        command = "python benches/bench_kv_pool.py --write"
+        append_section(REPO_ROOT / "BENCHMARKS.md", HEADING, "\n".join(text), command)
 
 
 if __name__ == "__main__":

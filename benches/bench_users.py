@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as _dt
 import json
 import os
 import shlex
@@ -41,13 +40,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_llama import (  # noqa: E402
+from _common import (  # noqa: E402
     REPO_ROOT,
     add_idle_args,
     append_section,
     default_model,
+    interleaved,
     loadavg,
     machine_desc,
+    utc_stamp,
     wait_for_idle,
 )
 
@@ -245,17 +246,16 @@ def main() -> int:
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in configs}
     busy: list[float] = []
     load_before = loadavg()
-    for r in range(args.rounds):
-        for side, reuse in configs if r % 2 == 0 else configs[::-1]:
-            if args.wait_idle > 0:
-                busy.append(wait_for_idle(args.wait_idle, args.wait_max))
-            res = child(args, side, reuse)
-            samples[(side, reuse)].append(res)
-            print(
-                f"round {r + 1} {side} reuse {reuse}: total {res['total_s']:.2f} s, TTFT median "
-                f"{statistics.median(res['ttft']):.2f} s p90 {pct(res['ttft'], 0.9):.2f} s",
-                file=sys.stderr,
-            )
+    for r, (side, reuse) in interleaved(args.rounds, configs):
+        if args.wait_idle > 0:
+            busy.append(wait_for_idle(args.wait_idle, args.wait_max))
+        res = child(args, side, reuse)
+        samples[(side, reuse)].append(res)
+        print(
+            f"round {r + 1} {side} reuse {reuse}: total {res['total_s']:.2f} s, TTFT median "
+            f"{statistics.median(res['ttft']):.2f} s p90 {pct(res['ttft'], 0.9):.2f} s",
+            file=sys.stderr,
+        )
 
     def med(side: str, reuse: str, f: Any) -> float:
         return statistics.median(f(s) for s in samples[(side, reuse)])
@@ -276,7 +276,7 @@ def main() -> int:
         a, b = samples[("kvserve", reuse)][-1]["answers"], samples[("llama", reuse)][-1]["answers"]
         agree[reuse] = sum(a[k] == b.get(k) for k in a)
     n_turns = 2 * args.users
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = utc_stamp()
     cmd = "python benches/bench_users.py " + " ".join(
         f"--{k} {v}"
         for k, v in (

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Record golden reference outputs from llama.cpp for kvserve's tests.
 
-What it records (for the SmolLM2-135M-Instruct Q4_1 GGUF):
+What it records (``--set smollm2``, the default: the SmolLM2-135M-Instruct Q4_1 GGUF, into
+tests/fixtures/llama_smollm2*; ``--set gemma3``: the Gemma 3 270M Q4_K_M GGUF, into
+tests/fixtures/llama_gemma3*, with prompts of up to ~1,800 tokens so that Gemma's 512-token
+sliding window is exceeded and answers depend on the global layers):
   * prompt token ids (add_special=True, i.e. the model's own add_bos rule, parse_special=True),
   * a 16-token greedy continuation computed by argmax over llama.cpp's *raw* logits
     (no sampler chain at all: no temperature, no repeat penalty, no top-k/p),
@@ -31,6 +34,8 @@ How to reproduce (exactly what produced tests/fixtures/llama_smollm2.json):
   source <LLAMA_DIR>/env.sh                  # exports LLAMA_CPP_LIB_PATH (and LLAMA_CPP_BIN_DIR)
   # 2. run this script; the binding loads the cmake-built libllama.so from LLAMA_CPP_LIB_PATH:
   python scripts/record_llama_fixtures.py --model <SmolLM2-135M-Instruct.Q4_1.gguf> \
+      --flash-attn off --calibrate
+  python scripts/record_llama_fixtures.py --set gemma3 --model <gemma-3-270m-q4_k_m.gguf> \
       --flash-attn off --calibrate
 
 --model defaults to $KVSERVE_TEST_MODEL. --llama-src (default: two levels above
@@ -114,6 +119,75 @@ PROMPTS: list[tuple[str, str]] = [
 FULL_LOGIT_PROMPTS = ["capital_france", "chat_2plus2", "long_lighthouse"]
 
 
+def _keeper_records() -> str:
+    """A ~1,800-token document of 85 records and a question about record 3, far outside a
+    512-token window from the question (deterministic, no randomness)."""
+    first = ["Ada", "Bram", "Cora", "Dov", "Elin", "Finn", "Greta", "Hugo", "Iris", "Jonas", "Kaia"]
+    last = [
+        "Park",
+        "Moreau",
+        "Silva",
+        "Okafor",
+        "Lind",
+        "Novak",
+        "Reyes",
+        "Tanaka",
+        "Berg",
+        "Costa",
+    ]
+    places = ["Fenwick", "Harlow", "Kestrel", "Marrow", "Penhallow", "Quill", "Rookhaven", "Saltby"]
+    lines = []
+    for i in range(85):
+        who = f"{first[(i * 7) % len(first)]} {last[(i * 3) % len(last)]}"
+        where = f"{places[i % len(places)]} Point {i + 1}"
+        lines.append(f"Record {i + 1}: the lighthouse at {where} is kept by {who}.")
+    return (
+        "Below is the register of lighthouse keepers.\n"
+        + "\n".join(lines)
+        + "\nQuestion: who keeps the lighthouse at Kestrel Point 3?\nAnswer: It is kept by"
+    )
+
+
+GEMMA_PROMPTS: list[tuple[str, str]] = [
+    ("capital_france", "The capital of France is"),
+    ("fibonacci", "def fibonacci(n):"),
+    (
+        "chat_2plus2",
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    ),
+    (
+        "chat_haiku",
+        "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
+    ),
+    ("long_lighthouse", LONG_PROMPT),
+    ("unicode_mixed", "Café, naïve, façade — 日本語のテキスト and emoji 🚀🌍 mean"),
+    ("numbers_count", "1, 2, 3, 4, 5, 6,"),
+    ("year_fact", "In 1969, the first humans to walk on the Moon were"),
+    ("once_upon", "Once upon a time, in a small village by the river,"),
+    ("json_snippet", '{"name": "Alice", "age": 30, "city": "'),
+    ("question_sky", "Q: Why is the sky blue?\nA:"),
+    ("german", "Der schnelle braune Fuchs springt über den"),
+    # Beyond the window: the lighthouse text five times (~1,560 tokens) then a question.
+    (
+        "long_repeated",
+        "\n\n".join([LONG_PROMPT] * 5) + "\n\nQuestion: what changed everything in 1822?\nAnswer:",
+    ),
+    ("long_register", _keeper_records()),
+]
+
+# One fixture set per model: (prompts, full-logit prompts, output stem, n_ctx, n_batch).
+SETS = {
+    "smollm2": (PROMPTS, FULL_LOGIT_PROMPTS, "llama_smollm2", N_CTX, N_BATCH),
+    "gemma3": (
+        GEMMA_PROMPTS,
+        ["capital_france", "chat_2plus2", "long_repeated", "long_register"],
+        "llama_gemma3",
+        4096,
+        2048,
+    ),
+}
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max()
@@ -167,18 +241,20 @@ def llama_src_info(src: str) -> dict:
     return info
 
 
-def record(llm, n_vocab: int) -> tuple[list[dict], dict[str, np.ndarray]]:
+def record(
+    llm, n_vocab: int, prompts: list[tuple[str, str]], full_logit_prompts: list[str], n_batch: int
+) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Greedy runs of every prompt: the fixture records and the full-vocab logits."""
     records = []
     full_logits: dict[str, np.ndarray] = {}
-    for name, text in PROMPTS:
+    for name, text in prompts:
         toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-        assert len(toks) < N_BATCH, "prompt must fit one batch"
+        assert len(toks) < n_batch, "prompt must fit one batch"
         llm.reset()
         llm.eval(toks)
         logits = np.array(llm.scores[len(toks) - 1], dtype=np.float32)
         assert logits.shape == (n_vocab,)
-        if name in FULL_LOGIT_PROMPTS:
+        if name in full_logit_prompts:
             full_logits[name] = logits.astype(np.float16)
         gen: list[int] = []
         steps = []
@@ -250,13 +326,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=os.environ.get("KVSERVE_TEST_MODEL"))
+    ap.add_argument("--set", choices=sorted(SETS), default="smollm2", help="which fixtures")
+    ap.add_argument("--model", default=None, help="default: $KVSERVE_TEST_MODEL or $..._GEMMA")
     lib = os.environ.get("LLAMA_CPP_LIB_PATH")
     ap.add_argument(
         "--llama-src", default=str(Path(lib).parent.parent) if lib else None, help="llama.cpp tree"
     )
-    ap.add_argument("--out", default=str(OUT_JSON))
-    ap.add_argument("--out-logits", default=str(OUT_LOGITS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--out-logits", default=None)
     ap.add_argument(
         "--flash-attn",
         choices=("off", "on"),
@@ -269,8 +346,13 @@ def main() -> int:
         help="also run the other flash-attention setting and store how far it moves",
     )
     args = ap.parse_args()
+    prompts, full_logit_prompts, stem, n_ctx, n_batch = SETS[args.set]
+    env = "KVSERVE_TEST_GEMMA" if args.set == "gemma3" else "KVSERVE_TEST_MODEL"
+    args.model = args.model or os.environ.get(env)
+    args.out = args.out or str(OUT_JSON.parent / f"{stem}.json")
+    args.out_logits = args.out_logits or str(OUT_JSON.parent / f"{stem}_logits.npz")
     if not args.model:
-        ap.error("--model is required (or set KVSERVE_TEST_MODEL)")
+        ap.error(f"--model is required (or set {env})")
     if not lib:
         ap.error("set LLAMA_CPP_LIB_PATH to the llama.cpp build/bin directory holding libllama")
 
@@ -280,9 +362,9 @@ def main() -> int:
     def load(flash_attn: bool) -> Llama:
         return Llama(
             args.model,
-            n_ctx=N_CTX,
-            n_batch=N_BATCH,
-            n_ubatch=N_BATCH,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
             n_threads=N_THREADS,
             n_threads_batch=N_THREADS,
             logits_all=True,
@@ -293,13 +375,15 @@ def main() -> int:
 
     llm = load(args.flash_attn == "on")
     n_vocab = llm.n_vocab()
-    records, full_logits = record(llm, n_vocab)
+    records, full_logits = record(llm, n_vocab, prompts, full_logit_prompts, n_batch)
     del llm
     calibration = None
     if args.calibrate:
         other = "off" if args.flash_attn == "on" else "on"
         print(f"calibration: flash attention {other}")
-        other_records, _ = record(load(other == "on"), n_vocab)
+        other_records, _ = record(
+            load(other == "on"), n_vocab, prompts, full_logit_prompts, n_batch
+        )
         calibration = {"flash_attn": other, **compare_runs(records, other_records)}
         print(f"calibration: {json.dumps(calibration)}")
 
@@ -310,8 +394,8 @@ def main() -> int:
         "generator": "scripts/record_llama_fixtures.py",
         "command": (
             "LLAMA_CPP_LIB_PATH=<llama.cpp>/build/bin python scripts/record_llama_fixtures.py "
-            f"--model <{os.path.basename(args.model)}> --flash-attn {args.flash_attn}"
-            + (" --calibrate" if args.calibrate else "")
+            f"--set {args.set} --model <{os.path.basename(args.model)}> "
+            f"--flash-attn {args.flash_attn}" + (" --calibrate" if args.calibrate else "")
         ),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "llama_cpp_python_version": llama_cpp.__version__,
@@ -320,8 +404,8 @@ def main() -> int:
         "model_file": os.path.basename(args.model),
         "model_sha256": sha256_file(args.model),
         "n_vocab": n_vocab,
-        "n_ctx": N_CTX,
-        "n_batch": N_BATCH,
+        "n_ctx": n_ctx,
+        "n_batch": n_batch,
         "n_threads": N_THREADS,
         "n_gen": N_GEN,
         "top_k": TOP_K,
@@ -333,7 +417,7 @@ def main() -> int:
         ),
         "decode_loop": "prompt evaluated in one call, then one token per call",
         "full_logits_file": os.path.basename(args.out_logits),
-        "full_logits_prompts": FULL_LOGIT_PROMPTS,
+        "full_logits_prompts": full_logit_prompts,
         "full_logits_dtype": "float16, last prompt position",
     }
     if calibration is not None:

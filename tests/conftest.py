@@ -4,6 +4,8 @@
 else the default model from :func:`kvserve.models.pull` (cached after the first download).
 A test that asks for it fails, never skips, when no model is available.
 
+``gemma_path``: the Gemma 3 270M Q4_K_M GGUF (``$KVSERVE_TEST_GEMMA`` or the pulled copy).
+
 ``vocab``: the test model's vocabulary read with ``gguf`` (tests/gguf_vocab.py), an oracle for
 token pieces and text.
 
@@ -42,6 +44,27 @@ def model_path() -> Path:
         pytest.fail(
             f"no test model: KVSERVE_TEST_MODEL is unset and pulling the default model failed "
             f"({e}); set KVSERVE_TEST_MODEL to a GGUF file"
+        )
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF: ``$KVSERVE_TEST_GEMMA``, else ``kvserve pull``'s cached
+    copy (downloaded once). Fails, never skips, when it is not available."""
+    env = os.environ.get("KVSERVE_TEST_GEMMA")
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            pytest.fail(f"KVSERVE_TEST_GEMMA={env} is not a file; point it at the Gemma 3 GGUF")
+        return path
+    from kvserve.models import FetchError, pull
+
+    try:
+        return pull("gemma3-270m-q4_k_m", progress=False)
+    except FetchError as e:
+        pytest.fail(
+            f"no Gemma 3 model: KVSERVE_TEST_GEMMA is unset and pulling gemma3-270m-q4_k_m "
+            f"failed ({e}); set KVSERVE_TEST_GEMMA to its GGUF file"
         )
 
 

@@ -1,6 +1,6 @@
 """Tiny random GGUF models and an independent float64 numpy forward pass for them.
 
-``write_model(path, spec)`` writes a llama/qwen2/qwen3 model with random weights (plus a tiny
+``write_model(path, spec)`` writes a llama/qwen2/qwen3/gemma3 model with random weights (plus a tiny
 gpt2-style byte-level vocabulary so the engine accepts it) and returns the weights it wrote, as
 float64 arrays of the values the file really holds (after F16 rounding or quantization, read
 back with ``gguf``'s dequantization). Legacy types are quantized by ``gguf.quants``; K-quants
@@ -8,14 +8,17 @@ back with ``gguf``'s dequantization). Legacy types are quantized by ``gguf.quant
 to produce valid blocks close to the input, since the oracle is what ``gguf`` dequantizes.
 ``forward(weights, spec, tokens, positions)`` is the reference: RMSNorm, RoPE as ggml computes it
 (normal or NeoX layout, linear / YaRN scaling, per-pair frequency factors), grouped-query causal
-attention, SwiGLU, tied or separate output. It is written from the model definitions, not from
+attention, SwiGLU, tied or separate output; for gemma3 (after llama.cpp's reading of Gemma 3
+GGUF files and the Gemma 3 paper) embeddings scaled by sqrt(n_embd), norms after attention and
+after the FFN, q/k norms, GELU (tanh) gating, local layers with a sliding window and their own
+RoPE base, final logit soft-capping. It is written from the model definitions, not from
 the engine's code; its only shared assumption is that positions, not batch order, define causality.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,13 @@ class Spec:
     branch_scale: float = 1.0
     # Tensors to store as zero blocks of another ggml type (to exercise unsupported types).
     raw_types: dict[str, str] = field(default_factory=dict)
+    # gemma3: sliding window of local layers (None: no window key, every layer global), the
+    # pattern key (None: not written, llama.cpp's default 6: every 6th layer global), the local
+    # RoPE base key (None: not written, default 10000) and final logit soft-capping.
+    window: int | None = None
+    swa_pattern: int | None = None
+    freq_base_swa: float | None = None
+    final_softcap: float | None = None
 
     @property
     def hd(self) -> int:
@@ -58,7 +68,15 @@ class Spec:
 
     @property
     def neox(self) -> bool:
-        return self.arch in ("qwen2", "qwen3")
+        return self.arch in ("qwen2", "qwen3", "gemma3")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends over the sliding window (llama.cpp's rule: with pattern n,
+        layer i is local iff i % n < n - 1)."""
+        if self.arch != "gemma3" or not self.window:
+            return False
+        n = 6 if self.swa_pattern is None else self.swa_pattern
+        return n == 0 or layer % n < n - 1
 
     def type_of(self, name: str) -> str:
         """The weight type of matrix ``name``."""
@@ -259,7 +277,10 @@ def write_model(
     d, hd, ff = spec.n_embd, spec.hd, spec.n_ff
     qd, kvd = spec.n_head * hd, spec.n_head_kv * hd
     # Scales chosen so attention is peaked (scores of a few units) and logits spread out.
-    mats: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, 1.0, (nv, d))}
+    # Gemma scales embeddings by sqrt(n_embd); its trained embeddings are that much smaller, so
+    # that the (post-normed) blocks' outputs weigh as much as the embedding in the residual.
+    embd_std = 2.0 / math.sqrt(d) if spec.arch == "gemma3" else 1.0
+    mats: dict[str, np.ndarray] = {"token_embd.weight": rng.normal(0, embd_std, (nv, d))}
     if not spec.tied:
         mats["output.weight"] = rng.normal(0, 0.6, (nv, d))
     vecs: dict[str, np.ndarray] = {"output_norm.weight": rng.uniform(0.5, 1.5, d)}
@@ -282,9 +303,12 @@ def write_model(
             vecs[p + "attn_q.bias"] = rng.normal(0, 0.5, qd)
             vecs[p + "attn_k.bias"] = rng.normal(0, 0.5, kvd)
             vecs[p + "attn_v.bias"] = rng.normal(0, 0.5, kvd)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "gemma3"):
             vecs[p + "attn_q_norm.weight"] = rng.uniform(0.5, 2.0, hd)
             vecs[p + "attn_k_norm.weight"] = rng.uniform(0.5, 2.0, hd)
+        if spec.arch == "gemma3":
+            vecs[p + "post_attention_norm.weight"] = rng.uniform(0.5, 1.5, d)
+            vecs[p + "post_ffw_norm.weight"] = rng.uniform(0.5, 1.5, d)
     if spec.rope_freqs:
         vecs["rope_freqs.weight"] = rng.uniform(1.0, 8.0, hd // 2)
 
@@ -308,6 +332,14 @@ def write_model(
         w.add_float32(f"{a}.rope.scaling.factor", spec.factor)
         if spec.scaling == "yarn":
             w.add_uint32(f"{a}.rope.scaling.original_context_length", spec.orig_ctx)
+    if spec.window is not None:
+        w.add_uint32(f"{a}.attention.sliding_window", spec.window)
+    if spec.swa_pattern is not None:
+        w.add_uint32(f"{a}.attention.sliding_window_pattern", spec.swa_pattern)
+    if spec.freq_base_swa is not None:
+        w.add_float32(f"{a}.rope.freq_base_swa", spec.freq_base_swa)
+    if spec.final_softcap is not None:
+        w.add_float32(f"{a}.final_logit_softcapping", spec.final_softcap)
     if tokenizer is not None:
         for key, value, vtype, sub in tokenizer:
             w.add_key_value(key, value, vtype, sub_type=sub)
@@ -428,11 +460,19 @@ def forward(
     pos = list(range(n)) if positions is None else list(positions)
     hd, nh, nkv = spec.hd, spec.n_head, spec.n_head_kv
     group = nh // nkv
+    gemma = spec.arch == "gemma3"
     ff = w.get("rope_freqs.weight")
-    cs = [rope_cos_sin(spec, float(p), ff) for p in pos]
+    cs_global = [rope_cos_sin(spec, float(p), ff) for p in pos]
+    # Local layers: their own base (10000 unless the file says), never scaled.
+    local = replace(spec, freq_base=spec.freq_base_swa or 10000.0, scaling=None, factor=1.0)
+    cs_local = [rope_cos_sin(local, float(p), ff) for p in pos]
     x = w["token_embd.weight"][np.asarray(tokens)].copy()
+    if gemma:
+        x = x * math.sqrt(spec.n_embd)
     for li in range(spec.n_layer):
         p = f"blk.{li}."
+        window = spec.window if spec.is_local(li) else None
+        cs = cs_local if window else cs_global
         h = _rms_norm(x, w[p + "attn_norm.weight"], spec.eps)
         q = mm(h, p + "attn_q.weight")
         k = mm(h, p + "attn_k.weight")
@@ -454,20 +494,39 @@ def forward(
             v = v.astype(np.float16).astype(np.float64)
         att = np.zeros((n, nh, hd))
         for t in range(n):
-            visible = [j for j in range(n) if pos[j] <= pos[t]]
+            visible = [
+                j
+                for j in range(n)
+                if pos[j] <= pos[t] and (window is None or pos[t] - pos[j] < window)
+            ]
             for head in range(nh):
                 kh = head // group
                 s = np.array([q[t, head] @ k[j, kh] for j in visible]) / math.sqrt(hd)
                 s = np.exp(s - s.max())
                 s /= s.sum()
                 att[t, head] = s @ v[visible, kh]
-        x = x + mm(att.reshape(n, nh * hd), p + "attn_output.weight")
+        o = mm(att.reshape(n, nh * hd), p + "attn_output.weight")
+        if gemma:
+            o = _rms_norm(o, w[p + "post_attention_norm.weight"], spec.eps)
+        x = x + o
         h = _rms_norm(x, w[p + "ffn_norm.weight"], spec.eps)
         g = mm(h, p + "ffn_gate.weight")
         u = mm(h, p + "ffn_up.weight")
-        x = x + mm(g / (1.0 + np.exp(-g)) * u, p + "ffn_down.weight")
+        act = gelu_tanh(g) if gemma else g / (1.0 + np.exp(-g))
+        down = mm(act * u, p + "ffn_down.weight")
+        if gemma:
+            down = _rms_norm(down, w[p + "post_ffw_norm.weight"], spec.eps)
+        x = x + down
     h = _rms_norm(x, w["output_norm.weight"], spec.eps)
-    return mm(h, "output.weight" if "output.weight" in w else "token_embd.weight")
+    logits = mm(h, "output.weight" if "output.weight" in w else "token_embd.weight")
+    if gemma and spec.final_softcap:
+        logits = spec.final_softcap * np.tanh(logits / spec.final_softcap)
+    return logits
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def q8_activations(h: np.ndarray) -> np.ndarray:

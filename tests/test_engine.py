@@ -22,7 +22,7 @@ from sampling_reference import ref_log_softmax
 
 import kvserve
 from kvserve import Engine, GenerateResult, KvCacheFull, Model
-from kvserve.engine import parse_size
+from kvserve.engine import Delta, parse_size
 
 STATS_KEYS = {
     "kv_blocks_total",
@@ -34,6 +34,7 @@ STATS_KEYS = {
     "cached_prompt_tokens",
     "prefix_hit_rate",
     "generated_tokens",
+    "computed_tokens",
     "evictions",
     "preemptions",
     "running",
@@ -89,8 +90,22 @@ def wait_for(cond: object, timeout: float = 30.0) -> None:
 def test_exported_and_stats_keys(engine: Engine) -> None:
     assert "Engine" in kvserve.__all__ and kvserve.Engine is Engine
     st = engine.stats()
-    assert set(st) == STATS_KEYS
+    # SmolLM2 has one layer group (full attention, all 30 layers), reported as kv_full_*.
+    group_keys = {
+        f"kv_full_{k}"
+        for k in (
+            "layers",
+            "blocks_total",
+            "blocks_used",
+            "blocks_cached",
+            "bytes_used",
+            "bytes_total",
+            "usage",
+        )
+    }
+    assert set(st) == STATS_KEYS | group_keys
     assert st["kv_blocks_total"] > 0 and 0.0 <= st["kv_usage"] <= 1.0
+    assert st["kv_full_layers"] == 30 and st["kv_full_blocks_total"] == st["kv_blocks_total"]
 
 
 def test_async_streams_and_sync_threads_share_batches_and_match_sequential_greedy(
@@ -561,3 +576,125 @@ def test_logprobs_match_an_independent_decode(engine: Engine, oracle: Model) -> 
             assert entry.top[0][0] == int(np.argmax(lsm))
             if "temperature" not in kw:
                 assert entry.top[0][0] == tok
+
+
+# -- n choices of one prompt (Engine.choices) -------------------------------------------------
+
+
+def run_choices(eng: Engine, prompt: str | list[int], max_tokens: int, n: int, **kw: Any) -> Any:
+    """Every delta of ``eng.choices(...)``, then each choice's joined text, logprob entries
+    (None when not asked) and result."""
+
+    async def main() -> list[Delta]:
+        return [d async for d in eng.choices(prompt, max_tokens, n, **kw)]
+
+    deltas = asyncio.run(main())
+    texts = ["".join(d.text for d in deltas if d.index == j) for j in range(n)]
+    entries = [
+        None
+        if any(d.logprobs is None for d in deltas if d.index == j)
+        else [e for d in deltas if d.index == j for e in d.logprobs or []]
+        for j in range(n)
+    ]
+    results = []
+    for j in range(n):
+        mine = [d for d in deltas if d.index == j]
+        assert mine and mine[-1].result is not None  # the last delta carries the result
+        assert all(d.result is None and d.text for d in mine[:-1])
+        results.append(mine[-1].result)
+    return deltas, texts, entries, results
+
+
+def test_choices_compute_the_prompt_once_and_fork_it(served: Model, oracle: Model) -> None:
+    """n greedy choices are each the one greedy completion; the prompt is computed once (the
+    prefix cache is off, so only the fork can share it): the engine feeds the prompt plus each
+    choice's generated tokens but its last, P + n (M - 1) tokens, not n P + n (M - 1)."""
+    p = "In the harbour town the fishermen mend their nets and talk about the weather"
+    n, m = 3, 7
+    want = sequential(oracle, p, m, ignore_eos=True)
+    n_prompt = want.prompt_tokens
+    assert n_prompt % 16 != 0  # a partial last block: the choices copy it when they write
+    with Engine(served, parallel=4, ctx_size=256, prefix_cache=False) as eng:
+        before = eng.stats()
+        _, texts, _, results = run_choices(eng, p, m, n, ignore_eos=True)
+        st = eng.stats()
+    assert texts == [want.text] * n
+    assert [r.tokens for r in results] == [want.tokens] * n
+    assert {(r.prompt_tokens, r.finish_reason) for r in results} == {(n_prompt, "length")}
+    assert st["prompt_tokens"] - before["prompt_tokens"] == n_prompt  # counted once
+    assert st["computed_tokens"] - before["computed_tokens"] == n_prompt + n * (m - 1)
+    assert st["generated_tokens"] - before["generated_tokens"] == n * m
+    assert (st["running"], st["waiting"], st["kv_blocks_used"]) == (0, 0, 0)
+
+
+def test_seeded_choices_are_reproducible_and_choice_j_uses_seed_plus_j(engine: Engine) -> None:
+    p = "Once upon a time, in a quiet town,"
+    kw: dict[str, Any] = {"temperature": 1.2, "top_k": 40, "seed": 21}
+    singles = [engine.generate(p, max_tokens=10, **{**kw, "seed": 21 + j}).tokens for j in range(4)]
+    assert len({tuple(t) for t in singles}) > 1  # the seeds draw differently
+    first = [r.tokens for r in run_choices(engine, p, 10, 4, **kw)[3]]
+    again = [r.tokens for r in run_choices(engine, p, 10, 4, **kw)[3]]
+    assert first == again == singles
+    # Unseeded choices draw independently (four equal 10-token draws would be a broken fork).
+    free = [tuple(r.tokens) for r in run_choices(engine, p, 10, 4, temperature=1.5)[3]]
+    assert len(set(free)) > 1
+
+
+def test_choices_stream_logprobs_with_their_text(engine: Engine, oracle: Model) -> None:
+    """Each delta carries the entries of the tokens delivered since the previous one; a
+    choice's entries join to its result's, and to Model.generate's (held-back stop text
+    included: its tokens come in the last delta)."""
+    p = prompts(1, "Logprob deltas")[0]
+    want = sequential(oracle, p, 8, logprobs=2)
+    assert want.logprobs is not None
+    deltas, texts, entries, results = run_choices(engine, p, 8, 2, logprobs=2)
+    for j in range(2):
+        assert texts[j] == want.text
+        assert entries[j] == results[j].logprobs
+        assert [e.token for e in entries[j]] == [e.token for e in want.logprobs]
+    assert any(len(d.logprobs or []) == 1 and d.text for d in deltas)  # per token, as they come
+    stop = want.text[len(want.text) // 2 :][:3]
+    cut = sequential(oracle, p, 8, logprobs=0, stop=stop)
+    assert cut.finish_reason == "stop" and cut.logprobs is not None
+    deltas, texts, entries, results = run_choices(engine, p, 8, 1, logprobs=0, stop=stop)
+    assert texts[0] == cut.text
+    assert [e.token for e in entries[0]] == [e.token for e in cut.logprobs]
+    assert deltas[-1].logprobs  # the stop string's tokens, withheld as text, come last
+
+
+def test_choices_survive_preemption(model_path: Path, oracle: Model) -> None:
+    """A pool too small for every choice to grow: choices are preempted, recomputed (with
+    the prompt's blocks from the prefix cache) and still give the greedy text."""
+    p = "Story 3: the bread and the old lighthouse keeper"
+    want = sequential(oracle, p, 20, ignore_eos=True)
+    per_block = int(oracle.new_context(16).stats()["bytes_per_block"])
+    small = Model.load(model_path, threads=2)
+    with Engine(small, parallel=4, ctx_size=64, kv_memory=6 * per_block) as eng:
+        _, texts, _, results = run_choices(eng, p, 20, 4, ignore_eos=True)
+        st = eng.stats()
+    assert texts == [want.text] * 4
+    assert st["preemptions"] > 0
+    assert (st["running"], st["waiting"], st["kv_blocks_used"]) == (0, 0, 0)
+
+
+def test_closing_choices_early_cancels_every_choice(engine: Engine) -> None:
+    async def main() -> None:
+        stream = engine.choices(prompts(1, "Cancel fork")[0], 200, 3, ignore_eos=True)
+        got = 0
+        async for d in stream:
+            got += d.index > 0  # a forked choice is running
+            if got:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    wait_for(lambda: engine.stats()["running"] == engine.stats()["waiting"] == 0)
+    wait_for(lambda: engine.stats()["kv_blocks_used"] == 0)
+
+
+def test_choices_check_n(engine: Engine) -> None:
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ValueError, match=r"n must be an integer in \[1, parallel=16\]"):
+            engine.choices("Hi", 4, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n must be 1 with session_id"):
+        engine.choices("Hi", 4, 2, session_id="s")

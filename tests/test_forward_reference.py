@@ -48,11 +48,56 @@ VARIANTS: dict[str, ref.Spec] = {
     "llama-q4_k_m": ref.Spec(
         wtype="Q4_K", wtypes=ref.Q4_K_M, tied=False, n_embd=256, n_ff=512, seed=13
     ),
+    # Gemma 3: layers 0 and 2 local (window of 5 positions, RoPE base 10000), 1 and 3 global
+    # (base 1e6); GQA 2:1.
+    "gemma3": ref.Spec(
+        arch="gemma3", n_layer=4, head_dim=32, window=5, swa_pattern=2, freq_base=1e6, seed=20
+    ),
+    # llama.cpp's default pattern (no key: layer 5 global, the others local), a local RoPE base
+    # from the file, linear scaling on the global layer only, final logit soft-capping.
+    "gemma3-pattern-softcap": ref.Spec(
+        arch="gemma3",
+        n_layer=7,
+        head_dim=32,
+        n_head_kv=1,
+        window=4,
+        freq_base=1e6,
+        freq_base_swa=500.0,
+        scaling="linear",
+        factor=8.0,
+        final_softcap=4.0,
+        seed=21,
+    ),
+    # The real Gemma 3 270M Q4_K_M's mix of types: Q5_0 q/k/gate/up, Q8_0 v and embeddings
+    # (tied output), Q4_K attention output, Q6_K down; one KV head of 4 query heads.
+    "gemma3-q4_k_m": ref.Spec(
+        arch="gemma3",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=64,
+        n_ff=512,
+        window=6,
+        swa_pattern=2,
+        freq_base=1e6,
+        wtype="Q5_0",
+        wtypes={
+            "token_embd.weight": "Q8_0",
+            "attn_v.weight": "Q8_0",
+            "attn_output.weight": "Q4_K",
+            "ffn_down.weight": "Q6_K",
+        },
+        seed=22,
+    ),
 }
 
 
 def _quantized(spec: ref.Spec) -> bool:
-    return any(spec.type_of(n) not in ("F32", "F16") for n in ("output.weight", "attn_q.weight"))
+    return any(
+        spec.type_of(n) not in ("F32", "F16")
+        for n in ("output.weight", "attn_q.weight", "token_embd.weight")
+    )
 
 
 def _tol(spec: ref.Spec) -> float:
@@ -161,6 +206,12 @@ def test_far_positions(tiny: Tiny):
 def _ablated(spec: ref.Spec, w: dict[str, np.ndarray]) -> tuple[ref.Spec, dict[str, np.ndarray]]:
     """The reference model without the feature the variant exists to test."""
     w = dict(w)
+    if spec.arch == "gemma3":
+        # The sliding window: every layer global. (The block formats of its quantized mix are
+        # each held to the emulation in test_quantized_matmul_matches_8bit_activation_emulation;
+        # through gemma's post-norms the reversed-block ablation moves the logits only ~2.5x
+        # the tolerance.)
+        return dataclasses.replace(spec, window=None), w
     if _quantized(spec):
         # The block format: values unpacked in the wrong order inside each 32-element group
         # (as a swapped nibble or sub-block layout would), every quantized matrix.
@@ -263,3 +314,58 @@ def test_quantized_matmul_matches_8bit_activation_emulation(tmp_path, wtype: str
     # Without the activation quantization the difference is orders of magnitude larger.
     exact = ref.forward(w, spec, toks)
     assert _rel_diff(batch, exact) > 1e-3
+
+
+GEMMA_ABLATIONS = {
+    "no window": lambda s, w: (dataclasses.replace(s, window=None), w),
+    "local layers with the global RoPE": lambda s, w: (
+        dataclasses.replace(s, freq_base_swa=s.freq_base),
+        w,
+    ),
+    "no post-attention / post-FFN norms": lambda s, w: (
+        s,
+        {
+            k: (
+                np.ones_like(v)
+                if k.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))
+                else v
+            )
+            for k, v in w.items()
+        },
+    ),
+    "unscaled embeddings": lambda s, w: (
+        s,
+        {
+            **w,
+            "token_embd.weight": w["token_embd.weight"] / np.sqrt(s.n_embd),
+            **({} if "output.weight" in w else {"output.weight": w["token_embd.weight"]}),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma3-pattern-softcap"])
+@pytest.mark.parametrize("ablation", list(GEMMA_ABLATIONS))
+def test_gemma3_features_matter(tmp_path, variant: str, ablation: str):
+    """Each Gemma 3 feature moves the logits far outside the tolerance when the reference drops
+    it, on a prompt four windows long, so agreement with the full reference tests all of them."""
+    spec = VARIANTS[variant]
+    w = ref.write_model(tmp_path / "g.gguf", spec)
+    t = Tiny(tmp_path / "g.gguf", spec, w)
+    toks = _prompt(t)[:20]
+    got = t.decode(t.model.new_context(64), toks, list(range(len(toks))), [0] * len(toks))
+    _check_close(got, t.reference(toks), _tol(spec), "vs reference")
+    spec2, w2 = GEMMA_ABLATIONS[ablation](spec, w)
+    d = _rel_diff(got, ref.forward(w2, spec2, toks))
+    assert d > 3 * _tol(spec), f"{ablation}: ablated reference only {d:.3g} away"
+
+
+def test_gemma3_softcap_bounds_logits(tmp_path):
+    spec = VARIANTS["gemma3-pattern-softcap"]
+    w = ref.write_model(tmp_path / "g.gguf", spec)
+    t = Tiny(tmp_path / "g.gguf", spec, w)
+    toks = _prompt(t)[:8]
+    got = t.decode(t.model.new_context(64), toks, list(range(8)), [0] * 8)
+    assert np.abs(got).max() <= spec.final_softcap
+    uncapped = ref.forward(w, dataclasses.replace(spec, final_softcap=None), toks)
+    assert np.abs(uncapped).max() > 1.5 * spec.final_softcap, "soft-capping would not show"

@@ -248,26 +248,61 @@ def test_seed_and_n(client: openai.OpenAI) -> None:
     assert one(7) == a
     singles = [a, one(8), one(9)]
     assert len(set(singles)) > 1, singles  # different seeds draw differently
-    many = client.completions.create(
-        model="m",
-        prompt=STORY,
-        max_tokens=12,
-        temperature=1.2,
-        seed=7,
-        n=3,
-        extra_body={"top_k": 40, "min_p": 0.01},
-    )
+    kw: dict[str, Any] = {"temperature": 1.2, "seed": 7, "extra_body": {"top_k": 40, "min_p": 0.01}}
+    many = client.completions.create(model="m", prompt=STORY, max_tokens=12, n=3, **kw)
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert [c.text for c in many.choices] == singles
+    again = client.completions.create(model="m", prompt=STORY, max_tokens=12, n=3, **kw)
+    assert [c.text for c in again.choices] == singles  # reproducible
+    # Streamed: the same choices, each chunk naming its choice.
+    texts = ["", "", ""]
+    finish: list[str | None] = [None] * 3
+    for chunk in client.completions.create(
+        model="m", prompt=STORY, max_tokens=12, n=3, stream=True, **kw
+    ):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == singles
+    assert finish == [c.finish_reason for c in many.choices]
 
 
-def test_n_greedy_shares_the_prompt(client: openai.OpenAI, model: Model) -> None:
-    want = model.generate(STORY, max_tokens=8)
-    got = client.completions.create(model="m", prompt=STORY, max_tokens=8, n=3)
+def test_n_greedy_computes_the_prompt_once(
+    server: Server, client: openai.OpenAI, model: Model
+) -> None:
+    """n greedy choices are each the one greedy completion; the prompt is computed once and
+    the choices fork from it: the server computes the prompt's uncached tokens plus each
+    choice's generated tokens but its last, and counts the prompt once."""
+    prompt = "A lighthouse keeper counts the ships that pass his rock every evening: " + STORY
+    want = model.generate(prompt, max_tokens=8, ignore_eos=True)
+    before = _wait_idle(server.url)
+    got = client.completions.create(
+        model="m", prompt=prompt, max_tokens=8, n=3, extra_body={"ignore_eos": True}
+    )
+    after = _wait_idle(server.url)
     assert [c.text for c in got.choices] == [want.text] * 3
-    assert got.usage is not None
+    assert got.usage is not None and got.usage.prompt_tokens_details is not None
     assert got.usage.prompt_tokens == want.prompt_tokens  # counted once
     assert got.usage.completion_tokens == 3 * len(want.tokens)
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert cached < want.prompt_tokens - 16  # the prompt's new part is real work
+
+    def delta(name: str) -> float:
+        return float(after[name] - before[name])
+
+    assert delta("kvserve_prompt_tokens_total") == want.prompt_tokens
+    assert delta("kvserve_computed_tokens_total") == want.prompt_tokens - cached + 3 * (8 - 1)
+    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, n=2)
+    one = model.chat(CHAT, max_tokens=6)
+    assert [c.message.content for c in chat.choices] == [one.text] * 2
+    assert [c.index for c in chat.choices] == [0, 1]
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=6, n=2, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [one.text] * 2
 
 
 def test_prompt_forms(client: openai.OpenAI, model: Model) -> None:
@@ -434,6 +469,18 @@ def test_penalties_and_logit_bias_follow_model_generate(
     assert texts[0] != texts[1]  # presence and frequency penalties act differently here
 
 
+def _same_logprobs(a: Any, b: Any) -> bool:
+    """Logprob objects equal: tokens, bytes and offsets exactly, log-probabilities within
+    1e-3 (two requests of one prompt may compute it in different chunks)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-3
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_logprobs(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_logprobs(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
 def test_chat_logprobs(client: openai.OpenAI, model: Model) -> None:
     want = model.chat(CHAT, max_tokens=6, logprobs=3)
     assert want.logprobs is not None
@@ -455,16 +502,26 @@ def test_chat_logprobs(client: openai.OpenAI, model: Model) -> None:
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
             [v for _, v in lp.top], abs=1e-3
         )
-    streamed = client.chat.completions.create(
-        model="m",
-        messages=CHAT,
-        max_tokens=6,
-        logprobs=True,
-        stream=True,
+    # Streamed: each chunk carries the entries of its tokens as they come; together they
+    # are the non-streamed entries.
+    chunks = [
+        c.choices[0]
+        for c in client.chat.completions.create(
+            model="m", messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3, stream=True
+        )
+        if c.choices
+    ]
+    entries = [e for c in chunks if c.logprobs for e in c.logprobs.content or []]
+    assert _same_logprobs([e.model_dump() for e in entries], [e.model_dump() for e in content])
+    texts = [c for c in chunks if c.delta.content]
+    assert all(len(c.logprobs.content or []) >= 1 for c in texts)  # type: ignore[union-attr]
+    assert sum(len(c.logprobs.content or []) == 1 for c in texts) >= 4  # type: ignore[union-attr]
+    plain = client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=6, logprobs=True, stream=True
     )
     entries = [
         e
-        for c in streamed
+        for c in plain
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content or []
     ]
@@ -481,6 +538,25 @@ def test_completion_logprobs(client: openai.OpenAI, model: Model) -> None:
     assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-3)
     assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # Streamed: per chunk, the tokens of its text (offsets into the whole completion); joined,
+    # the non-streamed object. With a stop string, its tokens (never sent as text) come last.
+    for kw in ({}, {"stop": [want.text[6:9]]}):
+        full = client.completions.create(model="m", prompt=STORY, max_tokens=5, logprobs=2, **kw)
+        joined: dict[str, list[Any]] = {}
+        text = ""
+        for chunk in client.completions.create(
+            model="m", prompt=STORY, max_tokens=5, logprobs=2, stream=True, **kw
+        ):
+            (c,) = chunk.choices
+            text += c.text
+            if c.text:
+                assert c.logprobs is not None and c.logprobs.tokens
+            for k, v in (c.logprobs.model_dump() if c.logprobs else {}).items():
+                joined.setdefault(k, []).extend(v)
+        assert text == full.choices[0].text
+        assert full.choices[0].logprobs is not None
+        assert _same_logprobs(joined, full.choices[0].logprobs.model_dump()), kw
+    assert full.choices[0].finish_reason == "stop"
 
 
 def test_context_shift(client: openai.OpenAI, model: Model, model_path: Path) -> None:
@@ -608,6 +684,7 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"prompt": "x", "min_p": 2}, 400, "min_p", "[0, 1]"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "greater"),
     ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "n", "less"),
+    ("/v1/completions", {"prompt": "x", "n": PARALLEL + 1}, 400, "n", f"parallel={PARALLEL}"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "greater"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", "must be one of"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
@@ -871,7 +948,7 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
 
 def test_access_log(server: Server) -> None:
     body = {"prompt": STORY, "max_tokens": 5, "user": "alice"}
-    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     rid = r.headers["x-request-id"]
     assert r.json()["id"] == f"cmpl-{rid}"
     usage = r.json()["usage"]

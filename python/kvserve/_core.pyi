@@ -4,6 +4,7 @@ Use the public API in :mod:`kvserve` instead; this module may change without not
 """
 
 import os
+from typing import Any
 
 from typing_extensions import Buffer
 
@@ -97,7 +98,10 @@ class Context:
         """Writes a state from :meth:`seq_state_read` into the empty sequence ``seq`` without
         recomputing it; returns its token count. All or nothing (``ValueError``,
         ``KvCacheFull``)."""
-    def stats(self) -> dict[str, int | str]: ...
+    def stats(self) -> dict[str, Any]:
+        """Pool and context counters; ``groups``: one dict per layer group (kind, window,
+        layers, blocks_total/free/cached/referenced, bytes_per_block/total/referenced,
+        tokens_stored, blocks_held)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""
 

@@ -79,6 +79,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
@@ -114,7 +115,7 @@ from .textstream import TextStream
 if TYPE_CHECKING:
     from .chat import Message
 
-__all__ = ["Engine", "SessionFileError", "SessionInfo", "parse_size"]
+__all__ = ["Delta", "Engine", "SessionFileError", "SessionInfo", "parse_size"]
 
 T = TypeVar("T")
 
@@ -151,12 +152,14 @@ _NEW, _WAITING, _RUNNING, _DONE = range(4)
 
 
 class _Sink:
-    """Where a request's output goes; the engine thread calls these (never blocking)."""
+    """Where a request's output goes; the engine thread calls these (never blocking).
+    ``logprobs`` (None when not asked): the entries of the tokens delivered since the previous
+    call, so the entries of all calls join to the result's ``logprobs``."""
 
-    def piece(self, text: str) -> None:  # a piece of text (whole characters)
-        pass
+    def piece(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
+        pass  # a piece of text (whole characters, never empty)
 
-    def done(self, result: GenerateResult) -> None:
+    def done(self, result: GenerateResult, logprobs: list[TokenLogprob] | None) -> None:
         raise NotImplementedError
 
     def fail(self, error: BaseException) -> None:
@@ -169,7 +172,7 @@ class _FutureSink(_Sink):
     def __init__(self) -> None:
         self.future: concurrent.futures.Future[GenerateResult] = concurrent.futures.Future()
 
-    def done(self, result: GenerateResult) -> None:
+    def done(self, result: GenerateResult, logprobs: list[TokenLogprob] | None) -> None:
         if not self.future.done():
             self.future.set_result(result)
 
@@ -213,11 +216,11 @@ class _LoopSink(_Sink):
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    def piece(self, text: str) -> None:
+    def piece(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
         if self.queue is not None:
             self._call(self.queue.put_nowait, text)
 
-    def done(self, result: GenerateResult) -> None:
+    def done(self, result: GenerateResult, logprobs: list[TokenLogprob] | None) -> None:
         if self.queue is not None:
             self._call(self.queue.put_nowait, _End(None, result))
         else:
@@ -228,6 +231,50 @@ class _LoopSink(_Sink):
             self._call(self.queue.put_nowait, _End(error))
         else:
             self._call(_resolve, self.result, None, error)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of one choice's output, as :meth:`Engine.choices` streams it.
+
+    ``index``: the choice (0 to n - 1). ``text``: the new text (whole characters; empty only
+    in a choice's last delta). ``logprobs`` (None when not asked): the entries of the tokens
+    delivered since the choice's previous delta (a token whose text is held back, such as the
+    start of a possible stop string, comes with the text it becomes part of, or in the last
+    delta), so a choice's entries join to its result's ``logprobs``. ``result``: set in the
+    choice's last delta (finish reason, tokens, token counts), None before."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    result: GenerateResult | None = None
+
+
+class _ChoiceSink(_Sink):
+    """One choice of :meth:`Engine.choices`: its deltas go to the stream's shared queue (the
+    error of a failed choice as an ``_End``) through the event loop."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Delta | _End], index: int
+    ) -> None:
+        self.loop = loop
+        self.queue = queue
+        self.index = index
+
+    def _put(self, item: Delta | _End) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def piece(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
+        self._put(Delta(self.index, text, logprobs))
+
+    def done(self, result: GenerateResult, logprobs: list[TokenLogprob] | None) -> None:
+        self._put(Delta(self.index, "", logprobs, result))
+
+    def fail(self, error: BaseException) -> None:
+        self._put(_End(error))
 
 
 class _Request:
@@ -269,7 +316,11 @@ class _Request:
         self.n_logprobs = logprobs
         self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         self.pending_logprob: TokenLogprob | None = None
+        self.logprobs_sent = 0  # entries already handed to the sink
         self.turn: Turn | None = None  # the session part (session requests only)
+        # n > 1 (Engine.choices): the other choices, forked from this request's sequence
+        # (seq_cp) when its prompt is computed; emptied then. They wait with it until then.
+        self.children: list[_Request] = []
 
     @property
     def n_generated(self) -> int:
@@ -293,6 +344,15 @@ class _Request:
         if a >= keep:
             return ids[a + shift : b + shift]
         return ids[a:keep] + ids[keep + shift : b + shift]
+
+    def unsent_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprob entries not yet handed to the sink (None when not asked); marks them
+        sent."""
+        if self.logprobs is None:
+            return None
+        new = self.logprobs[self.logprobs_sent :]
+        self.logprobs_sent = len(self.logprobs)
+        return new
 
     @property
     def argmax_only(self) -> bool:
@@ -356,6 +416,22 @@ def _load_model(model: Model | StrPath | None, threads: int | None) -> Model:
     if isinstance(model, str) and model in models.REGISTRY and not Path(model).exists():
         return Model(models.pull(model, quiet=True), threads)
     return Model(model, threads)
+
+
+def _group_stats(st: dict[str, Any]) -> dict[str, float | int]:
+    """``kv_<kind>_*`` counters of each layer group in a context's ``stats()``."""
+    out: dict[str, float | int] = {}
+    for g in st.get("groups", []):
+        k = str(g["kind"])
+        total, used = int(g["blocks_total"]), int(g["blocks_referenced"])
+        out[f"kv_{k}_layers"] = int(g["layers"])
+        out[f"kv_{k}_blocks_total"] = total
+        out[f"kv_{k}_blocks_used"] = used
+        out[f"kv_{k}_blocks_cached"] = int(g["blocks_cached"])
+        out[f"kv_{k}_bytes_used"] = int(g["bytes_referenced"])
+        out[f"kv_{k}_bytes_total"] = int(g["bytes_total"])
+        out[f"kv_{k}_usage"] = used / total if total else 0.0
+    return out
 
 
 class Engine:
@@ -465,6 +541,7 @@ class Engine:
         self._prompt_tokens = 0
         self._cached_prompt_tokens = 0
         self._generated_tokens = 0
+        self._computed_tokens = 0
         self._preemptions = 0
         self._evictions = 0
         self._session_misses = 0
@@ -555,16 +632,19 @@ class Engine:
             if self._closed:
                 raise RuntimeError("the engine is closed")
             req.key = (-req.priority, next(self._arrival))
+            for child in req.children:  # after it, in choice order
+                child.key = (-child.priority, next(self._arrival))
             self._inbox.append(req)
             self._cond.notify()
 
-    def _cancel(self, req: _Request) -> None:
-        """Ask the engine thread to drop ``req`` at its next step."""
+    def _cancel(self, *reqs: _Request) -> None:
+        """Ask the engine thread to drop ``reqs`` at its next step."""
         with self._cond:
-            if req.state != _DONE and not req.cancel_requested:
-                req.cancel_requested = True
-                self._cancels.append(req)
-                self._cond.notify()
+            for req in reqs:
+                if req.state != _DONE and not req.cancel_requested:
+                    req.cancel_requested = True
+                    self._cancels.append(req)
+            self._cond.notify()
 
     def generate(
         self,
@@ -630,6 +710,80 @@ class Engine:
         against the vocabulary). This is what a server needs to stream and then report usage."""
         req = self._request(prompt, max_tokens, options)
         return self._stream(req, with_result=True)
+
+    def choices(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        n: int = 1,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[Delta, None]:
+        """``n`` completions of one prompt, streamed as :class:`Delta` items (each choice's
+        deltas in order, the choices interleaved as they come; each choice ends with a delta
+        that carries its result). ``prompt`` is text or token ids, as for :meth:`events`.
+
+        The prompt is computed once: the request runs as one sequence until its prompt is
+        computed, then the other ``n - 1`` choices fork from it (``seq_cp``: they share its
+        K/V blocks; a partial last block is copied when a choice first writes into it), each
+        picks its first token from the same logits and goes on as a sequence of its own. The
+        choices are admitted together (they need ``n`` of the ``parallel`` slots), so
+        ``1 <= n <= parallel``. Choice ``j`` samples with its own generator: with ``seed``,
+        seeded ``seed + j`` (choice 0 is what the same request with ``n=1`` gives); without,
+        each draws fresh entropy. Greedy choices are all the one greedy completion. The
+        engine's ``prompt_tokens`` counts the prompt once. With ``session_id``, ``n`` must be 1.
+        Arguments are checked at the call; closing the iterator early or cancelling its task
+        cancels every choice; the first failed choice raises its error (and cancels the rest).
+        """
+        reqs = self._group(prompt, max_tokens, n, options)
+        return self._stream_choices(reqs)
+
+    def _group(
+        self, prompt: str | Sequence[int], max_tokens: int, n: int, options: RequestOptions
+    ) -> list[_Request]:
+        """The requests of :meth:`choices`: the first, which holds the others as its
+        ``children`` until they fork."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.parallel:
+            raise ValueError(f"n must be an integer in [1, parallel={self.parallel}], got {n!r}")
+        req = self._request(prompt, max_tokens, options)
+        if n > 1 and req.turn is not None:
+            raise ValueError("n must be 1 with session_id (a session continues one conversation)")
+        seed = options.get("seed")
+        for j in range(1, n):
+            opts = resolve(
+                options if seed is None else {**options, "seed": seed + j},
+                n_vocab=self.model.n_vocab,
+                engine=True,
+            )
+            child = _Request(
+                list(req.ids),
+                max_tokens,
+                opts.sampler,
+                opts.stops,
+                opts.ignore_eos,
+                opts.priority,
+                logprobs=opts.logprobs,
+            )
+            child.context_shift, child.keep = req.context_shift, req.keep
+            req.children.append(child)
+        return [req, *req.children]
+
+    async def _stream_choices(self, reqs: list[_Request]) -> AsyncGenerator[Delta, None]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta | _End] = asyncio.Queue()
+        for i, req in enumerate(reqs):
+            req.sink = _ChoiceSink(loop, queue, i)
+        self._submit(reqs[0])
+        try:
+            left = len(reqs)
+            while left:
+                item = await queue.get()
+                if isinstance(item, _End):
+                    raise item.error or RuntimeError("a choice ended without a result")
+                if item.result is not None:
+                    left -= 1
+                yield item
+        finally:
+            self._cancel(*reqs)
 
     async def _stream(
         self, req: _Request, with_result: bool = False
@@ -742,12 +896,17 @@ class Engine:
 
         ``kv_*`` describe the model's K/V pool (``kv_blocks_used``: blocks referenced by live
         sequences; ``kv_blocks_cached``: unreferenced blocks kept for prefix reuse).
-        ``prompt_tokens``/``cached_prompt_tokens`` count admitted requests' prompts and the part
-        reused at admission; ``decode_tok_s`` is tokens generated per second of step time over
-        the last 10 s. ``sessions``: sessions held; ``evictions``: times an idle session's K/V
-        was reclaimed; ``session_misses``: turns of an evicted session (recomputed);
-        ``kv_blocks_evicted``: cached blocks the pool evicted for new content (all users of the
-        model's pool, since it was made)."""
+        ``prompt_tokens``/``cached_prompt_tokens`` count admitted requests' prompts (a
+        :meth:`choices` request's once) and the part reused at admission; ``computed_tokens``
+        counts the tokens fed to the model (prompt tokens not reused, recomputation after a
+        preemption or an eviction, and every generated token but each sequence's last);
+        ``decode_tok_s`` is tokens generated per second of step time over the last 10 s.
+        ``sessions``: sessions held; ``evictions``: times an idle session's K/V was reclaimed;
+        ``session_misses``: turns of an evicted session (recomputed); ``kv_blocks_evicted``:
+        cached blocks the pool evicted for new content (all users of the model's pool, since
+        it was made). ``kv_<kind>_*`` (``kind``: ``full``, ``window``) describe each layer
+        group's pool: a model with sliding-window layers (Gemma 3) has both, and its
+        ``kv_window_blocks_used`` stays bounded by the window, not the context."""
         st = self._ctx.stats()
         total = int(st["blocks_total"])
         used = int(st["blocks_referenced"])
@@ -769,6 +928,7 @@ class Engine:
             "cached_prompt_tokens": cached,
             "prefix_hit_rate": cached / prompt if prompt else 0.0,
             "generated_tokens": self._generated_tokens,
+            "computed_tokens": self._computed_tokens,
             "evictions": self._evictions,
             "preemptions": self._preemptions,
             "running": running,
@@ -777,6 +937,7 @@ class Engine:
             "session_misses": self._session_misses,
             "kv_blocks_evicted": int(st["blocks_evicted"]),
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
+            **_group_stats(st),
         }
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -803,7 +964,9 @@ class Engine:
                     calls, self._calls = self._calls, []
                     for req in inbox:
                         req.state = _WAITING
-                    self._n_waiting += len(inbox)
+                        for child in req.children:
+                            child.state = _WAITING
+                    self._n_waiting += sum(1 + len(req.children) for req in inbox)
                 self._expire_sessions()
                 for req in inbox:
                     self._accept(req)
@@ -897,6 +1060,8 @@ class Engine:
             if turn is not None and turn.closing:
                 self._park(req)
             return
+        if req.children:  # failed or cancelled before its prompt was computed
+            self._unfork(req, error if error is not None else asyncio.CancelledError())
         if turn is not None and turn.session is not None and turn.session.busy is req:
             self._end_turn(req, error is None)
         else:
@@ -908,7 +1073,7 @@ class Engine:
         tail = req.text.finish()
         if tail:
             req.pieces.append(tail)
-            req.sink.piece(tail)
+            req.sink.piece(tail, req.unsent_logprobs())
         if req.text.stopped:
             reason = FINISH_STOP
         req.sink.done(
@@ -919,8 +1084,44 @@ class Engine:
                 prompt_tokens=req.n_prompt,
                 cached_tokens=max(req.cached_tokens, 0),
                 logprobs=req.logprobs,
-            )
+            ),
+            req.unsent_logprobs(),
         )
+
+    def _unfork(self, req: _Request, error: BaseException) -> None:
+        """The choices still waiting to fork from ``req`` end with ``error``."""
+        children, req.children = req.children, []
+        for child in children:
+            if child.state == _WAITING:
+                with self._cond:
+                    self._n_waiting -= 1
+            if child.state != _DONE:
+                self._finish(child, error=error)
+
+    def _fork(self, parent: _Request, row: np.ndarray) -> int:
+        """``parent``'s prompt is computed (``row``: the logits of its last token): each choice
+        waiting for it gets a sequence that shares the prompt's K/V (``seq_cp``, which copies
+        and allocates nothing; a shared partial last block is copied when a choice first writes
+        into it), picks its first token from ``row`` with its own sampler and runs on. Returns
+        the tokens generated."""
+        children, parent.children = parent.children, []
+        generated = 0
+        for child in children:
+            if child.state != _WAITING or child.cancel_requested:
+                continue  # a cancelled one is dropped at the next step
+            child.seq = self._alloc_seq()
+            self._ctx.seq_cp(parent.seq, child.seq)
+            child.n_done = parent.n_done
+            child.cached_tokens = parent.cached_tokens
+            child.state = _RUNNING
+            with self._cond:
+                self._n_waiting -= 1
+                self._running[child.seq] = child
+            tok = int(np.argmax(row)) if child.argmax_only else child.sampler(row, child.ids)
+            if child.n_logprobs is not None:
+                child.pending_logprob = token_logprob(self.model, row, tok, child.n_logprobs)
+            generated += self._deliver(child, tok)
+        return generated
 
     def _preempt(self, req: _Request) -> None:
         """Release ``req``'s blocks; it waits again with its place and is recomputed later."""
@@ -1097,9 +1298,11 @@ class Engine:
         return self._ctx.match_prefix(req.seq, context) if self.prefix_cache else 0
 
     def _truncate(self, seq: int, n: int) -> int:
-        """Keeps the first ``n`` positions of ``seq``; returns what it holds then. A hybrid
-        model's recurrent state cannot be cut back (``seq_rm`` refuses, changing nothing): the
-        whole sequence goes instead (0), and the caller recomputes from the prefix cache."""
+        """Keeps the first ``n`` positions of ``seq``; returns what it holds then. Where the
+        memory cannot continue at ``n`` (``seq_rm`` refuses, changing nothing: a hybrid model's
+        recurrent state cannot be cut back, a sliding-window group already dropped what a token
+        at ``n`` sees), the whole sequence goes instead (0), and the caller recomputes from the
+        prefix cache."""
         try:
             self._ctx.seq_rm(seq, n, -1)
             return n
@@ -1235,23 +1438,29 @@ class Engine:
         return int(st["blocks_free"]) + int(st["blocks_cached"])
 
     def _admit(self) -> None:
+        """Admits waiting requests (module docs, step 2). A request with choices still to fork
+        (:meth:`choices`) takes a slot for each and a block for each choice's own last block."""
         avail = self._available()
-        room = avail - sum(self._blocks_to_fill(r) for r in self._running.values())
-        prefill = sum(r.n_tokens - r.n_done - 1 for r in self._running.values())
+        running = self._running.values()
+        room = avail - sum(self._blocks_to_fill(r) + len(r.children) for r in running)
+        prefill = sum(r.n_tokens - r.n_done - 1 for r in running)
+        slots = len(self._running) + sum(len(r.children) for r in running)
         deferred: list[tuple[tuple[int, int], _Request]] = []
-        while self._waiting and len(self._running) < self.parallel:
+        while self._waiting and slots < self.parallel:
             if prefill >= self.batch_tokens:
                 break  # no room in this step's batch: admitting now would only hold blocks
             key, req = self._waiting[0]
             if req.state != _WAITING:  # cancelled while waiting
                 heapq.heappop(self._waiting)
                 continue
+            if slots + 1 + len(req.children) > self.parallel:
+                break  # its choices wait for slots (FCFS)
             session = req.turn.session if req.turn is not None else None
             resident = session is not None and session.resident
             if resident:  # what the parked sequence already holds is not allocated again
                 assert session is not None
                 req.n_done = min(_common_prefix(session.ids, req.context()), session.n_kv)
-            need = self._blocks_to_fill(req, extra=1)
+            need = self._blocks_to_fill(req, extra=1) + len(req.children)
             while self._running and need > room and self._sessions.victim() is not None:
                 self._evict(self._sessions.victim())  # type: ignore[arg-type]
                 now = self._available()
@@ -1278,6 +1487,7 @@ class Engine:
                 self._cached_prompt_tokens += req.cached_tokens
             room -= need
             prefill += req.n_tokens - matched - 1
+            slots += 1 + len(req.children)
         for item in deferred:
             heapq.heappush(self._waiting, item)
 
@@ -1342,6 +1552,7 @@ class Engine:
             t0 = time.monotonic()
             try:
                 logits = self._ctx.decode(tokens, positions, seqs, flags)
+                self._computed_tokens += len(tokens)
                 break
             except KvCacheFull as e:
                 if self._evict_one():  # idle sessions go before any running request
@@ -1365,9 +1576,11 @@ class Engine:
         wanting = [req for req, _s, _k, want in plan if want]
         picked = self._sample(wanting, rows)
         n_generated = 0
-        for req, tok in zip(wanting, picked):
+        for i, (req, tok) in enumerate(zip(wanting, picked)):
             if req.cancel_requested:
                 continue  # dropped at the next step
+            if req.children:  # before req may finish and release its sequence
+                n_generated += self._fork(req, rows[i])
             n_generated += self._deliver(req, tok)
         self._generated_tokens += n_generated
         self._reclaim()
@@ -1408,7 +1621,7 @@ class Engine:
         out = req.text.push(self._piece(tok))
         if out:
             req.pieces.append(out)
-            req.sink.piece(out)
+            req.sink.piece(out, req.unsent_logprobs())
         if req.text.stopped:
             self._finish(req, FINISH_STOP)
         elif req.n_generated >= req.max_tokens:

@@ -1,12 +1,12 @@
 """The routes of ``kvserve serve``: an OpenAI-compatible HTTP API over one :class:`kvserve.Engine`.
 
-The HTTP layer only translates. A generation request becomes ``prompts x n`` engine requests
-(:meth:`kvserve.Engine.events`, one per choice), all checked before any is queued and queued
-together; the engine thread computes, the event loop only moves text. Choices of one prompt
-share its cached prefix blocks (the engine's prefix index: the later ones wait for the blocks
-the first computes, then map them), so ``n`` costs the prompt once, up to its last partial
-block. Sampled choices get ``seed + j`` (choice ``j``), so a seeded request with ``n > 1`` gives
-different, reproducible choices.
+The HTTP layer only translates. A generation request becomes one engine request per prompt
+(:meth:`kvserve.Engine.choices` with the request's ``n``), all checked before any is queued;
+the engine thread computes, the event loop only moves text. The ``n`` choices of a prompt are
+computed once and forked (``seq_cp``): they share the prompt's K/V blocks. Sampled choices
+get ``seed + j`` (choice ``j``), so a seeded request with ``n > 1`` gives different,
+reproducible choices. Each streamed chunk carries the logprobs of the tokens its text came
+from (when asked), so the chunks' entries join to the non-streamed ones.
 
 Admission: at most ``parallel + max_queue`` sequences are in the server at once; a request
 that would pass that gets 503 with ``Retry-After``. A client that disconnects (streaming or
@@ -43,8 +43,9 @@ from .._model import (
     KvCacheFull,
     Model,
 )
-from ..engine import Engine
+from ..engine import Delta, Engine
 from ..options import RequestOptions
+from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo
 from .config import ServerConfig
 from .http import ACCESS, ARRIVAL, REQUEST_ID, ApiError, EventStream, Gate, error_response
@@ -107,7 +108,7 @@ def _bad_value(error: Exception, prompt_param: str) -> ApiError:
     if _PROMPT_TOO_LONG.match(message):
         return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
     first = message.split(" ", 1)[0]  # the engine's messages start with the option's name
-    param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs") else None)
+    param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs", "n") else None)
     if message.startswith(("prompt token", "the prompt")):
         param = prompt_param
     return ApiError(400, message, param=param, code="invalid_value")
@@ -145,9 +146,9 @@ class _Server:
 
 
 class _Job:
-    """One generation request: the engine streams of its choices (``prompts x n``), merged
-    into one stream of ``(choice index, piece or result)`` in arrival order, with the timing
-    that metrics and the access log report."""
+    """One generation request: the engine streams of its prompts (``n`` choices each), merged
+    into one stream of ``(choice index, delta)`` in arrival order (choice ``p * n + j`` is
+    choice ``j`` of prompt ``p``), with the timing that metrics and the access log report."""
 
     def __init__(
         self,
@@ -185,13 +186,8 @@ class _Job:
                 param="session_id",
                 code="invalid_value",
             )
-        gens: list[AsyncGenerator[str | GenerateResult, None]] = []
-        seed = options.get("seed")
         try:
-            for prompt in prompts:
-                for j in range(n):
-                    opts = options if seed is None or j == 0 else {**options, "seed": seed + j}
-                    gens.append(engine.events(prompt, max_tokens, **opts))
+            gens = [engine.choices(prompt, max_tokens, n, **options) for prompt in prompts]
         except (TypeError, ValueError) as e:
             raise _bad_value(e, prompt_param) from None
         self.server = server
@@ -199,10 +195,11 @@ class _Job:
         self.request = request
         self.gens = gens
         self.n = n
+        self.count = count
         self.arrival: float = request.scope.get(ARRIVAL, time.monotonic())
-        self.results: list[GenerateResult | None] = [None] * len(gens)
-        self.first: list[float | None] = [None] * len(gens)
-        self.last: list[float] = [0.0] * len(gens)
+        self.results: list[GenerateResult | None] = [None] * count
+        self.first: list[float | None] = [None] * count
+        self.last: list[float] = [0.0] * count
         self.released = False
         server.in_flight += count
 
@@ -211,46 +208,46 @@ class _Job:
         log; idempotent (called when the merged stream ends and when the response ends)."""
         if not self.released:
             self.released = True
-            self.server.in_flight -= len(self.gens)
+            self.server.in_flight -= self.count
             firsts = [t for t in self.first if t is not None]
             access = self.request.scope.get(ACCESS)
             if access is not None:
                 access.update(self.usage_counts())
                 if firsts:
                     access["ttft_ms"] = round((min(firsts) - self.arrival) * 1000, 1)
-                access["n"] = len(self.gens)
+                access["n"] = self.count
 
-    async def run(self) -> AsyncGenerator[tuple[int, str | GenerateResult], None]:
+    async def run(self) -> AsyncGenerator[tuple[int, Delta], None]:
         """The merged stream; closing it (or cancelling its consumer) cancels every choice."""
-        queue: asyncio.Queue[tuple[int, str | GenerateResult | BaseException]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
 
-        async def pump(i: int, gen: AsyncGenerator[str | GenerateResult, None]) -> None:
+        async def pump(base: int, gen: AsyncGenerator[Delta, None]) -> None:
             try:
-                async for item in gen:
-                    queue.put_nowait((i, item))
+                async for delta in gen:
+                    queue.put_nowait((base + delta.index, delta))
             except Exception as e:
-                queue.put_nowait((i, e))
+                queue.put_nowait((base, e))
             finally:
                 await gen.aclose()
 
-        tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(self.gens)]
+        tasks = [asyncio.ensure_future(pump(p * self.n, g)) for p, g in enumerate(self.gens)]
         metrics = self.server.metrics
         try:
-            left = len(tasks)
+            left = self.count
             while left:
                 i, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 now = time.monotonic()
-                if isinstance(item, str):
+                if item.text:
                     if self.first[i] is None:
                         self.first[i] = now
                         metrics.ttft.observe(now - self.arrival)
                     else:
                         metrics.itl.observe(now - self.last[i])
                     self.last[i] = now
-                else:
-                    self.results[i] = item
+                if item.result is not None:
+                    self.results[i] = item.result
                     left -= 1
                 yield i, item
         finally:
@@ -405,8 +402,8 @@ def _chat_ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
 # -- logprobs in OpenAI's two formats ---------------------------------------------------------
 
 
-def _chat_logprobs(engine: Engine, result: GenerateResult) -> dict[str, Any] | None:
-    entries = getattr(result, "logprobs", None)
+def _chat_logprobs(engine: Engine, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """Chat's ``logprobs`` object for ``entries`` (a whole reply or one chunk's tokens)."""
     if entries is None:
         return None
 
@@ -426,8 +423,11 @@ def _chat_logprobs(engine: Engine, result: GenerateResult) -> dict[str, Any] | N
     }
 
 
-def _completion_logprobs(engine: Engine, result: GenerateResult) -> dict[str, Any] | None:
-    entries = getattr(result, "logprobs", None)
+def _completion_logprobs(
+    engine: Engine, entries: list[TokenLogprob] | None, at: int = 0
+) -> dict[str, Any] | None:
+    """The legacy ``logprobs`` object for ``entries`` (a whole completion, or one chunk's
+    tokens whose first token's text starts at offset ``at`` of the completion)."""
     if entries is None:
         return None
 
@@ -436,7 +436,6 @@ def _completion_logprobs(engine: Engine, result: GenerateResult) -> dict[str, An
 
     tokens = [text(e.token) for e in entries]
     offsets = []
-    at = 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
@@ -631,12 +630,17 @@ def create_app(
         base["model"] = server.model_id
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
+            offsets = [0] * job.count  # each choice's tokens' text so far (text_offset)
 
-            def choice(i: int, text: str, result: GenerateResult | None) -> dict[str, Any]:
+            def choice(i: int, delta: Delta) -> dict[str, Any]:
+                logprobs = _completion_logprobs(engine, delta.logprobs, offsets[i])
+                if logprobs is not None:
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                result = delta.result
                 return {
                     "index": i,
-                    "text": text,
-                    "logprobs": None if result is None else _completion_logprobs(engine, result),
+                    "text": delta.text,
+                    "logprobs": logprobs,
                     "finish_reason": None if result is None else _finish_reason(result),
                 }
 
@@ -650,7 +654,7 @@ def create_app(
                 {
                     "index": i,
                     "text": r.text,
-                    "logprobs": _completion_logprobs(engine, r),
+                    "logprobs": _completion_logprobs(engine, r.logprobs),
                     "finish_reason": _finish_reason(r),
                 }
             )
@@ -681,11 +685,12 @@ def create_app(
             usage = body.stream_options is not None and body.stream_options.include_usage
             base["object"] = "chat.completion.chunk"
 
-            def choice(i: int, text: str, result: GenerateResult | None) -> dict[str, Any]:
+            def choice(i: int, delta: Delta) -> dict[str, Any]:
+                result = delta.result
                 return {
                     "index": i,
-                    "delta": {"content": text} if result is None else {},
-                    "logprobs": None if result is None else _chat_logprobs(engine, result),
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": _chat_logprobs(engine, delta.logprobs),
                     "finish_reason": None if result is None else _finish_reason(result),
                 }
 
@@ -708,7 +713,7 @@ def create_app(
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": r.text},
-                    "logprobs": _chat_logprobs(engine, r),
+                    "logprobs": _chat_logprobs(engine, r.logprobs),
                     "finish_reason": _finish_reason(r),
                 }
             )
@@ -828,14 +833,15 @@ def _common_checks(request: Request, body: CompletionRequest | ChatRequest) -> N
 def _stream(
     job: _Job,
     base: dict[str, Any],
-    choice: Callable[[int, str, GenerateResult | None], dict[str, Any]],
+    choice: Callable[[int, Delta], dict[str, Any]],
     opening: list[dict[str, Any]],
     include_usage: bool,
 ) -> Response:
     """The SSE response of a streaming request: ``opening`` choices first (the chat role),
-    one chunk per piece, one per finished choice (empty text, its finish reason and
-    logprobs), the usage chunk when asked, then ``data: [DONE]``. An error after the stream
-    started is sent as ``data: {"error": ...}`` before ``[DONE]``."""
+    one chunk per piece of text (with its tokens' logprobs when asked), one per finished
+    choice (no text, its finish reason and the logprobs of tokens whose text was held back),
+    the usage chunk when asked, then ``data: [DONE]``. An error after the stream started is
+    sent as ``data: {"error": ...}`` before ``[DONE]``."""
     extra = {"usage": None} if include_usage else {}
 
     async def events() -> AsyncGenerator[bytes, None]:
@@ -843,11 +849,8 @@ def _stream(
         try:
             if opening:
                 yield _sse({**base, "choices": opening, **extra})
-            async for i, item in stream:
-                if isinstance(item, str):
-                    yield _sse({**base, "choices": [choice(i, item, None)], **extra})
-                else:
-                    yield _sse({**base, "choices": [choice(i, "", item)], **extra})
+            async for i, delta in stream:
+                yield _sse({**base, "choices": [choice(i, delta)], **extra})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": job.usage()})
         except Exception as e:

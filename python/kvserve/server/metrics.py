@@ -3,9 +3,9 @@
 What the HTTP layer sees is recorded as it happens: requests by route and status, time to
 first token, inter-token latency and request duration. What the engine knows is read from
 :meth:`kvserve.Engine.stats` at each scrape (a custom collector), so the numbers can never
-drift from the engine's own counters: prompt, cached-prompt and generated tokens, the K/V pool
-(usage ratio; blocks free, cached and used), the prefix hit rate, evictions, preemptions,
-waiting and running sequences, and sessions.
+drift from the engine's own counters: prompt, cached-prompt, generated and computed tokens,
+the K/V pool (usage ratio; blocks free, cached and used), the prefix hit rate, evictions,
+preemptions, waiting and running sequences, and sessions.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ _COUNTERS = {
         "Prompt tokens whose K/V was reused from the prefix cache",
     ),
     "generated_tokens": ("kvserve_generated_tokens", "Tokens generated"),
+    "computed_tokens": (
+        "kvserve_computed_tokens",
+        "Tokens fed to the model (prompt tokens not reused, recomputation, generated tokens)",
+    ),
     "evictions": ("kvserve_evictions", "Idle sessions whose K/V was reclaimed"),
     "preemptions": ("kvserve_preemptions", "Running sequences preempted for memory"),
     "session_misses": (

@@ -7,7 +7,7 @@ use kvserve_core::gguf::Value;
 use kvserve_core::kv::storage::KvType;
 use kvserve_core::kv::{Memory, PagedCache, SharedKv};
 use kvserve_core::model::{
-    self as core_model, Context as CoreContext, KvOptions, Model as CoreModel,
+    self as core_model, Context as CoreContext, KvOptions, LayerKind, Model as CoreModel,
 };
 use kvserve_core::Batch;
 use pyo3::exceptions::PyValueError;
@@ -243,9 +243,34 @@ struct Published {
     unused_slots: AtomicUsize,
     lookups: AtomicU64,
     hit_tokens: AtomicU64,
+    /// Per layer group: (tokens stored, blocks held) by this context.
+    groups: Vec<(AtomicUsize, AtomicUsize)>,
 }
 
 impl Published {
+    fn new(ctx: &CoreContext) -> Published {
+        let p = Published {
+            groups: ctx
+                .memory()
+                .groups()
+                .iter()
+                .map(|_| (AtomicUsize::new(0), AtomicUsize::new(0)))
+                .collect(),
+            ..Published::default()
+        };
+        p.update_all(ctx);
+        p
+    }
+
+    fn update_all(&self, ctx: &CoreContext) {
+        self.update(ctx.cache());
+        for (g, (tokens, held)) in ctx.memory().groups().iter().zip(&self.groups) {
+            let t = g.cache.stats();
+            tokens.store(t.live_cells, Ordering::Relaxed);
+            held.store(t.held_blocks, Ordering::Relaxed);
+        }
+    }
+
     fn update(&self, c: &PagedCache) {
         let t = c.stats();
         let p = c.prefix_stats();
@@ -264,6 +289,8 @@ impl Published {
 pub struct Context {
     inner: Mutex<Option<CoreContext>>,
     shared: Arc<SharedKv>,
+    /// Per layer group: its kind and layer count, and its K/V memory.
+    groups: Vec<(LayerKind, usize, Arc<SharedKv>)>,
     n_ctx: usize,
     n_vocab: usize,
     published: Published,
@@ -271,10 +298,15 @@ pub struct Context {
 
 impl Context {
     fn new(ctx: CoreContext) -> Context {
-        let published = Published::default();
-        published.update(ctx.cache());
+        let published = Published::new(&ctx);
         Context {
             shared: Arc::clone(ctx.cache().shared()),
+            groups: ctx
+                .memory()
+                .groups()
+                .iter()
+                .map(|g| (g.kind, g.layers.len(), Arc::clone(g.cache.shared())))
+                .collect(),
             n_ctx: ctx.n_ctx(),
             n_vocab: ctx.model().n_vocab(),
             inner: Mutex::new(Some(ctx)),
@@ -299,7 +331,7 @@ impl Context {
             };
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx))) {
                 Ok(r) => {
-                    self.published.update(ctx.cache());
+                    self.published.update_all(ctx);
                     r.map_err(to_py)
                 }
                 Err(_) => {
@@ -358,40 +390,40 @@ impl Context {
 
     /// Lowest position stored for `seq` (all sequences if `seq < 0`), or -1.
     fn seq_pos_min(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
-        self.with(py, |c| Ok(Memory::seq_pos_min(c, seq)))
+        self.with(py, |c| Ok(c.memory().seq_pos_min(seq)))
     }
 
     /// Highest position stored for `seq` (all sequences if `seq < 0`), or -1.
     fn seq_pos_max(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
-        self.with(py, |c| Ok(Memory::seq_pos_max(c, seq)))
+        self.with(py, |c| Ok(c.memory().seq_pos_max(seq)))
     }
 
     /// Drops positions [p0, p1) of `seq` (negative bounds: open ends; seq < 0: all).
     #[pyo3(signature = (seq, p0=-1, p1=-1))]
     fn seq_rm(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32) -> PyResult<()> {
-        self.with(py, |c| Memory::seq_rm(c, seq, p0, p1))
+        self.with(py, |c| c.memory_mut().seq_rm(seq, p0, p1))
     }
 
     /// `dst` also holds `src`'s positions in [p0, p1): blocks are shared, not copied.
     #[pyo3(signature = (src, dst, p0=-1, p1=-1))]
     fn seq_cp(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
-        self.with(py, |c| Memory::seq_cp(c, src, dst, p0, p1))
+        self.with(py, |c| c.memory_mut().seq_cp(src, dst, p0, p1))
     }
 
     /// Drops every sequence but `seq`.
     fn seq_keep(&self, py: Python<'_>, seq: i32) -> PyResult<()> {
-        self.with(py, |c| Memory::seq_keep(c, seq))
+        self.with(py, |c| c.memory_mut().seq_keep(seq))
     }
 
     /// Adds `delta` to positions in [p0, p1) of `seq`; keys are re-rotated before the next
     /// attention.
     fn seq_add(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32, delta: i32) -> PyResult<()> {
-        self.with(py, |c| Memory::seq_add(c, seq, p0, p1, delta))
+        self.with(py, |c| c.memory_mut().seq_add(seq, p0, p1, delta))
     }
 
     /// Divides positions in [p0, p1) of `seq` by `d` (integer division).
     fn seq_div(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32, d: i32) -> PyResult<()> {
-        self.with(py, |c| Memory::seq_div(c, seq, p0, p1, d))
+        self.with(py, |c| c.memory_mut().seq_div(seq, p0, p1, d))
     }
 
     /// For a new (empty) sequence `seq`: maps the longest cached prefix of `tokens` (whole
@@ -446,6 +478,33 @@ impl Context {
         d.set_item("prefix_lookups", pb.lookups.load(Ordering::Relaxed))?;
         d.set_item("prefix_hit_tokens", pb.hit_tokens.load(Ordering::Relaxed))?;
         d.set_item("prefix_indexed", self.shared.index().len())?;
+        // Per layer group (one for most models; full and window groups for Gemma 3): the
+        // group's pool and what this context holds in it.
+        let groups = PyList::empty(py);
+        for ((kind, n_layers, sh), (tokens, held)) in self.groups.iter().zip(&pb.groups) {
+            let g = PyDict::new(py);
+            let (name, window) = match kind {
+                LayerKind::Full => ("full", None),
+                LayerKind::Window(w) => ("window", Some(*w)),
+                LayerKind::Recurrent => ("recurrent", None),
+            };
+            let p = sh.pool_stats();
+            let bpb = sh.layout().bytes_per_block();
+            g.set_item("kind", name)?;
+            g.set_item("window", window)?;
+            g.set_item("layers", *n_layers)?;
+            g.set_item("blocks_total", p.total)?;
+            g.set_item("blocks_free", p.free)?;
+            g.set_item("blocks_cached", p.cached)?;
+            g.set_item("blocks_referenced", p.referenced)?;
+            g.set_item("bytes_per_block", bpb)?;
+            g.set_item("bytes_total", p.total * bpb)?;
+            g.set_item("bytes_referenced", p.referenced * bpb)?;
+            g.set_item("tokens_stored", tokens.load(Ordering::Relaxed))?;
+            g.set_item("blocks_held", held.load(Ordering::Relaxed))?;
+            groups.append(g)?;
+        }
+        d.set_item("groups", groups)?;
         Ok(d)
     }
 
@@ -453,11 +512,18 @@ impl Context {
     /// it while no other context of the model is working). Raises `RuntimeError` on a violation.
     fn audit(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, |c| {
-            c.cache()
-                .table()
-                .check()
-                .and_then(|()| c.recurrent().map_or(Ok(()), |r| r.check()))
-                .map_err(|e| kvserve_core::Error::Internal(format!("KV audit failed: {e}")))
+            for g in c.memory().groups() {
+                g.cache
+                    .table()
+                    .check()
+                    .map_err(|e| kvserve_core::Error::Internal(format!("KV audit failed: {e}")))?;
+            }
+            if let Some(r) = c.memory().recurrent() {
+                r.check().map_err(|e| {
+                    kvserve_core::Error::Internal(format!("recurrent audit failed: {e}"))
+                })?;
+            }
+            Ok(())
         })
     }
 }

@@ -19,7 +19,7 @@
 //! and group; 62-65 ns before the head-group kernels, in the same conditions), 35-45 ns at
 //! 1024-4096 where the cache no longer holds the keys and values; versus exact f32 keys/values the
 //! output error is ~2e-4 mean / 3e-3 max for F16 and ~5e-3 mean / 8e-2 max for Q8_0 (unit-scale
-//! values). `kv_measure` (an ignored test) reprints these.
+//! values). `cargo bench -p kvserve-core --bench kv` reprints the speed (rust/core/benches/kv.rs).
 //!
 //! # Guarantees
 //!
@@ -46,6 +46,14 @@ pub enum Mask<'a> {
     All,
     /// Cell `i` is visible iff `0 <= positions[i] <= qpos` (negative positions mark empty cells).
     Causal { positions: &'a [i32], qpos: i32 },
+    /// Causal within a sliding window: cell `i` is visible iff
+    /// `0 <= positions[i] <= qpos` and `qpos - positions[i] < window` (llama.cpp's standard
+    /// SWA mask).
+    Window {
+        positions: &'a [i32],
+        qpos: i32,
+        window: i32,
+    },
     /// Cell `i` is visible iff `f(i)`.
     Custom(&'a dyn Fn(usize) -> bool),
 }
@@ -58,6 +66,14 @@ impl Mask<'_> {
             Mask::Causal { positions, qpos } => {
                 let p = positions[i];
                 p >= 0 && p <= *qpos
+            }
+            Mask::Window {
+                positions,
+                qpos,
+                window,
+            } => {
+                let p = positions[i];
+                p >= 0 && p <= *qpos && *qpos - p < *window
             }
             Mask::Custom(f) => f(i),
         }
@@ -152,7 +168,7 @@ pub fn attend_at(
             store.n_blocks()
         )));
     }
-    if let Mask::Causal { positions, .. } = query.mask {
+    if let Mask::Causal { positions, .. } | Mask::Window { positions, .. } = query.mask {
         if positions.len() < n_kv {
             return Err(invalid(format!(
                 "attention: {} positions for {n_kv} cells",
@@ -1208,6 +1224,8 @@ mod tests {
             // 80 columns: a partial 64-column chunk in the value pass; Q8_0 with 96.
             (KvType::F16, 80, 1, 16),
             (KvType::Q8_0, 96, 1, 16),
+            // Gemma 3: head_dim 256, one KV head of four query heads.
+            (KvType::F16, 256, 1, 16),
         ];
         for (ty, hd, n_kv_heads, bs) in cases {
             let layout = KvLayout {
@@ -1233,6 +1251,12 @@ mod tests {
                     qpos,
                 },
                 Mask::Custom(&every_third),
+                // A window that hides whole blocks and parts of others.
+                Mask::Window {
+                    positions: &positions,
+                    qpos,
+                    window: 2 * bs as i32 + 3,
+                },
             ];
             // 5 heads: a group of 4 and one more in the head-group kernels.
             for g in [1, 3, 5] {
@@ -1464,107 +1488,5 @@ mod tests {
         };
         assert!(attend(&s, &[0], 4, &short, &mut out, &mut sc).is_err());
         assert!(attend(&s, &[0], 4, &ok, &mut out[..16], &mut sc).is_err());
-    }
-
-    /// Accuracy and speed of the cache types (run with
-    /// `cargo test --release -p kvserve-core --lib kv_measure -- --ignored --nocapture`).
-    #[test]
-    #[ignore]
-    fn kv_measure() {
-        let (hd, n_kv_heads, g, bs) = (64, 3, 3, 16);
-        let kv_dim = hd * n_kv_heads;
-        for n_kv in [128usize, 1024, 4096] {
-            let nb = n_kv / bs;
-            let mut rng = Rng(n_kv as u64);
-            // Keys with outlier channels; rotated-query scale; unit values.
-            let keys: Vec<Vec<f32>> = (0..n_kv)
-                .map(|_| {
-                    let mut k = rng.normals(kv_dim, 1.0);
-                    for c in (3..kv_dim).step_by(17) {
-                        k[c] *= 6.0;
-                    }
-                    k
-                })
-                .collect();
-            let vals: Vec<Vec<f32>> = (0..n_kv).map(|_| rng.normals(kv_dim, 1.0)).collect();
-            let queries: Vec<Vec<f32>> = (0..16).map(|_| rng.normals(g * hd, 1.5)).collect();
-            let table: Vec<u32> = rng.table(nb, nb);
-            let mut exact = KvStorage::new(
-                KvLayout {
-                    ty: KvType::F32,
-                    n_layers: 1,
-                    kv_dim,
-                    block_size: bs,
-                },
-                nb,
-            )
-            .unwrap();
-            for i in 0..n_kv {
-                exact
-                    .write(0, table[i / bs], i % bs, &keys[i], &vals[i])
-                    .unwrap();
-            }
-            for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
-                let layout = KvLayout {
-                    ty,
-                    n_layers: 1,
-                    kv_dim,
-                    block_size: bs,
-                };
-                let mut s = KvStorage::new(layout, nb).unwrap();
-                for i in 0..n_kv {
-                    s.write(0, table[i / bs], i % bs, &keys[i], &vals[i])
-                        .unwrap();
-                }
-                let (mut max_e, mut sum_e, mut cnt) = (0.0f64, 0.0f64, 0usize);
-                let mut out = vec![0.0; g * hd];
-                let mut sc = Scratch::default();
-                for q in &queries {
-                    let query = Query {
-                        layer: 0,
-                        kv_head: 1,
-                        head_dim: hd,
-                        q,
-                        scale: 1.0 / (hd as f32).sqrt(),
-                        mask: Mask::All,
-                    };
-                    attend(&s, &table, n_kv, &query, &mut out, &mut sc).unwrap();
-                    let want = reference(&exact, &table, n_kv, &query);
-                    for (&o, &w) in out.iter().zip(&want) {
-                        let e = (o as f64 - w).abs();
-                        max_e = max_e.max(e);
-                        sum_e += e;
-                        cnt += 1;
-                    }
-                }
-                for lvl in SimdLevel::available() {
-                    if lvl == SimdLevel::Avx512Vnni {
-                        continue;
-                    }
-                    let q = &queries[0];
-                    let query = Query {
-                        layer: 0,
-                        kv_head: 1,
-                        head_dim: hd,
-                        q,
-                        scale: 0.125,
-                        mask: Mask::All,
-                    };
-                    let reps = (200_000 / n_kv).max(20);
-                    let t0 = std::time::Instant::now();
-                    for _ in 0..reps {
-                        attend_at(lvl, &s, &table, n_kv, &query, &mut out, &mut sc).unwrap();
-                    }
-                    let us = t0.elapsed().as_secs_f64() * 1e6 / reps as f64;
-                    println!(
-                        "n_kv={n_kv:5} {:5} {:7}: {us:8.2} us per (token, GQA group of {g} heads), {:6.2} ns/cell; max abs err {max_e:.2e} mean {:.2e}",
-                        ty.name(),
-                        lvl.name(),
-                        us * 1e3 / n_kv as f64,
-                        sum_e / cnt as f64
-                    );
-                }
-            }
-        }
     }
 }

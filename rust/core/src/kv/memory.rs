@@ -1,13 +1,20 @@
 //! `Memory`: the sequence interface every memory kind implements, after llama.cpp's memory
-//! interface. Today the full-attention [`PagedCache`] implements it; the sliding-window group
-//! (Gemma 3) and the recurrent-state group (hybrid models) of later issues implement it too, on
-//! the same block pool, and a hybrid memory forwards each call to its groups.
+//! interface, and [`LayerGroups`], a context's memory as one group per layer kind
+//! (`model::LayerKind`: full attention, sliding window, recurrent state), which forwards each
+//! call to its groups. A full-attention group and a window group are both a [`PagedCache`] over
+//! their own `SharedKv`; a window group is pruned after every batch. The recurrent group
+//! ([`RecurrentGroup`], LFM2's short convolutions) keeps one state per sequence in blocks of the
+//! primary (full-attention) group's pool, and checkpoints for prefix reuse in its index.
 //!
 //! Conventions (docs/KV_SEMANTICS.md): negative `p0`/`p1` are open ends; `s < 0` means every
 //! sequence where the operation allows it. An operation a memory kind cannot honour (e.g. a
 //! partial `seq_rm` of a recurrent state) fails with a clear error and changes nothing.
 
+use std::sync::Arc;
+
 use super::cache::PagedCache;
+use super::prefix::{block_key, ROOT_KEY};
+use super::recurrent::RecurrentGroup;
 use super::table::{Pos, SeqId};
 use crate::error::Result;
 
@@ -62,5 +69,383 @@ impl Memory for PagedCache {
 
     fn clear(&mut self) {
         PagedCache::clear(self)
+    }
+}
+
+/// Which memory a layer group is: the kinds a model's layers come in (`model::LayerKind`).
+pub use crate::model::config::LayerKind as GroupKind;
+
+/// One memory group of a context: the layers sharing a memory kind and this context's cache
+/// over the group's own K/V memory (`SharedKv`, whose layers are exactly these, in order).
+pub struct Group {
+    pub kind: GroupKind,
+    /// Model layer indices, ascending; the group's storage layer `i` is model layer `layers[i]`.
+    pub layers: Vec<usize>,
+    pub cache: PagedCache,
+}
+
+/// The recurrent group of a hybrid model ([`GroupKind::Recurrent`] layers): one state per
+/// sequence, in blocks of the primary group's pool (see `kv/recurrent.rs`).
+pub struct RecurrentLayers {
+    /// Model layer indices, ascending; the state's layer `i` is model layer `layers[i]`.
+    pub layers: Vec<usize>,
+    pub state: RecurrentGroup,
+}
+
+/// A context's memory as layer groups (llama.cpp's `llama_kv_cache_iswa`, `llama_memory_hybrid`
+/// and, with all three kinds, `llama_memory_hybrid_iswa`): each sequence operation is applied to
+/// every group; a batch is planned, committed or rolled back in every group together. A model
+/// with one kind of layer has one group, and everything reduces to its `PagedCache`.
+///
+/// Window groups keep a sequence's cells in `[pos_max - window + 1, pos_max]` after each batch
+/// ([`LayerGroups::prune_windows`]); the rules are in docs/KV_SEMANTICS.md ("Layer groups").
+/// The recurrent group (if any) is checked first by every operation that it could refuse, so a
+/// refused operation changes no group (docs/KV_SEMANTICS.md, "Recurrent state").
+pub struct LayerGroups {
+    groups: Vec<Group>,
+    recurrent: Option<RecurrentLayers>,
+    /// Model layer -> (group, storage layer within the group); `(usize::MAX, i)` for the
+    /// recurrent group's layer `i`.
+    slot: Vec<(usize, usize)>,
+}
+
+impl LayerGroups {
+    /// K/V groups in the order given and the recurrent group; `slot` is derived from their
+    /// layer lists (every layer of `0..n_layers` exactly once, else `InvalidInput`).
+    pub fn new(groups: Vec<Group>, recurrent: Option<RecurrentLayers>) -> Result<LayerGroups> {
+        let n_rec = recurrent.as_ref().map_or(0, |r| r.layers.len());
+        let n: usize = groups.iter().map(|g| g.layers.len()).sum::<usize>() + n_rec;
+        let mut slot = vec![(usize::MAX, 0); n];
+        let mut seen = vec![false; n];
+        if let Some(r) = &recurrent {
+            for (i, &l) in r.layers.iter().enumerate() {
+                if l >= n || seen[l] {
+                    return Err(crate::Error::InvalidInput(format!(
+                        "layer group: layer {l} is missing or repeated"
+                    )));
+                }
+                seen[l] = true;
+                slot[l] = (usize::MAX, i);
+            }
+        }
+        for (gi, g) in groups.iter().enumerate() {
+            if g.layers.len() != g.cache.shared().layout().n_layers {
+                return Err(crate::Error::InvalidInput(
+                    "layer group: storage layers differ from the group's layers".into(),
+                ));
+            }
+            if g.kind == GroupKind::Recurrent {
+                return Err(crate::Error::InvalidInput(
+                    "layer group: a recurrent group has no K/V cache".into(),
+                ));
+            }
+            for (i, &l) in g.layers.iter().enumerate() {
+                if l >= n || seen[l] {
+                    return Err(crate::Error::InvalidInput(format!(
+                        "layer group: layer {l} is missing or repeated"
+                    )));
+                }
+                seen[l] = true;
+                slot[l] = (gi, i);
+            }
+        }
+        if groups.is_empty() {
+            return Err(crate::Error::InvalidInput(
+                "a memory needs a K/V group".into(),
+            ));
+        }
+        Ok(LayerGroups {
+            groups,
+            recurrent,
+            slot,
+        })
+    }
+
+    /// The recurrent group of a hybrid model, if any.
+    pub fn recurrent(&self) -> Option<&RecurrentGroup> {
+        self.recurrent.as_ref().map(|r| &r.state)
+    }
+
+    pub fn recurrent_mut(&mut self) -> Option<&mut RecurrentGroup> {
+        self.recurrent.as_mut().map(|r| &mut r.state)
+    }
+
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    pub fn groups_mut(&mut self) -> &mut [Group] {
+        &mut self.groups
+    }
+
+    /// (group, storage layer) of model layer `layer`.
+    pub fn slot(&self, layer: usize) -> (usize, usize) {
+        self.slot[layer]
+    }
+
+    /// The group that answers position queries and whose table is the context's primary view:
+    /// the first full-attention group, else the first group.
+    pub fn primary(&self) -> &PagedCache {
+        &self.groups[self.primary_index()].cache
+    }
+
+    pub fn primary_mut(&mut self) -> &mut PagedCache {
+        let i = self.primary_index();
+        &mut self.groups[i].cache
+    }
+
+    /// Index of the primary group in [`LayerGroups::groups`] (the recurrent group's pool).
+    pub fn primary_index(&self) -> usize {
+        self.groups
+            .iter()
+            .position(|g| g.kind == GroupKind::Full)
+            .unwrap_or(0)
+    }
+
+    /// Whether any group is a sliding window.
+    pub fn has_window(&self) -> bool {
+        self.groups
+            .iter()
+            .any(|g| matches!(g.kind, GroupKind::Window(_)))
+    }
+
+    /// Drops from every window group the cells of `seqs` that no later token can see: those
+    /// with `pos <= pos_max - window` (positions only grow, `prepare_batch` checks it). Their
+    /// blocks go back to the group's pool (cached when keyed, else free) once no sequence
+    /// holds them.
+    pub fn prune_windows(&mut self, seqs: &[SeqId]) {
+        for g in &mut self.groups {
+            let GroupKind::Window(w) = g.kind else {
+                continue;
+            };
+            let w = w.min(Pos::MAX as usize) as Pos;
+            for &s in seqs {
+                let hi = g.cache.table().seq_pos_max(s);
+                if hi >= w && g.cache.table().seq_pos_min(s) <= hi - w {
+                    g.cache.table_mut().seq_rm(s, 0, hi - w + 1);
+                }
+            }
+        }
+    }
+
+    /// For a new sequence: maps the longest prefix of `tokens` every group can resume from
+    /// (see [`PagedCache::match_prefix`]): each group matches on its own, then groups that
+    /// matched more than the shortest drop the excess (their blocks stay cached). A window
+    /// group resumes from its own chain of keyed blocks, so reuse is bounded by what the
+    /// window group kept keyed (docs/KV_SEMANTICS.md, "Layer groups").
+    ///
+    /// With a recurrent group the sequence must be empty, and the match ends at the longest
+    /// prefix that also has a state checkpoint (`kv/recurrent.rs`) at which every window group
+    /// can resume; the sequence gets that state, so nothing of the prefix is recomputed. Without
+    /// one it maps nothing (0).
+    pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        if self.recurrent.is_none() {
+            return self.match_kv_prefix(seq, tokens);
+        }
+        if seq < 0 || self.seq_pos_max(seq) >= 0 {
+            return Err(crate::Error::InvalidInput(format!(
+                "match_prefix: sequence {seq} must be >= 0 and empty"
+            )));
+        }
+        if !self.recurrent().is_some_and(RecurrentGroup::can_checkpoint) {
+            return Ok(0);
+        }
+        let n = self.match_kv_prefix(seq, tokens)?;
+        let primary = self.primary();
+        let bs = primary.table().block_size();
+        let model_id = primary.model_id();
+        let shared = Arc::clone(primary.shared());
+        let mut storage = shared.lock_storage();
+        let mut keys = Vec::with_capacity(n / bs);
+        let mut parent = ROOT_KEY;
+        for chunk in tokens[..n].chunks_exact(bs) {
+            parent = block_key(model_id, parent, chunk);
+            keys.push(parent);
+        }
+        let r = self.recurrent().expect("checked above");
+        let found = (0..keys.len()).rev().find_map(|i| {
+            let m = (i + 1) * bs;
+            if !self.can_resume_at(seq, m as Pos) {
+                return None;
+            }
+            let chunk = &tokens[i * bs..m];
+            r.find_checkpoint(&storage, model_id, keys[i], chunk)
+                .map(|v| (m, v))
+        });
+        let Some((m, vals)) = found else {
+            self.remove_kv(seq, -1);
+            return Ok(0);
+        };
+        self.remove_kv(seq, m as Pos);
+        let r = self.recurrent_mut().expect("checked above");
+        if r.write(seq, m as Pos - 1, &vals, &mut storage).is_err() {
+            // No block for the state: recompute instead.
+            self.remove_kv(seq, -1);
+            return Ok(0);
+        }
+        Ok(m)
+    }
+
+    /// Drops `seq`'s K/V cells from position `p0` on (`-1`: all) in every K/V group.
+    fn remove_kv(&mut self, seq: SeqId, p0: Pos) {
+        for g in &mut self.groups {
+            if g.cache.table().seq_pos_max(seq) >= p0.max(0) {
+                g.cache.table_mut().seq_rm(seq, p0, -1);
+            }
+        }
+    }
+
+    /// [`LayerGroups::match_prefix`] over the K/V groups only.
+    fn match_kv_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        let mut n = usize::MAX;
+        for g in &mut self.groups {
+            if n == 0 {
+                break;
+            }
+            n = n.min(
+                g.cache
+                    .match_prefix(seq, &tokens[..tokens.len().min(n.saturating_add(1))])?,
+            );
+        }
+        let n = if n == usize::MAX { 0 } else { n };
+        for g in &mut self.groups {
+            if g.cache.table().seq_pos_max(seq) >= n as Pos {
+                g.cache.table_mut().seq_rm(seq, n as Pos, -1);
+            }
+        }
+        Ok(n)
+    }
+
+    /// Tokens stored, summed over groups' primary view (the primary group's count).
+    pub fn n_cells(&self) -> usize {
+        self.primary().n_cells()
+    }
+}
+
+impl LayerGroups {
+    /// Whether `s` can continue at position `p` after `seq_rm(s, p, -1)`: every window group
+    /// still holds the cells of `s` that a token at `p` sees, `[p - window + 1, p)`, wherever
+    /// the primary group holds them (a window group cannot bring back cells it dropped).
+    pub fn can_resume_at(&self, s: SeqId, p: Pos) -> bool {
+        let full = self.primary().table();
+        let full_lo = full.seq_pos_min(s);
+        if s < 0 || p <= 0 || full_lo < 0 || full_lo >= p {
+            return true;
+        }
+        self.groups.iter().all(|g| match g.kind {
+            GroupKind::Full | GroupKind::Recurrent => true,
+            GroupKind::Window(w) => {
+                let need = (p - (w.min(Pos::MAX as usize) as Pos) + 1).max(full_lo);
+                let lo = g.cache.table().seq_pos_min(s);
+                need >= p || (lo >= 0 && lo <= need)
+            }
+        })
+    }
+}
+
+impl Memory for LayerGroups {
+    /// Removes the range in every group. Removing a tail `[p0, +inf)` of one sequence whose
+    /// window group already dropped cells a token at `p0` would see fails with `InvalidInput`
+    /// and changes nothing ([`LayerGroups::can_resume_at`]; the caller removes the whole
+    /// sequence and recomputes, as llama.cpp's server re-processes the prompt).
+    ///
+    /// A recurrent group refuses (`InvalidInput`, nothing changed) a range that would cut a
+    /// state short: one that holds its position but starts after 0 (llama.cpp's rule).
+    fn seq_rm(&mut self, s: SeqId, p0: Pos, p1: Pos) -> Result<()> {
+        if let Some(r) = &self.recurrent {
+            r.state.check_rm(s, p0, p1)?;
+        }
+        if s >= 0 && p1 < 0 && p0 > 0 && p0 <= self.seq_pos_max(s) && !self.can_resume_at(s, p0) {
+            return Err(crate::Error::InvalidInput(format!(
+                "seq_rm: sequence {s} cannot continue at position {p0}: its sliding-window \
+                 layers no longer hold the positions before it (remove the whole sequence and \
+                 recompute)"
+            )));
+        }
+        if let Some(r) = &mut self.recurrent {
+            r.state.seq_rm(s, p0, p1);
+        }
+        for g in &mut self.groups {
+            g.cache.seq_rm(s, p0, p1)?;
+        }
+        Ok(())
+    }
+
+    /// Copies in every group. A window group copies what it holds of the range (a pruned
+    /// source has no cells before its window). `dst` shares `src`'s recurrent state whatever
+    /// the range (copy-on-write), as in llama.cpp.
+    fn seq_cp(&mut self, src: SeqId, dst: SeqId, p0: Pos, p1: Pos) -> Result<()> {
+        for g in &mut self.groups {
+            g.cache.seq_cp(src, dst, p0, p1)?;
+        }
+        if let Some(r) = &mut self.recurrent {
+            r.state.seq_cp(src, dst)?;
+        }
+        Ok(())
+    }
+
+    fn seq_keep(&mut self, s: SeqId) -> Result<()> {
+        for g in &mut self.groups {
+            g.cache.seq_keep(s)?;
+        }
+        if let Some(r) = &mut self.recurrent {
+            r.state.seq_keep(s);
+        }
+        Ok(())
+    }
+
+    /// Shifts every group. Only a one-sequence shift can fail (`KvCacheFull`: a shared cell
+    /// needs a private copy); the groups already shifted are then shifted back by `-delta`,
+    /// which restores them exactly when the target range held no other cells of `s` and no
+    /// cell fell below position 0 (a context shift's `seq_add` after its `seq_rm`).
+    fn seq_add(&mut self, s: SeqId, p0: Pos, p1: Pos, delta: Pos) -> Result<()> {
+        for i in 0..self.groups.len() {
+            if let Err(e) = self.groups[i].cache.seq_add(s, p0, p1, delta) {
+                // Undo the groups already shifted: the inverse shift of the moved range.
+                for g in &mut self.groups[..i] {
+                    let (q0, q1) = (
+                        if p0 < 0 { p0 } else { p0 + delta },
+                        if p1 < 0 { p1 } else { p1 + delta },
+                    );
+                    let _ = g.cache.seq_add(s, q0, q1, -delta);
+                }
+                return Err(e);
+            }
+        }
+        // A state's values do not depend on positions: only its recorded position moves.
+        if let Some(r) = &mut self.recurrent {
+            r.state.seq_add(s, p0, p1, delta);
+        }
+        Ok(())
+    }
+
+    fn seq_div(&mut self, s: SeqId, p0: Pos, p1: Pos, d: i32) -> Result<()> {
+        for g in &mut self.groups {
+            g.cache.seq_div(s, p0, p1, d)?;
+        }
+        if let Some(r) = &mut self.recurrent {
+            r.state.seq_div(s, p0, p1, d);
+        }
+        Ok(())
+    }
+
+    /// As llama.cpp's hybrid memory: the larger of the primary group's and the state's.
+    fn seq_pos_min(&self, s: SeqId) -> Pos {
+        let a = self.primary().seq_pos_min(s);
+        self.recurrent().map_or(a, |r| a.max(r.seq_pos(s)))
+    }
+
+    fn seq_pos_max(&self, s: SeqId) -> Pos {
+        let a = self.primary().seq_pos_max(s);
+        self.recurrent().map_or(a, |r| a.max(r.seq_pos(s)))
+    }
+
+    fn clear(&mut self) {
+        for g in &mut self.groups {
+            g.cache.clear();
+        }
+        if let Some(r) = &mut self.recurrent {
+            r.state.clear();
+        }
     }
 }

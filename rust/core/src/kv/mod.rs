@@ -46,7 +46,7 @@ pub(crate) fn try_vec<T: Clone>(n: usize, v: T, what: &str) -> crate::Result<Vec
 }
 
 pub use cache::{blocks_for_tokens, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE};
-pub use memory::Memory;
+pub use memory::{Group, GroupKind, LayerGroups, Memory, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
 pub use table::{

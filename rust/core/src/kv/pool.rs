@@ -749,7 +749,10 @@ mod tests {
                                         let n = mine.iter().filter(|&&x| x == b).count() as u32;
                                         if pool.untag(mine[j], n).is_some() {
                                             assert_eq!(pool.key(b), NO_KEY);
-                                            assert_eq!(pool.refcount(b), n);
+                                            // A concurrent `revive` of an old tag may hold
+                                            // a reference for a moment (it takes one, sees
+                                            // the tag changed, gives it back): never fewer.
+                                            assert!(pool.refcount(b) >= n);
                                         }
                                     }
                                 }
@@ -840,42 +843,6 @@ mod tests {
         p.release(b).unwrap();
         assert_eq!(p.allocate_evicting(), Some((b, None)));
         p.audit().unwrap();
-    }
-
-    /// Cost of taking a block when the pool is full of cached blocks (allocate = evict the LRU
-    /// block, then key and release it again), per pool size. The numbers go to BENCHMARKS.md;
-    /// run with `cargo test --release -p kvserve-core --lib measure_eviction -- --ignored
-    /// --nocapture`.
-    #[test]
-    #[ignore = "measurement, not a test"]
-    fn measure_eviction() {
-        for n in [1024u32, 8192, 65536] {
-            let p = BlockPool::new(n);
-            let all: Vec<_> = (0..n).map(|_| p.allocate().unwrap()).collect();
-            for (i, &b) in all.iter().enumerate() {
-                p.set_key(b, i as u64).unwrap();
-            }
-            for &b in all.iter().rev() {
-                p.release(b).unwrap();
-            }
-            assert_eq!(p.stats().cached, n as usize);
-            // At least 2,000 rounds and 0.5 s.
-            let t0 = std::time::Instant::now();
-            let mut iters = 0u64;
-            while iters < 2000 || t0.elapsed().as_secs_f64() < 0.5 {
-                for _ in 0..1000 {
-                    let b = p.allocate().unwrap();
-                    p.set_key(b, n as u64 + iters).unwrap();
-                    p.release(b).unwrap();
-                    iters += 1;
-                }
-            }
-            let ns = t0.elapsed().as_nanos() as f64 / iters as f64;
-            println!(
-                "pool of {n:6} blocks, all cached: allocate(evict) + key + release = {ns:.1} ns"
-            );
-            p.audit().unwrap();
-        }
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Hyper-parameters of a llama-family model, read and validated from GGUF metadata.
+//! Hyper-parameters of a model, read and validated from GGUF metadata: the llama family and
+//! Gemma 3, with each layer's memory kind ([`LayerKind`]: full attention or a sliding window).
 
 use crate::error::{model_err, Error, Result};
 use crate::gguf::GgufFile;
@@ -13,12 +14,29 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: NeoX RoPE, RMSNorm on q and k per head.
     Qwen3,
+    /// Gemma 3: scaled embeddings, four norms per layer, q/k norms, GELU-gated FFN, local
+    /// (sliding-window) layers with their own RoPE base between global ones.
+    Gemma3,
     /// LFM2 (Liquid): short-conv layers (`head_count_kv` 0) beside GQA attention layers with
     /// q/k norms and NeoX RoPE (model/lfm2.rs).
     Lfm2,
 }
 
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "lfm2"];
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "gemma3", "lfm2"];
+
+/// How one layer keeps what it needs of earlier positions. Layers of one kind form a memory
+/// group (docs/ARCHITECTURE.md, "Layer groups").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Attention over every earlier position of the sequence.
+    Full,
+    /// Attention over the last `n` positions only: a query at `p` sees keys at
+    /// `p - n + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`).
+    Window(usize),
+    /// No K/V: a fixed-size recurrent state per sequence (LFM2's short convolutions), kept by
+    /// the recurrent group (`kv/recurrent.rs`) in blocks of the full-attention group's pool.
+    Recurrent,
+}
 
 impl Arch {
     pub fn from_name(name: &str) -> Result<Arch> {
@@ -26,6 +44,7 @@ impl Arch {
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
+            "gemma3" => Ok(Arch::Gemma3),
             "lfm2" => Ok(Arch::Lfm2),
             other => Err(Error::Unsupported(format!(
                 "unsupported architecture '{other}' (supported: {})",
@@ -39,6 +58,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
             Arch::Lfm2 => "lfm2",
         }
     }
@@ -56,7 +76,18 @@ pub struct Config {
     pub n_vocab: usize,
     pub n_ctx_train: usize,
     pub rms_eps: f32,
+    /// RoPE of full-attention layers (all layers unless `rope_local` is set).
     pub rope: Rope,
+    /// RoPE of sliding-window layers when it differs (Gemma 3: base 10,000, no scaling).
+    pub rope_local: Option<Rope>,
+    /// Memory kind of each layer (`n_layer` entries).
+    pub layer_kinds: Vec<LayerKind>,
+    /// Scale of the attention scores (1/sqrt(head_dim) unless the architecture says otherwise).
+    pub attn_scale: f32,
+    /// Factor applied to token embeddings (Gemma: sqrt(n_embd); else 1).
+    pub embd_scale: f32,
+    /// Final logit soft-capping `c * tanh(logit / c)`, when the metadata has it.
+    pub final_softcap: Option<f32>,
     /// Short-conv (recurrent) layers, for LFM2; `None` for attention-only models.
     pub shortconv: Option<ShortConv>,
 }
@@ -67,7 +98,8 @@ pub struct ShortConv {
     /// `shortconv.l_cache`: taps of the causal depthwise convolution; a sequence's state is
     /// its last `l_cache - 1` inputs per conv layer.
     pub l_cache: usize,
-    /// Per layer: a short-conv block (its `head_count_kv` entry is 0) instead of attention.
+    /// Per layer: a short-conv block (its `head_count_kv` entry is 0) instead of attention
+    /// (those layers' kind is [`LayerKind::Recurrent`]).
     pub is_conv: Vec<bool>,
 }
 
@@ -87,27 +119,37 @@ impl Config {
         self.n_head * self.head_dim
     }
 
-    /// Whether layer `li` is a short-conv (recurrent) layer.
-    pub fn is_conv(&self, li: usize) -> bool {
-        self.shortconv.as_ref().is_some_and(|s| s.is_conv[li])
+    /// The RoPE of layer `layer`.
+    pub fn rope_for(&self, layer: usize) -> &Rope {
+        match (self.layer_kinds[layer], &self.rope_local) {
+            (LayerKind::Window(_), Some(r)) => r,
+            _ => &self.rope,
+        }
     }
 
-    /// Layers that keep K/V in the paged cache (all but the short-conv ones).
-    pub fn n_kv_layers(&self) -> usize {
-        self.n_layer - self.shortconv.as_ref().map_or(0, ShortConv::n_conv_layers)
+    /// The layers grouped by memory kind, in order of each kind's first layer: one memory
+    /// group per kind (`kv::LayerGroups`).
+    pub fn layer_groups(&self) -> Vec<(LayerKind, Vec<usize>)> {
+        let mut out: Vec<(LayerKind, Vec<usize>)> = Vec::new();
+        for (l, &k) in self.layer_kinds.iter().enumerate() {
+            match out.iter_mut().find(|(kind, _)| *kind == k) {
+                Some((_, layers)) => layers.push(l),
+                None => out.push((k, vec![l])),
+            }
+        }
+        out
     }
 
-    /// Per layer, its index among the K/V layers (the short-conv layers have none).
-    pub fn kv_layer_index(&self) -> Vec<Option<usize>> {
-        let mut next = 0;
-        (0..self.n_layer)
-            .map(|li| {
-                (!self.is_conv(li)).then(|| {
-                    next += 1;
-                    next - 1
-                })
-            })
-            .collect()
+    /// Whether layer `li` keeps a recurrent state instead of K/V.
+    pub fn is_recurrent(&self, li: usize) -> bool {
+        self.layer_kinds[li] == LayerKind::Recurrent
+    }
+
+    /// Whether any layer attends over a sliding window.
+    pub fn has_window_layers(&self) -> bool {
+        self.layer_kinds
+            .iter()
+            .any(|k| matches!(k, LayerKind::Window(_)))
     }
 
     pub fn from_gguf(g: &GgufFile) -> Result<Config> {
@@ -215,6 +257,72 @@ impl Config {
             .tensor("token_embd.weight")
             .map(|t| t.dims.get(1).copied().unwrap_or(0) as usize)
             .ok_or_else(|| model_err("GGUF: missing tensor 'token_embd.weight'"))?;
+        let rope = Rope {
+            n_rot,
+            neox,
+            freq_base,
+            scaling,
+            freq_factors: None,
+        };
+        let mut layer_kinds = vec![LayerKind::Full; n_layer];
+        let (mut rope_local, mut embd_scale, mut final_softcap) = (None, 1.0f32, None);
+        let mut attn_scale = 1.0 / (head_dim as f32).sqrt();
+        if arch == Arch::Gemma3 {
+            if let Some(v) = g.get_u64(&format!("{a}.attention.value_length"))? {
+                if v as usize != head_dim {
+                    return Err(Error::Unsupported(format!(
+                        "gemma3: value_length {v} differs from key_length {head_dim}"
+                    )));
+                }
+            }
+            embd_scale = (n_embd as f32).sqrt();
+            // llama.cpp: 1/sqrt(n_embd / n_head) for the 27B model (62 layers), else
+            // 1/sqrt(head_dim).
+            if n_layer == 62 {
+                attn_scale = 1.0 / ((n_embd / n_head) as f32).sqrt();
+            }
+            final_softcap = g
+                .get_f32(&format!("{a}.final_logit_softcapping"))?
+                .filter(|c| *c != 0.0);
+            if let Some(c) = final_softcap {
+                if !c.is_finite() || c < 0.0 {
+                    return Err(model_err(format!(
+                        "GGUF: implausible final_logit_softcapping {c}"
+                    )));
+                }
+            }
+            let window = g
+                .get_u64(&format!("{a}.attention.sliding_window"))?
+                .unwrap_or(0) as usize;
+            if window > 0 {
+                let swa = swa_pattern(g, a, n_layer, 6)?;
+                for (k, is_swa) in layer_kinds.iter_mut().zip(swa) {
+                    if is_swa {
+                        *k = LayerKind::Window(window);
+                    }
+                }
+                let base_swa = g
+                    .get_f32(&format!("{a}.rope.freq_base_swa"))?
+                    .unwrap_or(10000.0);
+                if !base_swa.is_finite() || base_swa <= 1.0 {
+                    return Err(model_err(format!(
+                        "GGUF: implausible rope.freq_base_swa {base_swa}"
+                    )));
+                }
+                rope_local = Some(Rope {
+                    freq_base: base_swa,
+                    scaling: RopeScaling::None,
+                    ..rope.clone()
+                });
+            }
+        }
+        if let Some(sc) = &shortconv {
+            for (k, &conv) in layer_kinds.iter_mut().zip(&sc.is_conv) {
+                if conv {
+                    *k = LayerKind::Recurrent;
+                }
+            }
+        }
         Ok(Config {
             arch,
             n_layer,
@@ -226,13 +334,12 @@ impl Config {
             n_vocab,
             n_ctx_train,
             rms_eps,
-            rope: Rope {
-                n_rot,
-                neox,
-                freq_base,
-                scaling,
-                freq_factors: None,
-            },
+            rope,
+            rope_local,
+            layer_kinds,
+            attn_scale,
+            embd_scale,
+            final_softcap,
             shortconv,
         })
     }
@@ -298,4 +405,29 @@ fn lfm2_layers(g: &GgufFile, a: &str, n_layer: usize) -> Result<(usize, Option<S
     }
     let is_conv = per_layer.iter().map(|&n| n == 0).collect();
     Ok((n_head_kv, Some(ShortConv { l_cache, is_conv })))
+}
+
+/// Which layers use the sliding window, as llama.cpp reads it: the metadata's
+/// `attention.sliding_window_pattern` as one bool per layer, or as a number `n` (layer `i` is
+/// local iff `i % n < n - 1`, so every `n`-th layer is global), else `default_n`.
+fn swa_pattern(g: &GgufFile, a: &str, n_layer: usize, default_n: usize) -> Result<Vec<bool>> {
+    let key = format!("{a}.attention.sliding_window_pattern");
+    if let Some(crate::gguf::Value::Array(items)) = g.get(&key) {
+        let v: Vec<bool> = items
+            .iter()
+            .map(|x| match x {
+                crate::gguf::Value::Bool(b) => Ok(*b),
+                _ => Err(model_err(format!("GGUF: '{key}' must hold booleans"))),
+            })
+            .collect::<Result<_>>()?;
+        if v.len() != n_layer {
+            return Err(model_err(format!(
+                "GGUF: '{key}' has {} entries for {n_layer} layers",
+                v.len()
+            )));
+        }
+        return Ok(v);
+    }
+    let n = g.get_u64(&key)?.map_or(default_n, |v| v as usize);
+    Ok((0..n_layer).map(|i| n == 0 || i % n < n - 1).collect())
 }

@@ -15,17 +15,13 @@
 //! (`project`, the attention kernel, norms, RoPE); the conv runs one channel range per
 //! worker over the batch's tokens in order, each token on its own sequence's state.
 
-use std::collections::HashMap;
-
 use super::config::Config;
-use super::llama::{matrix, project, vector, Acts, WeightRef};
-use super::{Logits, Model};
+use super::llama::{group_kv, matrix, project, store_and_attend, vector, Acts, WeightRef};
+use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv::attention::{self, Mask, Query};
-use crate::kv::storage::KvStorage;
-use crate::kv::{BlockId, PagedCache, SeqId, SeqView};
+use crate::kv::attention;
 use crate::ops;
 use crate::shared::SharedSlice;
 
@@ -39,8 +35,6 @@ pub enum Mixer {
         wo: WeightRef,
         q_norm: Vec<f32>,
         k_norm: Vec<f32>,
-        /// Index of this layer's K/V in the paged cache.
-        kv_layer: usize,
     },
     ShortConv {
         in_proj: WeightRef,
@@ -86,7 +80,6 @@ impl Weights {
         } else {
             token_embd.clone()
         };
-        let kv_index = c.kv_layer_index();
         let mut layers = Vec::with_capacity(c.n_layer);
         let mut conv_layer = 0;
         for i in 0..c.n_layer {
@@ -124,7 +117,6 @@ impl Weights {
                     wo: matrix(g, &p("attn_output.weight"), q, d)?,
                     q_norm: vector(g, &p("attn_q_norm.weight"), hd)?,
                     k_norm: vector(g, &p("attn_k_norm.weight"), hd)?,
-                    kv_layer: kv_index[i].expect("attention layers have a K/V index"),
                 }
             };
             layers.push(Layer {
@@ -167,14 +159,14 @@ pub(crate) struct ConvStates<'a> {
 
 pub(crate) const NO_CHECKPOINT: usize = usize::MAX;
 
-/// Runs one batch through an LFM2 model. `cells`/`views` as for llama.rs; `conv`: the states
-/// of the batch's sequences, which the pass advances over the batch's tokens.
+/// Runs one batch through an LFM2 model. `io` as for llama.rs (one entry per K/V layer group:
+/// the attention layers store and attend through `llama::store_and_attend`, with each layer's
+/// mask); `conv_states`: the recurrent states of the batch's sequences, which the pass advances
+/// over the batch's tokens.
 pub(crate) fn forward(
     model: &Model,
     wts: &Weights,
-    storage: &mut KvStorage,
-    cells: &[(BlockId, u16)],
-    views: &HashMap<SeqId, SeqView>,
+    io: &mut [KvIo<'_>],
     batch: &Batch,
     conv_states: ConvStates<'_>,
 ) -> Result<Logits> {
@@ -245,10 +237,9 @@ pub(crate) fn forward(
     let acts = SharedSlice::new(&mut acts);
     let states = SharedSlice::new(states);
     let ckpts = SharedSlice::new(ckpts);
-    let storage = SharedSlice::new(std::slice::from_mut(storage));
+    let kv = group_kv(io);
 
-    let scale = 1.0 / (hd as f32).sqrt();
-    let group = c.n_head / c.n_head_kv;
+    let scale = c.attn_scale;
 
     // Safety pattern (as in llama.rs): each step is a set of tasks (`for_tasks`, `for_rows`,
     // `single`); a task writes only the rows, channels or cells its index assigns to it, and
@@ -278,7 +269,6 @@ pub(crate) fn forward(
                     wo,
                     q_norm,
                     k_norm,
-                    kv_layer,
                 } => {
                     // SAFETY: every member calls this in step; h is not written during it.
                     unsafe { project(model, w, &acts, &h, n, &[wq, wk, wv], &[&q, &k, &v]) };
@@ -296,49 +286,20 @@ pub(crate) fn forward(
                         c.rope.apply(qr, hd, angles);
                         c.rope.apply(kr, hd, angles);
                     });
-                    w.single(|| {
-                        // SAFETY: only this task touches the storage in this step.
-                        unsafe {
-                            PagedCache::write(
-                                &mut storage.slice_mut(0..1)[0],
-                                *kv_layer,
-                                cells,
-                                k.all(),
-                                v.all(),
-                            )
-                        };
-                    });
-                    w.for_tasks(n * c.n_head_kv, |job| {
-                        // SAFETY: the storage and q are read-only in this step (taken inside
-                        // the task: a late member must not hold them while a later step
-                        // writes them).
-                        let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-                        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
-                        let view = &views[&batch.seq_ids[t]];
-                        let cols = t * d + kvh * group * hd..t * d + (kvh + 1) * group * hd;
-                        let query = Query {
-                            layer: *kv_layer,
-                            kv_head: kvh,
-                            head_dim: hd,
-                            q: &q_r[cols.clone()],
+                    // SAFETY: every member calls this in step; q, k, v are not written
+                    // during it.
+                    unsafe {
+                        store_and_attend(
+                            w,
+                            model,
+                            &kv,
+                            li,
+                            batch,
+                            [&q, &k, &v, &attn],
                             scale,
-                            mask: Mask::Causal {
-                                positions: &view.positions,
-                                qpos: batch.positions[t],
-                            },
-                        };
-                        // SAFETY: this (token, head group) slice of attn belongs to this task.
-                        let out = unsafe { attn.slice_mut(cols) };
-                        attention::attend(
-                            store,
-                            &view.blocks,
-                            view.positions.len(),
-                            &query,
-                            out,
                             &mut scratch,
                         )
-                        .expect("query shapes were validated at load");
-                    });
+                    };
                     // SAFETY: every member calls this in step; attn is not written during it.
                     unsafe { project(model, w, &acts, &attn, n, &[wo], &[&o]) };
                 }

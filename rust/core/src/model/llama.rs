@@ -5,8 +5,8 @@
 //! tokens at once, attention runs per token over the cells of that token's own sequence whose
 //! position is not after the token's (the causal mask by position, as llama.cpp applies it).
 
-use super::config::{Arch, Config};
-use super::{Logits, Model};
+use super::config::{Arch, Config, LayerKind};
+use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
@@ -98,7 +98,7 @@ pub(super) fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-fn opt_vector(g: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
+pub(super) fn opt_vector(g: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
     if g.tensor(name).is_some() {
         vector(g, name, n).map(Some)
     } else {
@@ -233,7 +233,7 @@ pub(super) unsafe fn project(
 /// team tasks (one step). The task count is planned from the shapes alone; the activations are
 /// read only inside the tasks, since a member that reaches this step late (after the team has
 /// finished it) must not touch them: by then a later step may be rewriting them.
-fn matmuls(
+pub(super) fn matmuls(
     model: &Model,
     w: &Worker<'_>,
     ws: &[&WeightRef],
@@ -277,26 +277,122 @@ fn matmuls(
     });
 }
 
-/// Runs one batch through the model, storing its keys and values at `slots` of `storage`
-/// (planned by the context's cache; `views` holds each batch sequence's blocks and positions,
-/// including the new cells).
+/// One layer group's K/V for the pass: its storage, the batch's cells in it, the sequences'
+/// views of its blocks (see `model::KvIo`).
+pub(super) struct GroupKv<'a> {
+    pub storage: SharedSlice<'a, KvStorage>,
+    pub cells: &'a [(BlockId, u16)],
+    pub views: &'a HashMap<SeqId, SeqView>,
+}
+
+/// The [`GroupKv`] of every layer group of `io`.
+pub(super) fn group_kv<'a>(io: &'a mut [KvIo<'_>]) -> Vec<GroupKv<'a>> {
+    io.iter_mut()
+        .map(|g| {
+            let KvIo {
+                storage,
+                cells,
+                views,
+            } = g;
+            GroupKv {
+                storage: SharedSlice::new(std::slice::from_mut(storage)),
+                cells,
+                views,
+            }
+        })
+        .collect()
+}
+
+/// Steps 4 and 5 of a layer, shared by every architecture: one task stores the batch's keys and
+/// values of layer `li` at its planned cells in the layer's group; then attention runs as one
+/// task per (token, KV head): the query heads of a GQA group read each cached key and value
+/// once, over the token's own sequence only, with the layer's mask (causal, or causal within
+/// the layer's window). `qkva` = [q, k, v, attn output].
+///
+/// # Safety
+/// Every member calls this at the same step; nobody writes q, k, v during the call, and the
+/// attention output's rows are written only here.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn store_and_attend(
+    w: &Worker<'_>,
+    model: &Model,
+    kv: &[GroupKv<'_>],
+    li: usize,
+    batch: &Batch,
+    qkva: [&SharedSlice<f32>; 4],
+    scale: f32,
+    scratch: &mut attention::Scratch,
+) {
+    let [q, k, v, attn] = qkva;
+    let c = &model.config;
+    let (gi, kl) = model.kv_slot(li);
+    let GroupKv {
+        storage,
+        cells,
+        views,
+    } = &kv[gi];
+    let (qd, hd) = (c.q_dim(), c.head_dim);
+    let group = c.n_head / c.n_head_kv;
+    let n = batch.len();
+    w.single(|| {
+        // SAFETY: only this task touches the storage in this step; k and v are read-only.
+        unsafe { PagedCache::write(&mut storage.slice_mut(0..1)[0], kl, cells, k.all(), v.all()) };
+    });
+    let window = match c.layer_kinds[li] {
+        LayerKind::Window(n) => Some(n.min(i32::MAX as usize) as i32),
+        LayerKind::Full | LayerKind::Recurrent => None,
+    };
+    w.for_tasks(n * c.n_head_kv, |job| {
+        // SAFETY: the storage and q are read-only in this step (taken inside the task: a late
+        // member must not hold them while a later step writes them).
+        let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
+        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+        let view = &views[&batch.seq_ids[t]];
+        let cols = t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
+        let (positions, qpos) = (&view.positions[..], batch.positions[t]);
+        let query = Query {
+            layer: kl,
+            kv_head: kvh,
+            head_dim: hd,
+            q: &q_r[cols.clone()],
+            scale,
+            mask: match window {
+                None => Mask::Causal { positions, qpos },
+                Some(window) => Mask::Window {
+                    positions,
+                    qpos,
+                    window,
+                },
+            },
+        };
+        // SAFETY: this (token, head group) slice of attn belongs to this task only.
+        let out = unsafe { attn.slice_mut(cols) };
+        attention::attend(
+            store,
+            &view.blocks,
+            view.positions.len(),
+            &query,
+            out,
+            scratch,
+        )
+        .expect("query shapes were validated at load");
+    });
+}
+
+/// Runs one batch through the model, storing its keys and values at the cells each layer group
+/// planned (`io`: per group its storage, the cells, and each batch sequence's blocks and
+/// positions, including the new cells).
 ///
 /// The pass is one SPMD region on the model's team: every member walks the layers; each step
 /// splits its work (tokens, output rows, (token, head) pairs) into tasks the members claim, and
 /// is over when they are all done. Activation quantization and cache writes are one task each.
 pub(crate) fn forward(
     model: &Model,
-    storage: &mut KvStorage,
-    cells: &[(BlockId, u16)],
-    views: &HashMap<SeqId, SeqView>,
+    wts: &Weights,
+    io: &mut [KvIo<'_>],
     batch: &Batch,
 ) -> Result<Logits> {
     let c = &model.config;
-    let super::Weights::Llama(wts) = &model.weights else {
-        return Err(Error::Internal(
-            "llama forward on another architecture".into(),
-        ));
-    };
     let n = batch.len();
     let (d, qd, kvd, hd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim, c.n_ff);
 
@@ -343,10 +439,9 @@ pub(crate) fn forward(
     let hs = SharedSlice::new(&mut hs);
     let out = SharedSlice::new(&mut logits);
     let acts = SharedSlice::new(&mut acts);
-    let storage = SharedSlice::new(std::slice::from_mut(storage));
+    let kv = group_kv(io);
 
-    let scale = 1.0 / (hd as f32).sqrt();
-    let group = c.n_head / c.n_head_kv;
+    let scale = c.attn_scale;
 
     // Safety pattern for the whole region: each step is a set of tasks (`for_tasks`, `for_rows`,
     // `single`); a task writes only the rows or cells its index assigns to it, and reads shared
@@ -412,45 +507,20 @@ pub(crate) fn forward(
                 c.rope.apply(qr, hd, angles);
                 c.rope.apply(kr, hd, angles);
             });
-            // 4. Store K and V (one task).
-            w.single(|| {
-                // SAFETY: only this task touches the storage in this step; k and v are read-only.
-                unsafe {
-                    PagedCache::write(&mut storage.slice_mut(0..1)[0], li, cells, k.all(), v.all())
-                };
-            });
-            // 5. Attention, one task per (token, KV head): the query heads of a GQA group
-            // read each cached key and value once, over the token's own sequence only.
-            w.for_tasks(n * c.n_head_kv, |job| {
-                // SAFETY: the storage and q are read-only in this step (taken inside the task:
-                // a late member must not hold them while a later step writes them).
-                let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-                let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
-                let view = &views[&batch.seq_ids[t]];
-                let cols = t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
-                let query = Query {
-                    layer: li,
-                    kv_head: kvh,
-                    head_dim: hd,
-                    q: &q_r[cols.clone()],
+            // 4-5. Store K and V, attention.
+            // SAFETY: every member calls this in step; q, k, v are not written during it.
+            unsafe {
+                store_and_attend(
+                    w,
+                    model,
+                    &kv,
+                    li,
+                    batch,
+                    [&q, &k, &v, &attn],
                     scale,
-                    mask: Mask::Causal {
-                        positions: &view.positions,
-                        qpos: batch.positions[t],
-                    },
-                };
-                // SAFETY: this (token, head group) slice of attn belongs to this task only.
-                let out = unsafe { attn.slice_mut(cols) };
-                attention::attend(
-                    store,
-                    &view.blocks,
-                    view.positions.len(),
-                    &query,
-                    out,
                     &mut scratch,
                 )
-                .expect("query shapes were validated at load");
-            });
+            };
             // 6. Output projection.
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };

@@ -2,9 +2,11 @@
 //! [`Context`] that runs batches through it and keeps their keys and values.
 
 pub mod config;
+pub mod gemma3;
 pub mod lfm2;
 pub mod llama;
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,29 +15,23 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Error, Result};
 use crate::gguf::GgufFile;
+use crate::kv::memory::{Group, LayerGroups, Memory, RecurrentLayers};
 use crate::kv::recurrent::{RecurrentGroup, StateLayout};
+use crate::kv::storage::KvStorage;
 use crate::kv::storage::{KvLayout, KvType};
 use crate::kv::{
-    blocks_for_tokens, Key, KeyHasher, Memory, PagedCache, Pos, SeqId, SharedKv, DEFAULT_BLOCK_SIZE,
+    blocks_for_tokens, BlockId, Key, KeyHasher, PagedCache, Pos, SeqId, SeqView, SharedKv,
+    DEFAULT_BLOCK_SIZE,
 };
 use crate::tokenizer::{Tokenizer, VocabData};
 
-pub use config::{Arch, Config};
+pub use config::{Arch, Config, LayerKind};
 
-/// A loaded model: configuration, weight locations in the mmapped file, tokenizer, thread pool.
-pub struct Model {
-    pub config: Config,
-    pub tokenizer: Tokenizer,
-    weights: Weights,
-    gguf: GgufFile,
-    team: crate::threads::Team,
-    /// Stable identity of the weights, part of every prefix-cache block key.
-    id: Key,
-    /// The K/V memory of each K/V format in use, shared by every context of this model.
-    kv: Mutex<Vec<Arc<SharedKv>>>,
-    /// Test hook: a decode panics in one worker at this layer (-1: never). See
-    /// [`Model::inject_worker_panic`].
-    fault_layer: AtomicI64,
+/// The weights of one architecture family (each family's file loads and runs its own).
+enum Weights {
+    Llama(llama::Weights),
+    Gemma3(gemma3::Weights),
+    Lfm2(lfm2::Weights),
 }
 
 /// The recurrent part of a hybrid model's sequence state (see [`Context::seq_state_read`]).
@@ -53,10 +49,26 @@ struct RecBatch {
     ckpt_of: Vec<usize>,
 }
 
-/// The weights of one architecture family.
-pub(crate) enum Weights {
-    Llama(llama::Weights),
-    Lfm2(lfm2::Weights),
+/// A loaded model: configuration, weight locations in the mmapped file, tokenizer, thread pool.
+pub struct Model {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    weights: Weights,
+    gguf: GgufFile,
+    team: crate::threads::Team,
+    /// Stable identity of the weights, part of every prefix-cache block key.
+    id: Key,
+    /// The K/V memory of each K/V format in use, shared by every context of this model.
+    kv: Mutex<Vec<Vec<Arc<SharedKv>>>>,
+    /// The K/V layer groups ([`Config::layer_groups`] but the recurrent one) and each
+    /// attention layer's (group, index in group).
+    groups: Vec<(LayerKind, Vec<usize>)>,
+    slots: Vec<(usize, usize)>,
+    /// The layers of the recurrent group (LFM2's short convolutions), in order.
+    recurrent_layers: Vec<usize>,
+    /// Test hook: a decode panics in one worker at this layer (-1: never). See
+    /// [`Model::inject_worker_panic`].
+    fault_layer: AtomicI64,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -83,6 +95,7 @@ impl Model {
     pub fn from_gguf(gguf: GgufFile, threads: Option<usize>) -> Result<Model> {
         let mut config = Config::from_gguf(&gguf)?;
         let weights = match config.arch {
+            Arch::Gemma3 => Weights::Gemma3(gemma3::Weights::load(&gguf, &config)?),
             Arch::Lfm2 => Weights::Lfm2(lfm2::Weights::load(&gguf, &config)?),
             _ => Weights::Llama(llama::Weights::load(&gguf, &mut config)?),
         };
@@ -96,7 +109,21 @@ impl Model {
         }
         let team = crate::threads::Team::new(threads);
         let id = model_identity(&gguf);
+        let (recurrent, groups): (Vec<_>, Vec<_>) = config
+            .layer_groups()
+            .into_iter()
+            .partition(|(k, _)| *k == LayerKind::Recurrent);
+        let recurrent_layers = recurrent.into_iter().flat_map(|(_, l)| l).collect();
+        let mut slots = vec![(usize::MAX, 0); config.n_layer];
+        for (gi, (_, layers)) in groups.iter().enumerate() {
+            for (i, &l) in layers.iter().enumerate() {
+                slots[l] = (gi, i);
+            }
+        }
         Ok(Model {
+            groups,
+            slots,
+            recurrent_layers,
             config,
             tokenizer,
             weights,
@@ -108,58 +135,150 @@ impl Model {
         })
     }
 
-    /// The model's K/V memory for the format in `o`, created on first use and shared by every
-    /// context of that format. It is sized by `o.kv_memory` (bytes) or else for
-    /// `max(o.n_ctx, 4096)` tokens. A later request for more than it holds replaces it when no
-    /// context uses it (its cached prefixes are dropped); while contexts use it, the request
-    /// shares it as it is (the context's token limit is then what the memory holds).
-    pub fn kv_memory(&self, o: &KvOptions) -> Result<Arc<SharedKv>> {
+    /// The model's K/V memory for the format in `o`: one `SharedKv` per layer group
+    /// ([`Config::layer_groups`], in that order), created on first use and shared by every
+    /// context of that format. Full-attention groups are sized by `o.kv_memory` (bytes, split
+    /// between the groups) or else for `max(o.memory_tokens or o.n_ctx, 4096)` tokens; a window
+    /// group for at most `max(4096, o.n_ctx, 4 * (window + block))` of those tokens, since a
+    /// window group holds only each sequence's window and the current batch. A later request
+    /// for more than the memory holds replaces it when no context uses it (its cached prefixes
+    /// are dropped); while contexts use it, the request shares it as it is (the context's
+    /// token limit is then what the memory holds).
+    pub fn kv_memory(&self, o: &KvOptions) -> Result<Vec<Arc<SharedKv>>> {
         let c = &self.config;
-        let layout = KvLayout {
+        let groups = &self.groups;
+        let layout = |layers: usize| KvLayout {
             ty: o.kv_type,
-            n_layers: c.n_kv_layers(),
+            n_layers: layers,
             kv_dim: c.kv_dim(),
             block_size: o.block_size,
         };
-        layout.validate()?;
-        let want = match o.kv_memory {
-            Some(bytes) if layout.n_blocks_for_bytes(bytes) == 0 => {
-                return Err(invalid(format!(
-                    "KV memory of {bytes} bytes holds no block (one block takes {} bytes)",
-                    layout.bytes_per_block()
-                )))
-            }
-            Some(bytes) => layout.n_blocks_for_bytes(bytes),
-            None => blocks_for_tokens(
-                o.memory_tokens.unwrap_or(o.n_ctx).max(MIN_POOL_TOKENS),
-                o.block_size,
-            ),
+        for (_, layers) in groups {
+            layout(layers.len()).validate()?;
+        }
+        let bs = o.block_size;
+        let window_cap = |w: usize| {
+            MIN_POOL_TOKENS
+                .max(o.n_ctx)
+                .max(w.saturating_add(bs).saturating_mul(4))
         };
+        // Blocks of each group.
+        let want: Vec<usize> = match o.kv_memory {
+            Some(bytes) => {
+                let bpb: Vec<usize> = groups
+                    .iter()
+                    .map(|(_, l)| layout(l.len()).bytes_per_block())
+                    .collect();
+                let win: Vec<usize> = groups
+                    .iter()
+                    .map(|(k, _)| match k {
+                        LayerKind::Window(w) => blocks_for_tokens(window_cap(*w), bs),
+                        LayerKind::Full | LayerKind::Recurrent => 0,
+                    })
+                    .collect();
+                let win_bytes: usize = win.iter().zip(&bpb).map(|(n, b)| n * b).sum();
+                let full_bpb: usize = groups
+                    .iter()
+                    .zip(&bpb)
+                    .filter(|((k, _), _)| *k == LayerKind::Full)
+                    .map(|(_, b)| b)
+                    .sum();
+                if win_bytes == 0 || (full_bpb > 0 && win_bytes <= bytes / 2) {
+                    // Window groups take what they cap at; full groups share the rest.
+                    let n_full = bytes.saturating_sub(win_bytes) / full_bpb.max(1);
+                    groups
+                        .iter()
+                        .zip(&win)
+                        .map(|((k, _), &w)| if *k == LayerKind::Full { n_full } else { w })
+                        .collect()
+                } else {
+                    // Too small to cap the windows: the same number of blocks in every group.
+                    let n = bytes / bpb.iter().sum::<usize>();
+                    vec![n; groups.len()]
+                }
+            }
+            None => {
+                let t = o.memory_tokens.unwrap_or(o.n_ctx).max(MIN_POOL_TOKENS);
+                groups
+                    .iter()
+                    .map(|(k, _)| match k {
+                        LayerKind::Window(w) => blocks_for_tokens(t.min(window_cap(*w)), bs),
+                        LayerKind::Full | LayerKind::Recurrent => blocks_for_tokens(t, bs),
+                    })
+                    .collect()
+            }
+        };
+        if let (Some(bytes), true) = (o.kv_memory, want.contains(&0)) {
+            let per: usize = groups
+                .iter()
+                .map(|(_, l)| layout(l.len()).bytes_per_block())
+                .sum();
+            return Err(invalid(format!(
+                "KV memory of {bytes} bytes holds no block (one block takes {per} bytes)"
+            )));
+        }
         let mut pools = self.kv.lock().unwrap_or_else(|e| e.into_inner());
-        let same = |m: &Arc<SharedKv>| {
-            let l = m.layout();
+        let same = |m: &Vec<Arc<SharedKv>>| {
+            let l = m[0].layout();
             (l.ty, l.block_size) == (o.kv_type, o.block_size)
         };
         if let Some(i) = pools.iter().position(same) {
-            if pools[i].n_blocks() >= want {
-                return Ok(Arc::clone(&pools[i]));
+            if pools[i].iter().zip(&want).all(|(m, &w)| m.n_blocks() >= w) {
+                return Ok(pools[i].clone());
             }
-            if Arc::strong_count(&pools[i]) > 1 {
+            if pools[i].iter().any(|m| Arc::strong_count(m) > 1) {
                 // In use: share it as it is (the new context's limit is what it holds).
-                return Ok(Arc::clone(&pools[i]));
+                return Ok(pools[i].clone());
             }
             // Free the old memory before allocating the new one.
             pools.swap_remove(i);
         }
-        let m = match o.kv_memory {
-            Some(bytes) => {
-                SharedKv::with_bytes(layout, c.head_dim, c.rope.clone(), bytes, self.id)?
+        let mut made = Vec::with_capacity(groups.len());
+        for (gi, ((kind, layers), &n)) in groups.iter().zip(&want).enumerate() {
+            // Each group's keys are its own: the group's kind and layers join the weights id.
+            let mut h = KeyHasher::new(0x6b76_7365_7276_6547); // "kvserveG"
+            h.write_u128(self.id);
+            h.write_u64(gi as u64);
+            h.write_u64(match kind {
+                LayerKind::Full => 0,
+                LayerKind::Window(w) => 1 + *w as u64,
+                LayerKind::Recurrent => u64::MAX,
+            });
+            for &l in layers {
+                h.write_u64(l as u64);
             }
-            None => SharedKv::new(layout, c.head_dim, c.rope.clone(), want, self.id)?,
-        };
-        let m = Arc::new(m);
-        pools.push(Arc::clone(&m));
-        Ok(m)
+            let id = if groups.len() == 1 {
+                self.id
+            } else {
+                h.finish()
+            };
+            let rope = c.rope_for(layers[0]).clone();
+            made.push(Arc::new(SharedKv::new(
+                layout(layers.len()),
+                c.head_dim,
+                rope,
+                n,
+                id,
+            )?));
+        }
+        pools.push(made.clone());
+        Ok(made)
+    }
+
+    /// The layers grouped by memory kind (one K/V memory per group), from the config; the
+    /// recurrent layers are not among them ([`Model::recurrent_layers`]).
+    pub fn layer_groups(&self) -> &[(LayerKind, Vec<usize>)] {
+        &self.groups
+    }
+
+    /// The layers whose memory is a recurrent state (LFM2's short convolutions).
+    pub fn recurrent_layers(&self) -> &[usize] {
+        &self.recurrent_layers
+    }
+
+    /// (group, layer within the group's storage) of model layer `layer`.
+    pub(crate) fn kv_slot(&self, layer: usize) -> (usize, usize) {
+        self.slots[layer]
     }
 
     /// Testing hook: the next decode panics in one worker at layer `layer` (once), to exercise
@@ -303,12 +422,18 @@ impl Default for KvOptions {
 }
 
 /// A running context: the model plus the block tables of its sequences, over the model's shared
-/// K/V memory ([`Model::kv_memory`]).
+/// K/V memory ([`Model::kv_memory`]): one cache per layer group ([`LayerGroups`]).
 pub struct Context {
     model: Arc<Model>,
-    cache: PagedCache,
-    /// The recurrent states of a hybrid model's sequences (LFM2), in the same pool.
-    recurrent: Option<RecurrentGroup>,
+    memory: LayerGroups,
+}
+
+/// One layer group's part of a forward pass: its storage (locked), the batch's planned cells
+/// in it and each batch sequence's view of its blocks.
+pub(crate) struct KvIo<'a> {
+    pub storage: &'a mut KvStorage,
+    pub cells: Vec<(BlockId, u16)>,
+    pub views: HashMap<SeqId, SeqView>,
 }
 
 impl Context {
@@ -325,7 +450,8 @@ impl Context {
     }
 
     /// A context over the model's K/V memory for `o`'s format. Its token limit is `o.n_ctx`,
-    /// or what the memory holds when `o.kv_memory` or `o.memory_tokens` is given.
+    /// or what the memory holds when `o.kv_memory` or `o.memory_tokens` is given (window
+    /// groups are limited by their pool only: they hold windows, not contexts).
     pub fn with_options(model: Arc<Model>, o: &KvOptions) -> Result<Context> {
         if o.memory_tokens == Some(0) {
             return Err(invalid("memory_tokens must be positive"));
@@ -334,35 +460,49 @@ impl Context {
             return Err(invalid("n_ctx must be positive"));
         }
         let shared = model.kv_memory(o)?;
-        let n_ctx = if o.kv_memory.is_some() || o.memory_tokens.is_some() {
-            shared.capacity_tokens()
-        } else {
-            o.n_ctx
-        };
+        let mut groups = Vec::with_capacity(shared.len());
+        for ((kind, layers), sh) in model.groups.iter().zip(shared) {
+            let whole = o.kv_memory.is_some() || o.memory_tokens.is_some();
+            let n_ctx = match kind {
+                LayerKind::Full if !whole => o.n_ctx,
+                _ => sh.capacity_tokens(),
+            };
+            let mut cache = PagedCache::new(sh, n_ctx)?;
+            cache.set_prefix_cache(o.prefix_cache);
+            groups.push(Group {
+                kind: *kind,
+                layers: layers.clone(),
+                cache,
+            });
+        }
         let recurrent = match &model.config.shortconv {
-            Some(sc) => Some(RecurrentGroup::new(
-                Arc::clone(shared.pool()),
-                Some(Arc::clone(shared.index())),
-                StateLayout {
-                    n_layers: sc.n_conv_layers(),
-                    per_layer: lfm2::state_floats_per_layer(&model.config),
-                },
-                shared.layout().bytes_per_block(),
-            )?),
-            None => None,
+            Some(sc) if !model.recurrent_layers.is_empty() => {
+                // States and their checkpoints take blocks of the primary group's pool.
+                let pi = groups
+                    .iter()
+                    .position(|g| g.kind == LayerKind::Full)
+                    .unwrap_or(0);
+                let sh = groups[pi].cache.shared();
+                let state = RecurrentGroup::new(
+                    Arc::clone(sh.pool()),
+                    Some(Arc::clone(sh.index())),
+                    StateLayout {
+                        n_layers: sc.n_conv_layers(),
+                        per_layer: lfm2::state_floats_per_layer(&model.config),
+                    },
+                    sh.layout().bytes_per_block(),
+                )?;
+                Some(RecurrentLayers {
+                    layers: model.recurrent_layers.clone(),
+                    state,
+                })
+            }
+            _ => None,
         };
-        let mut cache = PagedCache::new(shared, n_ctx)?;
-        cache.set_prefix_cache(o.prefix_cache);
         Ok(Context {
             model,
-            cache,
-            recurrent,
+            memory: LayerGroups::new(groups, recurrent)?,
         })
-    }
-
-    /// The recurrent-state group of a hybrid model, if any.
-    pub fn recurrent(&self) -> Option<&RecurrentGroup> {
-        self.recurrent.as_ref()
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -370,46 +510,78 @@ impl Context {
     }
 
     pub fn n_ctx(&self) -> usize {
-        self.cache.n_ctx()
+        self.memory.primary().n_ctx()
     }
 
+    /// The primary group's cache (the full-attention group; for a one-group model the whole
+    /// memory): its table answers position and token queries.
     pub fn cache(&self) -> &PagedCache {
-        &self.cache
+        self.memory.primary()
     }
 
     pub fn cache_mut(&mut self) -> &mut PagedCache {
-        &mut self.cache
+        self.memory.primary_mut()
+    }
+
+    /// Every layer group; sequence operations go through this ([`Memory`]).
+    pub fn memory(&self) -> &LayerGroups {
+        &self.memory
+    }
+
+    pub fn memory_mut(&mut self) -> &mut LayerGroups {
+        &mut self.memory
+    }
+
+    /// Maps the longest cached prefix of `tokens` that every layer group can resume from onto
+    /// the empty sequence `seq` (see [`LayerGroups::match_prefix`]).
+    pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        self.memory.match_prefix(seq, tokens)
     }
 
     /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
     ///
     /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
     /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
-    /// in every case the cache is left as before the call (the batch is rolled back, and no
-    /// block it touched was given a content key).
+    /// in every case the cache is left as before the call (the batch is rolled back in every
+    /// layer group, and no block it touched was given a content key). After a committed batch,
+    /// window groups drop the cells that left every later token's window.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
         batch.validate(self.model.n_vocab())?;
-        let shared = Arc::clone(self.cache.shared());
-        let mut storage = shared.lock_storage();
-        let (slots, tx) = self.cache.begin_batch(batch, &mut storage)?;
-        let mut views = std::collections::HashMap::new();
-        for &s in &batch.seq_ids {
-            if let std::collections::hash_map::Entry::Vacant(e) = views.entry(s) {
-                e.insert(self.cache.view(s));
+        let shared: Vec<Arc<SharedKv>> = self
+            .memory
+            .groups()
+            .iter()
+            .map(|g| Arc::clone(g.cache.shared()))
+            .collect();
+        // Locked in group order (every decode of the model takes them in this order).
+        let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
+        let mut planned = Vec::with_capacity(shared.len());
+        for (g, storage) in self.memory.groups_mut().iter_mut().zip(storages.iter_mut()) {
+            match g.cache.begin_batch(batch, storage) {
+                Ok(p) => planned.push(p),
+                Err(e) => {
+                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
+                        g.cache.rollback(tx);
+                    }
+                    return Err(e);
+                }
             }
         }
-        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones)
-        // and the tokens after which a state checkpoint is taken (the last of each block).
-        let mut rec = match self.recurrent.as_mut() {
-            Some(r) => match r.begin(&batch.seq_ids, &batch.positions, &storage) {
+        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones, in
+        // the primary group's pool) and the tokens after which a state checkpoint is taken (the
+        // last of each block of the primary group).
+        let pi = self.memory.primary_index();
+        let bs = self.memory.primary().table().block_size() as Pos;
+        let prefix_on = self.memory.primary().prefix_cache();
+        let mut rec = match self.memory.recurrent_mut() {
+            Some(r) => match r.begin(&batch.seq_ids, &batch.positions, &storages[pi]) {
                 Ok((tx, states)) => {
                     let state_of: Vec<usize> = batch
                         .seq_ids
                         .iter()
                         .map(|s| tx.seqs.iter().position(|x| x == s).unwrap_or(0))
                         .collect();
-                    let bs = self.cache.table().block_size() as Pos;
-                    let on = self.cache.prefix_cache() && r.can_checkpoint();
+                    let on = prefix_on && r.can_checkpoint();
                     let mut n_ckpt = 0;
                     let ckpt_of: Vec<usize> = batch
                         .positions
@@ -433,15 +605,39 @@ impl Context {
                     })
                 }
                 Err(e) => {
-                    self.cache.rollback(tx);
+                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
+                        g.cache.rollback(tx);
+                    }
                     return Err(e);
                 }
             },
             None => None,
         };
+        let primary_cells = planned[pi].0.clone();
+        let mut seqs: Vec<SeqId> = batch.seq_ids.clone();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let mut txs = Vec::with_capacity(planned.len());
+        let mut io = Vec::with_capacity(planned.len());
+        for ((g, storage), (cells, tx)) in self
+            .memory
+            .groups_mut()
+            .iter_mut()
+            .zip(storages.iter_mut())
+            .zip(planned)
+        {
+            let views = seqs.iter().map(|&s| (s, g.cache.view(s))).collect();
+            txs.push(tx);
+            io.push(KvIo {
+                storage,
+                cells,
+                views,
+            });
+        }
         let model = &self.model;
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &model.weights {
-            Weights::Llama(_) => llama::forward(model, &mut storage, &slots, &views, batch),
+            Weights::Llama(w) => llama::forward(model, w, &mut io, batch),
+            Weights::Gemma3(w) => gemma3::forward(model, w, &mut io, batch),
             Weights::Lfm2(w) => {
                 let rb = rec
                     .as_mut()
@@ -452,14 +648,20 @@ impl Context {
                     ckpts: &mut rb.ckpts,
                     ckpt_of: &rb.ckpt_of,
                 };
-                lfm2::forward(model, w, &mut storage, &slots, &views, batch, conv)
+                lfm2::forward(model, w, &mut io, batch, conv)
             }
         }));
+        drop(io);
+        // The recurrent group commits (its states written back) or rolls back first: a failed
+        // write-back fails the batch in every group.
         let mut ckpts = None;
         let run = match (run, rec) {
             (Ok(Ok(logits)), Some(rb)) => {
-                let r = self.recurrent.as_mut().expect("states come from the group");
-                match r.commit(rb.tx, &rb.states, &mut storage) {
+                let r = self
+                    .memory
+                    .recurrent_mut()
+                    .expect("states come from the group");
+                match r.commit(rb.tx, &rb.states, &mut storages[pi]) {
                     Ok(()) => {
                         ckpts = Some((rb.ckpts, rb.ckpt_of));
                         Ok(Ok(logits))
@@ -468,39 +670,49 @@ impl Context {
                 }
             }
             (run, Some(rb)) => {
-                self.recurrent
-                    .as_mut()
+                self.memory
+                    .recurrent_mut()
                     .expect("states come from the group")
                     .rollback(rb.tx);
                 run
             }
             (run, None) => run,
         };
+        let ok = matches!(run, Ok(Ok(_)));
+        let mut keyed = Vec::new();
+        for (gi, (g, tx)) in self.memory.groups_mut().iter_mut().zip(txs).enumerate() {
+            if ok {
+                let k = g.cache.commit(tx);
+                if gi == pi {
+                    keyed = k;
+                }
+            } else {
+                g.cache.rollback(tx);
+            }
+        }
+        if let (Some((vals, of)), Some(r)) = (ckpts, self.memory.recurrent()) {
+            // The state after the last token of every primary-group block the commit keyed.
+            let n = r.layout().floats();
+            let primary = self.memory.primary();
+            let last = primary.table().block_size() as u16 - 1;
+            let model_id = primary.model_id();
+            for (b, key) in keyed {
+                let t = primary_cells.iter().position(|&c| c == (b, last));
+                if let Some(i) = t.map(|t| of[t]).filter(|&i| i != lfm2::NO_CHECKPOINT) {
+                    let tokens = primary.table().block_tokens(b);
+                    let v = &vals[i * n..(i + 1) * n];
+                    r.store_checkpoint(&mut storages[pi], model_id, key, tokens, v);
+                }
+            }
+        }
+        drop(storages);
         match run {
             Ok(Ok(logits)) => {
-                let keyed = self.cache.commit(tx);
-                if let (Some((vals, of)), Some(r)) = (ckpts, self.recurrent.as_ref()) {
-                    // The state after the last token of every block the commit keyed.
-                    let n = r.layout().floats();
-                    let last = self.cache.table().block_size() as u16 - 1;
-                    let model_id = self.cache.model_id();
-                    for (b, key) in keyed {
-                        let t = slots.iter().position(|&c| c == (b, last));
-                        if let Some(i) = t.map(|t| of[t]).filter(|&i| i != lfm2::NO_CHECKPOINT) {
-                            let tokens = self.cache.table().block_tokens(b);
-                            let v = &vals[i * n..(i + 1) * n];
-                            r.store_checkpoint(&mut storage, model_id, key, tokens, v);
-                        }
-                    }
-                }
+                self.memory.prune_windows(&seqs);
                 Ok(logits)
             }
-            Ok(Err(e)) => {
-                self.cache.rollback(tx);
-                Err(e)
-            }
+            Ok(Err(e)) => Err(e),
             Err(payload) => {
-                self.cache.rollback(tx);
                 let why = payload
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
@@ -515,69 +727,34 @@ impl Context {
     }
 
     pub fn clear(&mut self) {
-        Memory::clear(self);
+        self.memory.clear();
     }
 
-    /// For a new (empty) sequence: maps the longest cached prefix of `tokens` (see
-    /// [`PagedCache::match_prefix`]) and returns its length. A hybrid model maps the longest
-    /// cached prefix that ends at a state checkpoint and gives the sequence that state
-    /// (`kv/recurrent.rs`), so the prefix is not recomputed; without one it maps nothing.
-    pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        let Some(r) = self.recurrent.as_ref() else {
-            return self.cache.match_prefix(seq, tokens);
-        };
-        if seq < 0 || Memory::seq_pos_max(self, seq) >= 0 {
-            return Err(invalid(format!(
-                "match_prefix: sequence {seq} must be >= 0 and empty"
+    /// Sequence states are per cell across all layers; a model with more than one layer group
+    /// (a sliding window) has no such cells for positions its window dropped.
+    fn one_group(&self, what: &str) -> Result<()> {
+        if self.memory.groups().len() > 1 {
+            return Err(Error::Unsupported(format!(
+                "{what} is not supported for models with layer groups (sliding-window \
+                 attention) yet"
             )));
         }
-        if !r.can_checkpoint() {
-            return Ok(0);
-        }
-        let n = self.cache.match_prefix(seq, tokens)?;
-        let bs = self.cache.table().block_size();
-        let model_id = self.cache.model_id();
-        let mut keys = Vec::with_capacity(n / bs);
-        let mut parent = crate::kv::ROOT_KEY;
-        for chunk in tokens[..n].chunks_exact(bs) {
-            parent = crate::kv::block_key(model_id, parent, chunk);
-            keys.push(parent);
-        }
-        let shared = Arc::clone(self.cache.shared());
-        let mut storage = shared.lock_storage();
-        let found = (0..keys.len()).rev().find_map(|i| {
-            let chunk = &tokens[i * bs..(i + 1) * bs];
-            r.find_checkpoint(&storage, model_id, keys[i], chunk)
-                .map(|v| ((i + 1) * bs, v))
-        });
-        let Some((m, vals)) = found else {
-            self.cache.seq_rm(seq, -1, -1)?;
-            return Ok(0);
-        };
-        if m < n {
-            self.cache.seq_rm(seq, m as Pos, -1)?;
-        }
-        let r = self.recurrent.as_mut().expect("checked above");
-        if r.write(seq, m as Pos - 1, &vals, &mut storage).is_err() {
-            // No block for the state: recompute instead.
-            self.cache.seq_rm(seq, -1, -1)?;
-            return Ok(0);
-        }
-        Ok(m)
+        Ok(())
     }
 
     /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
-    /// rules in `kv::state`).
+    /// rules in `kv::state`). `Unsupported` for models with a sliding window.
     ///
     /// A hybrid model's state is the K/V part as above followed by the recurrent state: its
     /// values (`f32`), then a 20-byte footer: its position `i32` (-1: none), the number of
     /// values `u64` (0 or the state's size), version `u32` (1) and `b"KVRS"`, little-endian.
     pub fn seq_state_read(&mut self, seq: i32) -> Result<Vec<u8>> {
-        let kv = self.cache.seq_state_read(seq)?;
-        let Some(r) = self.recurrent.as_ref() else {
+        self.one_group("reading a sequence state")?;
+        let kv = self.cache_mut().seq_state_read(seq)?;
+        let Some(r) = self.memory.recurrent() else {
             return Ok(kv);
         };
-        let shared = Arc::clone(self.cache.shared());
+        let shared = Arc::clone(self.cache().shared());
         let state = r.read(seq, &shared.lock_storage())?;
         let (pos, vals) = state.unwrap_or((-1, Vec::new()));
         let mut out = kv;
@@ -594,11 +771,13 @@ impl Context {
 
     /// Writes a state from [`Context::seq_state_read`] (of this or another context or process
     /// of the same model and K/V format) into the empty sequence `seq` without recomputing it;
-    /// returns the number of cells. All or nothing.
+    /// returns the number of cells. All or nothing. `Unsupported` for models with a sliding
+    /// window.
     pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
+        self.one_group("writing a sequence state")?;
         let n_vocab = self.model.n_vocab();
-        let Some(r) = self.recurrent.as_ref() else {
-            return self.cache.seq_state_write(seq, data, n_vocab);
+        let Some(r) = self.memory.recurrent() else {
+            return self.cache_mut().seq_state_write(seq, data, n_vocab);
         };
         let bad = |why: &str| invalid(format!("sequence state: {why}"));
         let len = data.len();
@@ -624,88 +803,26 @@ impl Context {
         let Some(start) = (len - REC_FOOTER).checked_sub(nf as usize * 4) else {
             return Err(bad("truncated recurrent state"));
         };
-        if seq < 0 || Memory::seq_pos_max(self, seq) >= 0 {
+        if seq < 0 || self.memory.seq_pos_max(seq) >= 0 {
             return Err(bad(&format!("sequence {seq} must be >= 0 and empty")));
         }
         let vals: Vec<f32> = data[start..len - REC_FOOTER]
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
-        let n = self.cache.seq_state_write(seq, &data[..start], n_vocab)?;
+        let n = self
+            .cache_mut()
+            .seq_state_write(seq, &data[..start], n_vocab)?;
         if nf > 0 {
-            let shared = Arc::clone(self.cache.shared());
-            let r = self.recurrent.as_mut().expect("checked above");
+            let shared = Arc::clone(self.cache().shared());
+            let r = self.memory.recurrent_mut().expect("checked above");
             let written = r.write(seq, pos, &vals, &mut shared.lock_storage());
             if let Err(e) = written {
-                self.cache.seq_rm(seq, -1, -1)?;
+                self.cache_mut().seq_rm(seq, -1, -1)?;
                 return Err(e);
             }
         }
         Ok(n)
-    }
-}
-
-/// The context's memory: the paged K/V cache and, for a hybrid model, the recurrent states,
-/// with llama.cpp's hybrid rules (docs/KV_SEMANTICS.md, "Recurrent state"): an operation the
-/// recurrent group cannot honour fails before either group changes; position shifts move the
-/// K/V (re-rotated) and only the recorded position of a state.
-impl Memory for Context {
-    fn seq_rm(&mut self, s: SeqId, p0: Pos, p1: Pos) -> Result<()> {
-        if let Some(r) = self.recurrent.as_mut() {
-            r.check_rm(s, p0, p1)?;
-            r.seq_rm(s, p0, p1);
-        }
-        self.cache.seq_rm(s, p0, p1)
-    }
-
-    fn seq_cp(&mut self, src: SeqId, dst: SeqId, p0: Pos, p1: Pos) -> Result<()> {
-        self.cache.seq_cp(src, dst, p0, p1)?;
-        if let Some(r) = self.recurrent.as_mut() {
-            r.seq_cp(src, dst)?;
-        }
-        Ok(())
-    }
-
-    fn seq_keep(&mut self, s: SeqId) -> Result<()> {
-        self.cache.seq_keep(s)?;
-        if let Some(r) = self.recurrent.as_mut() {
-            r.seq_keep(s);
-        }
-        Ok(())
-    }
-
-    fn seq_add(&mut self, s: SeqId, p0: Pos, p1: Pos, delta: Pos) -> Result<()> {
-        self.cache.seq_add(s, p0, p1, delta)?;
-        if let Some(r) = self.recurrent.as_mut() {
-            r.seq_add(s, p0, p1, delta);
-        }
-        Ok(())
-    }
-
-    fn seq_div(&mut self, s: SeqId, p0: Pos, p1: Pos, d: i32) -> Result<()> {
-        self.cache.seq_div(s, p0, p1, d)?;
-        if let Some(r) = self.recurrent.as_mut() {
-            r.seq_div(s, p0, p1, d);
-        }
-        Ok(())
-    }
-
-    /// As llama.cpp's hybrid memory: the larger of the two groups' lowest positions.
-    fn seq_pos_min(&self, s: SeqId) -> Pos {
-        let a = self.cache.seq_pos_min(s);
-        self.recurrent.as_ref().map_or(a, |r| a.max(r.seq_pos(s)))
-    }
-
-    fn seq_pos_max(&self, s: SeqId) -> Pos {
-        let a = self.cache.seq_pos_max(s);
-        self.recurrent.as_ref().map_or(a, |r| a.max(r.seq_pos(s)))
-    }
-
-    fn clear(&mut self) {
-        self.cache.clear();
-        if let Some(r) = self.recurrent.as_mut() {
-            r.clear();
-        }
     }
 }
 
@@ -917,22 +1034,5 @@ mod tests {
             let mut c = Context::with_options(Arc::clone(&m2), &other).unwrap();
             assert!(c.seq_state_write(0, &state).is_err());
         }
-    }
-
-    /// What the identity costs at load (printed; `--ignored --nocapture`).
-    #[test]
-    #[ignore = "measurement, not a test"]
-    fn measure_model_identity() {
-        let g = real_model();
-        let t0 = Instant::now();
-        let reps = 20;
-        for _ in 0..reps {
-            std::hint::black_box(model_identity(&g));
-        }
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
-        println!(
-            "model_identity: {ms:.2} ms for {} tensors",
-            g.tensors().len()
-        );
     }
 }

@@ -1,5 +1,5 @@
 //! Tensor operations on f32 activations: RMSNorm, RoPE (normal/NeoX, linear and YaRN scaling),
-//! SiLU/SwiGLU, residual adds. (Attention lives with the KV cache, in `kv::attention`.)
+//! SiLU/SwiGLU, GELU/GeGLU, soft-capping, residual adds. (Attention lives with the KV cache, in `kv::attention`.)
 //!
 //! Activations are row-major `[n_tokens][dim]` slices. None of these functions allocate per
 //! element; all are deterministic for a given SIMD level.
@@ -44,6 +44,36 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// GELU, tanh approximation (ggml's `ggml_gelu`; ggml reads it from an f16 table, this
+/// computes it in f32).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const A: f32 = 0.044_715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + A * x * x)).tanh())
+}
+
+/// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU), in place in `gate`.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
+/// `x[i] = cap * tanh(x[i] / cap)` (logit soft-capping).
+pub fn softcap(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
+/// `x[i] *= s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
 /// `x[i] += y[i]`.
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
@@ -69,6 +99,28 @@ mod tests {
         let mut rows = x.to_vec();
         rms_norm_rows(&mut rows, 4, &w, 1e-5);
         assert_eq!(rows, out.to_vec());
+    }
+
+    /// Values of the tanh-approximated GELU from its formula in f64 (and its limits).
+    #[test]
+    fn gelu_tanh_values() {
+        for x in [-12.0f64, -3.0, -1.0, -0.1, 0.0, 0.5, 1.0, 2.5, 12.0] {
+            let want = 0.5
+                * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+            let got = gelu_tanh(x as f32) as f64;
+            assert!(
+                (got - want).abs() < 1e-6 * (1.0 + want.abs()),
+                "{x}: {got} vs {want}"
+            );
+        }
+        let mut g = [1.0f32, -2.0];
+        geglu(&mut g, &[3.0, 0.5]);
+        assert_eq!(g, [gelu_tanh(1.0) * 3.0, gelu_tanh(-2.0) * 0.5]);
+        let mut l = [0.0f32, 30.0, -1e9];
+        softcap(&mut l, 30.0);
+        assert_eq!(l[0], 0.0);
+        assert!((l[1] - 30.0 * 1f32.tanh()).abs() < 1e-5 && (l[2] + 30.0).abs() < 1e-5);
     }
 
     #[test]

@@ -1210,40 +1210,4 @@ mod tests {
             }
         }
     }
-
-    /// Rough throughput check: `cargo test -p kvserve-core --release --lib kquants_bench -- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn kquants_bench() {
-        let mut rng = Rng(1);
-        let nb = 16; // a 4096-wide row
-        let rows = 512;
-        for kind in Kind::ALL {
-            let w = kind.random_blocks(&mut rng, nb * rows);
-            let a = quantize(&random_activations(&mut rng, nb * QK_K));
-            for level in SimdLevel::available() {
-                let row = nb * kind.bytes();
-                let mut sink = 0f32;
-                let iters = 20;
-                // Best of 5 timings: the machine is shared, so the minimum is the signal.
-                let mut dt = f64::INFINITY;
-                for _ in 0..5 {
-                    let t = std::time::Instant::now();
-                    for _ in 0..iters {
-                        for r in 0..rows {
-                            sink += kind.dot(&w[r * row..(r + 1) * row], &a, level);
-                        }
-                    }
-                    dt = dt.min(t.elapsed().as_secs_f64());
-                }
-                let blocks = (iters * rows * nb) as f64;
-                eprintln!(
-                    "{kind:?} {:>10}: {:6.2} ns/block, {:6.2} GB/s weights (sink {sink:e})",
-                    level.name(),
-                    dt * 1e9 / blocks,
-                    blocks * kind.bytes() as f64 / dt / 1e9
-                );
-            }
-        }
-    }
 }

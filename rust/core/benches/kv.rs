@@ -1,0 +1,126 @@
+//! KV cache hot paths: attention of one query token (a GQA group of 3 heads, head_dim 64, as
+//! SmolLM2) over 128-4096 cached cells of each K/V type at each SIMD level, and taking a block
+//! from a pool full of cached blocks (evict the LRU block, key it, release it).
+//!
+//! `cargo bench -p kvserve-core --bench kv`. Moved here from the `#[ignore]`d `kv_measure`
+//! and `measure_eviction` tests; the accuracy of the K/V types is asserted by the attention
+//! tests (`attention::tests`), not measured here.
+
+mod common;
+
+use common::Rng;
+use divan::counter::ItemsCount;
+use divan::Bencher;
+use kvserve_core::kv::attention::{attend_at, Mask, Query, Scratch};
+use kvserve_core::kv::storage::{KvLayout, KvStorage, KvType};
+use kvserve_core::kv::BlockPool;
+use kvserve_core::quant::SimdLevel;
+
+fn main() {
+    divan::main();
+}
+
+const HEAD_DIM: usize = 64;
+const KV_HEADS: usize = 3;
+const GROUP: usize = 3;
+const BLOCK: usize = 16;
+
+#[derive(Clone, Copy)]
+struct Case {
+    ty: KvType,
+    level: SimdLevel,
+    n_kv: usize,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (ty, lvl, n) = (self.ty.name(), self.level.name(), self.n_kv);
+        write!(f, "{ty} {lvl} n_kv={n:04}")
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let mut out = Vec::new();
+    for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+        // avx512vnni has no attention kernel of its own (it runs avx512's).
+        for level in SimdLevel::available() {
+            if level == SimdLevel::Avx512Vnni {
+                continue;
+            }
+            for n_kv in [128, 1024, 4096] {
+                out.push(Case { ty, level, n_kv });
+            }
+        }
+    }
+    out
+}
+
+/// One query token's attention for one GQA group over `n_kv` cells in shuffled blocks;
+/// counts cells.
+#[divan::bench(args = cases(), max_time = 1)]
+fn attend(bencher: Bencher, c: Case) {
+    let kv_dim = HEAD_DIM * KV_HEADS;
+    let nb = c.n_kv / BLOCK;
+    let mut rng = Rng(c.n_kv as u64);
+    let layout = KvLayout {
+        ty: c.ty,
+        n_layers: 1,
+        kv_dim,
+        block_size: BLOCK,
+    };
+    let mut store = KvStorage::new(layout, nb).unwrap();
+    let mut table: Vec<u32> = (0..nb as u32).collect();
+    for i in (1..nb).rev() {
+        table.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    for i in 0..c.n_kv {
+        let (k, v) = (rng.normals(kv_dim, 1.0), rng.normals(kv_dim, 1.0));
+        store.write(0, table[i / BLOCK], i % BLOCK, &k, &v).unwrap();
+    }
+    let q = rng.normals(GROUP * HEAD_DIM, 1.5);
+    let query = Query {
+        layer: 0,
+        kv_head: 1,
+        head_dim: HEAD_DIM,
+        q: &q,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        mask: Mask::All,
+    };
+    let mut out = vec![0.0; GROUP * HEAD_DIM];
+    let mut scratch = Scratch::default();
+    bencher.counter(ItemsCount::new(c.n_kv)).bench_local(|| {
+        attend_at(
+            c.level,
+            &store,
+            &table,
+            c.n_kv,
+            &query,
+            &mut out,
+            &mut scratch,
+        )
+        .unwrap();
+    });
+}
+
+/// A pool of `n` blocks, all cached (keyed, unreferenced): allocate (evicts the LRU block),
+/// key and release one block.
+#[divan::bench(args = [1024, 8192, 65536], max_time = 1)]
+fn evict_key_release(bencher: Bencher, n: u32) {
+    let pool = BlockPool::new(n);
+    let all: Vec<_> = (0..n).map(|_| pool.allocate().unwrap()).collect();
+    for (i, &b) in all.iter().enumerate() {
+        pool.set_key(b, i as u64).unwrap();
+    }
+    for &b in all.iter().rev() {
+        pool.release(b).unwrap();
+    }
+    assert_eq!(pool.stats().cached, n as usize);
+    let mut key = n as u64;
+    bencher.bench_local(|| {
+        let b = pool.allocate().unwrap();
+        pool.set_key(b, key).unwrap();
+        pool.release(b).unwrap();
+        key += 1;
+    });
+    pool.audit().unwrap();
+}

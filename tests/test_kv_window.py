@@ -1,0 +1,232 @@
+"""Sliding-window layer groups (Gemma 3's local layers) on the paged KV cache.
+
+The oracle for logits is the float64 numpy reference (tests/reference.py), which attends over
+a window by its definition (a key at p is visible from q iff q - window < p <= q) with every
+token of the sequence available: so the engine's pruned window group must give the same
+logits as the reference that never pruned anything. The memory bounds are the issue's
+(⌈(window + batch) / block⌉ + 1 blocks per sequence); the blocks a group holds are read from
+``Context.stats()["groups"]``, independently of the attention code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import reference as ref  # noqa: E402
+
+import kvserve._core as core  # noqa: E402
+
+# Layers 0 and 2 local (window of 20 positions), 1 and 3 global; blocks of 16.
+SPEC = ref.Spec(
+    arch="gemma3", n_layer=4, head_dim=32, window=20, swa_pattern=2, freq_base=1e6, seed=31
+)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[core.Model, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("win") / "gemma3.gguf"
+    w = ref.write_model(path, SPEC)
+    return core.Model(str(path), threads=2), w
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, ref.N_VOCAB, n)]
+
+
+def _rows(out) -> np.ndarray:
+    return np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab).astype(np.float64)
+
+
+def _decode(ctx, toks: list[int], start: int, seq: int = 0) -> np.ndarray:
+    n = len(toks)
+    return _rows(ctx.decode(toks, list(range(start, start + n)), [seq] * n, [True] * n))
+
+
+def _group(ctx, kind: str) -> dict:
+    (g,) = [g for g in ctx.stats()["groups"] if g["kind"] == kind]
+    return g
+
+
+def _close(got: np.ndarray, want: np.ndarray, what: str, tol: float = 1e-3) -> None:
+    d = float(np.abs(got - want).max() / np.abs(want).max())
+    assert d < tol, f"{what}: max |diff| / max |logit| = {d:.3g}"
+
+
+def test_groups_reported(tiny):
+    model, _ = tiny
+    ctx = model.new_context(256)
+    groups = ctx.stats()["groups"]
+    assert [(g["kind"], g["window"], g["layers"]) for g in groups] == [
+        ("window", SPEC.window, 2),
+        ("full", None, 2),
+    ]
+
+
+def test_pruned_window_matches_reference_far_past_the_window(tiny):
+    """100 tokens in chunks of 7 (the window group is pruned after every chunk): every row
+    equals the reference's, and the rows differ from a reference without the window."""
+    model, w = tiny
+    toks = _tokens(100)
+    ctx = model.new_context(256)
+    got = np.concatenate([_decode(ctx, toks[i : i + 7], i) for i in range(0, 100, 7)])
+    want = ref.forward(w, SPEC, toks, kv_f16=True)
+    _close(got, want, "chunked decode vs reference")
+    no_window = ref.forward(w, dataclasses.replace(SPEC, window=None), toks, kv_f16=True)
+    assert float(np.abs(got - no_window).max() / np.abs(no_window).max()) > 0.05
+    # The window group holds only the window's blocks; the full group every block.
+    assert _group(ctx, "window")["blocks_held"] <= math.ceil(SPEC.window / BLOCK) + 1
+    assert _group(ctx, "full")["blocks_held"] == math.ceil(100 / BLOCK)
+    ctx.audit()
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_window_memory_bounded_over_4096_tokens(tiny, batch):
+    """A 4,096-token sequence: after every batch the window group holds at most
+    ⌈window/block⌉ + 1 blocks (⌈(window + batch)/block⌉ + 1 while a batch runs), and every
+    block it dropped went back to the pool (referenced == held, the rest free or cached)."""
+    model, _ = tiny
+    ctx = model.new_context(4096)
+    toks = _tokens(4096, seed=1)
+    bound = math.ceil(SPEC.window / BLOCK) + 1
+    step = batch if batch > 1 else 1
+    peak = 0
+    for i in range(0, 4096 if batch > 1 else 600, step):
+        chunk = toks[i : i + step]
+        n = len(chunk)
+        ctx.decode(chunk, list(range(i, i + n)), [0] * n, [False] * (n - 1) + [True])
+        g = _group(ctx, "window")
+        peak = max(peak, g["blocks_held"])
+        assert g["blocks_held"] <= bound, (i, g)
+        assert g["blocks_referenced"] == g["blocks_held"]
+        assert g["blocks_free"] + g["blocks_cached"] + g["blocks_referenced"] == g["blocks_total"]
+    assert peak >= bound - 1
+    assert _group(ctx, "full")["tokens_stored"] == (4096 if batch > 1 else 600)
+    ctx.audit()
+
+
+def test_seq_cp_of_a_pruned_sequence_continues_like_the_source(tiny):
+    model, w = tiny
+    toks = _tokens(70, seed=2)
+    ctx = model.new_context(512)
+    _decode(ctx, toks[:60], 0)
+    ctx.seq_cp(0, 1)
+    a = _decode(ctx, toks[60:], 60, seq=0)
+    b = _decode(ctx, toks[60:], 60, seq=1)
+    want = ref.forward(w, SPEC, toks, kv_f16=True)[60:]
+    _close(a, want, "source after copy")
+    _close(b, want, "copy")
+    ctx.audit()
+
+
+def test_seq_rm_tail_inside_the_window_then_redecode(tiny):
+    """Removing a tail the window group can continue from (its window is still held: after
+    pruning it holds exactly the last `window` positions, so only the last token can go) and
+    decoding other tokens there gives the reference's logits for the new tokens."""
+    model, w = tiny
+    toks = _tokens(60, seed=3)
+    other = _tokens(6, seed=4)
+    ctx = model.new_context(512)
+    _decode(ctx, toks, 0)
+    ctx.seq_rm(0, 59, -1)
+    got = _decode(ctx, other, 59)
+    want = ref.forward(w, SPEC, toks[:59] + other, kv_f16=True)[59:]
+    _close(got, want, "re-decoded tail")
+    ctx.audit()
+
+
+def test_seq_rm_tail_beyond_what_the_window_kept_is_refused(tiny):
+    """Continuing at a position whose window the window group already dropped would attend
+    over missing keys: refused with ValueError, nothing changed (the caller recomputes)."""
+    model, w = tiny
+    toks = _tokens(80, seed=5)
+    ctx = model.new_context(512)
+    _decode(ctx, toks, 0)
+    before = (ctx.seq_pos_max(0), ctx.n_cells, _group(ctx, "window")["blocks_held"])
+    with pytest.raises(ValueError, match="cannot continue"):
+        ctx.seq_rm(0, 30, -1)
+    assert (ctx.seq_pos_max(0), ctx.n_cells, _group(ctx, "window")["blocks_held"]) == before
+    # The sequence still continues correctly, and removing it whole is always allowed.
+    got = _decode(ctx, _tokens(3, seed=6), 80)
+    want = ref.forward(w, SPEC, toks + _tokens(3, seed=6), kv_f16=True)[80:]
+    _close(got, want, "continuation after the refused seq_rm")
+    ctx.seq_rm(0)
+    assert ctx.n_cells == 0
+    assert all(g["blocks_held"] == 0 for g in ctx.stats()["groups"])
+    ctx.audit()
+
+
+def test_prefix_reuse_with_window_groups_equals_recompute(tiny):
+    """A second sequence that starts like a first one maps the cached prefix in both groups
+    and continues with exactly the logits of a fresh computation."""
+    model, w = tiny
+    prefix = _tokens(40, seed=7)
+    tail = _tokens(5, seed=8)
+    ctx = model.new_context(512)
+    _decode(ctx, prefix + _tokens(3, seed=9), 0)
+    n = ctx.match_prefix(1, prefix + tail)
+    assert n > 0 and n % BLOCK == 0
+    got = _decode(ctx, (prefix + tail)[n:], n, seq=1)
+    want = ref.forward(w, SPEC, prefix + tail, kv_f16=True)[n:]
+    _close(got, want, "after prefix reuse")
+    ctx.audit()
+
+
+def test_real_gemma_4096_tokens_window_bounded(gemma_path):
+    """Gemma 3 270M: a 4,096-token sequence in batches of 512 holds at most
+    ⌈512/16⌉ + 1 blocks per window layer group after each batch, while the full group holds
+    all 256 blocks."""
+    m = core.Model(str(gemma_path), threads=2)
+    ctx = m.new_context(4096)
+    window = next(g["window"] for g in ctx.stats()["groups"] if g["kind"] == "window")
+    assert window == 512
+    toks = _tokens(4096, seed=10)
+    toks = [t + 10 for t in toks]  # skip special ids
+    for i in range(0, 4096, 512):
+        chunk = toks[i : i + 512]
+        ctx.decode(chunk, list(range(i, i + 512)), [0] * 512, [False] * 511 + [True])
+        assert _group(ctx, "window")["blocks_held"] <= math.ceil(window / BLOCK) + 1
+    assert _group(ctx, "full")["blocks_held"] == 4096 // BLOCK
+    st = ctx.stats()["groups"]
+    held_bytes = {g["kind"]: g["blocks_held"] * g["bytes_per_block"] for g in st}
+    # 15 local layers now take less memory than the 3 global ones.
+    assert held_bytes["window"] < held_bytes["full"]
+
+
+def test_engine_serves_gemma_with_prefix_reuse_identical_to_recompute(gemma_path):
+    """Engine on Gemma 3 270M: two requests share a system text longer than a window block
+    run; the second reuses cached blocks (in both layer groups), and greedy outputs, including
+    one whose prompt is longer than the 512-token window, equal those of an engine without
+    prefix reuse. ``stats()`` reports both groups."""
+    from kvserve import Engine, Model
+
+    model = Model.load(gemma_path, threads=2)
+    system = " ".join(f"Rule {i}: answer briefly and cite rule {i}." for i in range(30))
+    long_doc = " ".join(f"Line {i}: the river flows past mill number {i}." for i in range(50))
+    prompts = [
+        system + "\nQuestion: what is the capital of France?\nAnswer:",
+        system + "\nQuestion: what colour is the sky?\nAnswer:",
+        long_doc + "\nQuestion: what flows past the mills?\nAnswer:",
+        long_doc + "\nQuestion: how many mills are there?\nAnswer:",
+    ]
+    assert len(model.tokenize(prompts[2])) > 600
+    outs = {}
+    for reuse in (False, True):
+        with Engine(model, parallel=2, ctx_size=2048, batch_tokens=256, prefix_cache=reuse) as e:
+            outs[reuse] = [e.generate(p, max_tokens=12, temperature=0) for p in prompts]
+            st = e.stats()
+            assert st["kv_window_layers"] == 15 and st["kv_full_layers"] == 3
+            if reuse:
+                assert outs[True][1].cached_tokens >= 256
+                assert outs[True][3].cached_tokens >= 256
+    assert [r.text for r in outs[True]] == [r.text for r in outs[False]]
+    assert all(r.cached_tokens == 0 for r in outs[False])
