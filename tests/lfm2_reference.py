@@ -28,8 +28,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 @dataclass
 class Spec:
-    # One letter per layer: "C" short conv, "A" attention.
+    # One letter per layer: "C" short conv, "A" attention, "W" attention over the last
+    # ``window`` positions (a sliding window: kvserve's hybrid + ISWA extension).
     layers: str = "CACA"
+    window: int | None = None
     n_embd: int = 64
     n_head: int = 4
     n_head_kv: int = 2
@@ -118,6 +120,10 @@ def write_model(path: Path | str, spec: Spec) -> dict[str, np.ndarray]:
     w.add_float32(f"{a}.rope.freq_base", spec.freq_base)
     w.add_uint32(f"{a}.vocab_size", nv)
     w.add_uint32(f"{a}.shortconv.l_cache", spec.l_cache)
+    if "W" in spec.layers:
+        assert spec.window, "W layers need a window"
+        w.add_uint32(f"{a}.attention.sliding_window", spec.window)
+        w.add_array(f"{a}.attention.sliding_window_pattern", [k == "W" for k in spec.layers])
     tokens, merges = ref.tiny_vocab()
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")
@@ -217,7 +223,12 @@ def forward(
             kpos = list(pos)
             att = np.zeros((n, nh, hd))
             for t in range(n):
-                visible = [j for j in range(len(kpos)) if kpos[j] <= pos[t]]
+                visible = [
+                    j
+                    for j in range(len(kpos))
+                    if kpos[j] <= pos[t]
+                    and (kind != "W" or spec.window is None or pos[t] - spec.window < kpos[j])
+                ]
                 for head in range(nh):
                     kh = head // group
                     s = np.array([q[t, head] @ k[j, kh] for j in visible]) / math.sqrt(hd)

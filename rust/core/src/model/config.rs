@@ -317,9 +317,23 @@ impl Config {
             }
         }
         if let Some(sc) = &shortconv {
-            for (k, &conv) in layer_kinds.iter_mut().zip(&sc.is_conv) {
+            // A sliding window on some attention layers (`attention.sliding_window` and
+            // `attention.sliding_window_pattern`, read as for gemma3 with every attention layer
+            // local by default): a kvserve extension that llama.cpp's lfm2 does not read, for
+            // models that mix all three layer kinds (llama.cpp's `llama_memory_hybrid_iswa`).
+            let window = g
+                .get_u64(&format!("{a}.attention.sliding_window"))?
+                .unwrap_or(0) as usize;
+            let swa = if window > 0 {
+                swa_pattern(g, a, n_layer, 0)?
+            } else {
+                vec![false; n_layer]
+            };
+            for ((k, &conv), local) in layer_kinds.iter_mut().zip(&sc.is_conv).zip(swa) {
                 if conv {
                     *k = LayerKind::Recurrent;
+                } else if local {
+                    *k = LayerKind::Window(window);
                 }
             }
         }
@@ -348,8 +362,7 @@ impl Config {
 /// LFM2's layer pattern as llama.cpp reads it: `head_count_kv` is an array with one entry per
 /// layer (0 marks a short-conv layer) or one number for every layer; `shortconv.l_cache` is the
 /// conv kernel length. Returns the attention layers' KV head count (they must agree) and the
-/// pattern. A sliding window on the attention layers (`attention.sliding_window`) is not
-/// supported yet.
+/// pattern.
 fn lfm2_layers(g: &GgufFile, a: &str, n_layer: usize) -> Result<(usize, Option<ShortConv>)> {
     let key = format!("{a}.attention.head_count_kv");
     let per_layer: Vec<usize> = match g.get(&key) {
@@ -395,13 +408,6 @@ fn lfm2_layers(g: &GgufFile, a: &str, n_layer: usize) -> Result<(usize, Option<S
         return Err(model_err(format!(
             "GGUF: key '{lkey}' has implausible value {l_cache} (2..=64)"
         )));
-    }
-    if g.get_u64(&format!("{a}.attention.sliding_window"))?
-        .is_some_and(|w| w > 0)
-    {
-        return Err(Error::Unsupported(
-            "lfm2 with a sliding window on its attention layers is not supported yet".into(),
-        ));
     }
     let is_conv = per_layer.iter().map(|&n| n == 0).collect();
     Ok((n_head_kv, Some(ShortConv { l_cache, is_conv })))
