@@ -449,3 +449,152 @@ impl Memory for LayerGroups {
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::batch::Batch;
+    use crate::kv::recurrent::StateLayout;
+    use crate::kv::storage::{KvLayout, KvType};
+    use crate::kv::SharedKv;
+    use crate::model::LayerKind;
+    use crate::ops::{Rope, RopeScaling};
+
+    const BS: usize = 16;
+
+    fn shared(id: u128) -> Arc<SharedKv> {
+        let layout = KvLayout {
+            ty: KvType::F32,
+            n_layers: 1,
+            kv_dim: 8,
+            block_size: BS,
+        };
+        let rope = Rope {
+            n_rot: 8,
+            neox: true,
+            freq_base: 10000.0,
+            scaling: RopeScaling::None,
+            freq_factors: None,
+        };
+        Arc::new(SharedKv::new(layout, 8, rope, 64, id).unwrap())
+    }
+
+    /// Layers 0 full, 1 window of 20, 2 recurrent (llama.cpp's hybrid + ISWA composition).
+    fn memory() -> LayerGroups {
+        let (full, win) = (shared(1), shared(2));
+        let state = RecurrentGroup::new(
+            Arc::clone(full.pool()),
+            Some(Arc::clone(full.index())),
+            StateLayout {
+                n_layers: 1,
+                per_layer: 16,
+            },
+            full.layout().bytes_per_block(),
+        )
+        .unwrap();
+        let group = |kind, layer, sh| Group {
+            kind,
+            layers: vec![layer],
+            cache: PagedCache::new(sh, 4096).unwrap(),
+        };
+        LayerGroups::new(
+            vec![
+                group(LayerKind::Full, 0, full),
+                group(LayerKind::Window(20), 1, win),
+            ],
+            Some(RecurrentLayers {
+                layers: vec![2],
+                state,
+            }),
+        )
+        .unwrap()
+    }
+
+    /// Commits a batch of `n` tokens from `pos0` of `seq` in every group (as `Context::decode`
+    /// does, without a forward pass: the states keep their values), then prunes the windows.
+    fn run(m: &mut LayerGroups, seq: SeqId, pos0: Pos, n: usize) {
+        let toks: Vec<u32> = (0..n as u32).collect();
+        let batch = Batch::prompt(&toks, pos0, seq);
+        let mut txs = Vec::new();
+        for g in m.groups_mut() {
+            let sh = Arc::clone(g.cache.shared());
+            let (_, tx) = g.cache.begin_batch(&batch, &mut sh.lock_storage()).unwrap();
+            txs.push(tx);
+        }
+        let pi = m.primary_index();
+        let sh = Arc::clone(m.groups()[pi].cache.shared());
+        let mut storage = sh.lock_storage();
+        let r = m.recurrent_mut().unwrap();
+        let (tx, states) = r.begin(&batch.seq_ids, &batch.positions, &storage).unwrap();
+        r.commit(tx, &states, &mut storage).unwrap();
+        for (g, tx) in m.groups_mut().iter_mut().zip(txs) {
+            g.cache.commit(tx);
+        }
+        m.prune_windows(&[seq]);
+    }
+
+    fn snapshot(m: &LayerGroups) -> Vec<(Pos, Pos, usize, usize)> {
+        let mut out: Vec<_> = m
+            .groups()
+            .iter()
+            .map(|g| {
+                let t = g.cache.table();
+                (
+                    t.seq_pos_min(0),
+                    t.seq_pos_max(0),
+                    t.stats().live_cells,
+                    t.stats().sequences,
+                )
+            })
+            .collect();
+        let r = m.recurrent().unwrap();
+        out.push((
+            r.seq_pos(0),
+            r.seq_pos(1),
+            r.n_states(),
+            r.blocks_per_state(),
+        ));
+        out
+    }
+
+    #[test]
+    fn hybrid_rules_hold_across_full_window_and_recurrent_groups() {
+        let mut m = memory();
+        assert_eq!(m.slot(2), (usize::MAX, 0));
+        run(&mut m, 0, 0, 40);
+        // As llama.cpp's hybrid memory: the minimum is the larger of the groups' (the state
+        // holds only its last position).
+        assert_eq!((m.seq_pos_min(0), m.seq_pos_max(0)), (39, 39));
+        let before = snapshot(&m);
+        // A partial removal that would cut the state: refused, no group changes (the window
+        // group would refuse [25, +inf) too; [39, 40) only the state refuses).
+        for (p0, p1) in [(25, -1), (39, 40), (1, -1)] {
+            let err = m.seq_rm(0, p0, p1).unwrap_err();
+            assert!(err.to_string().contains("recurrent state"), "{err}");
+            assert_eq!(snapshot(&m), before, "seq_rm({p0}, {p1}) changed something");
+        }
+        assert!(m.seq_rm(-1, 5, -1).is_err());
+        assert_eq!(snapshot(&m), before);
+        // Older positions go (a context shift's removal); the state stays.
+        m.seq_rm(0, 0, 8).unwrap();
+        assert_eq!(m.groups()[0].cache.table().seq_pos_min(0), 8);
+        assert_eq!(m.recurrent().unwrap().seq_pos(0), 39);
+        // Shifts move the K/V and the state's recorded position only.
+        m.seq_add(0, 8, -1, -8).unwrap();
+        assert_eq!(m.seq_pos_max(0), 31);
+        assert_eq!(m.recurrent().unwrap().seq_pos(0), 31);
+        // seq_cp shares the state; whole removal frees every group.
+        m.seq_cp(0, 1, -1, -1).unwrap();
+        assert_eq!(m.recurrent().unwrap().seq_pos(1), 31);
+        let full = Arc::clone(m.groups()[0].cache.shared());
+        m.seq_rm(0, 0, -1).unwrap();
+        m.seq_rm(1, -1, -1).unwrap();
+        assert_eq!(m.recurrent().unwrap().n_states(), 0);
+        for g in m.groups() {
+            assert_eq!(g.cache.table().stats().live_cells, 0);
+            g.cache.table().check().unwrap();
+        }
+        assert_eq!(full.pool_stats().referenced, 0);
+        m.recurrent().unwrap().check().unwrap();
+    }
+}
