@@ -1,7 +1,7 @@
 //! Thread-count policy: `--threads` / `KVSERVE_THREADS`, default the number of physical cores.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Threads to use when the caller gives none: `KVSERVE_THREADS` if set and valid, else the
@@ -74,7 +74,8 @@ pub fn build_pool(n: Option<usize>) -> rayon::ThreadPool {
 pub struct Team {
     pool: rayon::ThreadPool,
     n: usize,
-    barrier: SpinBarrier,
+    /// Set when a member panicked: waiting members give up instead of waiting forever.
+    poisoned: AtomicBool,
     /// `(step << 32) | next task to hand out` of the step being handed out.
     claim: AtomicU64,
     /// `(step << 32) | tasks finished` of the step being worked on. Moves to the next step only
@@ -109,7 +110,7 @@ impl Team {
         Team {
             pool,
             n,
-            barrier: SpinBarrier::new(n),
+            poisoned: AtomicBool::new(false),
             claim: AtomicU64::new(0),
             done: AtomicU64::new(0),
             lock: Mutex::new(()),
@@ -127,9 +128,8 @@ impl Team {
         F: Fn(&Worker<'_>) + Sync,
     {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        // A previous run that panicked may have left the barrier half-filled. Step 0 is an
-        // empty step that is over.
-        self.barrier.reset();
+        // Forget a previous run that panicked. Step 0 is an empty step that is over.
+        self.poisoned.store(false, Ordering::Relaxed);
         self.claim.store(0, Ordering::Relaxed);
         self.done.store(0, Ordering::Relaxed);
         self.pool.broadcast(|ctx| {
@@ -141,9 +141,8 @@ impl Team {
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
             if let Err(payload) = r {
-                // Release members waiting at a barrier or for a step: they see the flag and
-                // unwind too.
-                self.barrier.poisoned.store(true, Ordering::Release);
+                // Release members waiting for a step: they see the flag and unwind too.
+                self.poisoned.store(true, Ordering::Release);
                 std::panic::resume_unwind(payload);
             }
         });
@@ -161,7 +160,7 @@ impl Team {
     fn wait_done(&self, k: u32, n_tasks: usize) {
         let mut spins = 0u32;
         while !self.step_over(k, n_tasks) {
-            if self.barrier.poisoned.load(Ordering::Acquire) {
+            if self.poisoned.load(Ordering::Acquire) {
                 panic!("another member of the thread team panicked");
             }
             if spins < SPINS_BEFORE_YIELD {
@@ -178,12 +177,6 @@ impl Team {
 const SPINS_BEFORE_YIELD: u32 = 20_000;
 
 impl Worker<'_> {
-    /// Waits until every member has reached this point (a classic barrier; the forward passes
-    /// use `for_tasks`, whose steps end when their tasks are done).
-    pub fn sync(&self) {
-        self.team.barrier.wait();
-    }
-
     /// Executes tasks `0..n_tasks`, each exactly once across the team, handed out dynamically
     /// (fast members take more), and returns once all of them are done — whoever ran them.
     ///
@@ -261,67 +254,6 @@ impl Worker<'_> {
             }
         });
     }
-
-    /// This member's contiguous share of `0..len` (static split; pair it with `sync`).
-    pub fn share(&self, len: usize) -> std::ops::Range<usize> {
-        let per = len.div_ceil(self.n);
-        let start = (self.id * per).min(len);
-        start..(start + per).min(len)
-    }
-}
-
-/// A sense-reversing barrier that spins, then yields, so it stays cheap when every member is
-/// running and harmless when the machine is oversubscribed.
-struct SpinBarrier {
-    n: usize,
-    arrived: std::sync::atomic::AtomicUsize,
-    generation: std::sync::atomic::AtomicUsize,
-    /// Set when a member panicked: waiters give up instead of spinning forever.
-    poisoned: std::sync::atomic::AtomicBool,
-}
-
-impl SpinBarrier {
-    fn new(n: usize) -> SpinBarrier {
-        SpinBarrier {
-            n,
-            arrived: std::sync::atomic::AtomicUsize::new(0),
-            generation: std::sync::atomic::AtomicUsize::new(0),
-            poisoned: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-
-    /// Forgets a run that ended in a panic (called with no member running).
-    fn reset(&self) {
-        use std::sync::atomic::Ordering;
-        self.arrived.store(0, Ordering::Relaxed);
-        self.poisoned.store(false, Ordering::Relaxed);
-    }
-
-    fn wait(&self) {
-        use std::sync::atomic::Ordering;
-        if self.n == 1 {
-            return;
-        }
-        let gen = self.generation.load(Ordering::Acquire);
-        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
-            self.arrived.store(0, Ordering::Relaxed);
-            self.generation
-                .store(gen.wrapping_add(1), Ordering::Release);
-            return;
-        }
-        let mut spins = 0u32;
-        while self.generation.load(Ordering::Acquire) == gen {
-            if self.poisoned.load(Ordering::Acquire) {
-                panic!("another member of the thread team panicked");
-            }
-            if spins < 20_000 {
-                std::hint::spin_loop();
-                spins += 1;
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -332,7 +264,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     /// How long a dawdling member keeps its partners waiting in the tests below: long enough
-    /// that a barrier which stops spinning (yields or sleeps) does so.
+    /// that a waiting member which stops spinning (yields) does so.
     const SPIN_LIMIT: Duration = Duration::from_micros(200);
 
     #[test]
@@ -362,8 +294,8 @@ mod tests {
         }
     }
 
-    /// Runs `f` on its own thread and fails if it has not finished within `limit`: a barrier
-    /// that loses a wake-up or miscounts arrivals hangs rather than returning a wrong answer.
+    /// Runs `f` on its own thread and fails if it has not finished within `limit`: a step that
+    /// never ends hangs rather than returning a wrong answer.
     fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -372,145 +304,62 @@ mod tests {
         match rx.recv_timeout(limit) {
             Ok(Ok(v)) => v,
             Ok(Err(payload)) => std::panic::resume_unwind(payload),
-            Err(_) => panic!("no result after {limit:?}: a team member never left a barrier"),
-        }
-    }
-
-    /// Keeps the calling member busy for `d` without sleeping.
-    fn busy_for(d: Duration) {
-        let t = Instant::now();
-        while t.elapsed() < d {
-            std::hint::spin_loop();
+            Err(_) => panic!("no result after {limit:?}: a team step never ended"),
         }
     }
 
     #[test]
-    fn barrier_orders_plain_writes_between_steps() {
-        // The forward pass shares plain (non-atomic) buffers: a step's writes, a barrier, then
-        // reads by every member. So does this test. In each step one member dawdles before its
-        // writes (spins a little, or sleeps past SPIN_LIMIT so that its partners park), so a
-        // barrier that lets a member through before everyone has arrived makes it read a stale
-        // cell. (A barrier with too weak memory orderings is caught on weakly ordered CPUs;
-        // x86 keeps stores in order whatever the barrier says.)
-        const CELLS: usize = 96;
-        const STEPS: usize = 300;
-        for threads in [2, 3] {
-            let stale = within(Duration::from_secs(120), move || {
-                let team = Team::new(Some(threads));
-                let mut cells = vec![0usize; CELLS];
-                let shared = SharedSlice::new(&mut cells);
-                let stale = AtomicUsize::new(0);
-                team.run(|w| {
-                    for step in 1..=STEPS {
-                        if w.id == step % w.n {
-                            match step % 10 {
-                                0 => std::thread::sleep(SPIN_LIMIT * 4),
-                                k => busy_for(Duration::from_micros(3 * k as u64)),
-                            }
-                        }
-                        // SAFETY: between the barriers each member writes only its own share
-                        // and nobody reads.
-                        unsafe { shared.slice_mut(w.share(CELLS)) }.fill(step);
-                        w.sync();
-                        // SAFETY: between these barriers nobody writes.
-                        let all = unsafe { shared.all() };
-                        let n = all.iter().filter(|&&c| c != step).count();
-                        stale.fetch_add(n, Ordering::Relaxed);
-                        w.sync();
-                    }
-                });
-                stale.into_inner()
-            });
-            assert_eq!(
-                stale, 0,
-                "{threads} threads: cells read before they were written"
-            );
-        }
-    }
-
-    #[test]
-    fn back_to_back_barriers_count_every_arrival() {
-        // No work between barriers: a released member arrives at the next barrier while the
-        // last arriver of this one may still be resetting the count, so a barrier that
-        // publishes the new generation before resetting the count loses an arrival (and
-        // hangs) or releases early.
-        for (threads, steps) in [(2, 300_000), (3, 5_000)] {
-            let early = within(Duration::from_secs(120), move || {
-                let team = Team::new(Some(threads));
-                let arrivals = AtomicUsize::new(0);
-                let early = AtomicUsize::new(0);
-                team.run(|w| {
-                    for step in 0..steps {
-                        arrivals.fetch_add(1, Ordering::Relaxed);
-                        w.sync();
-                        // Everyone has arrived for this step; some may be past it already.
-                        if arrivals.load(Ordering::Relaxed) < (step + 1) * w.n {
-                            early.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                });
-                early.into_inner()
-            });
-            assert_eq!(
-                early, 0,
-                "{threads} threads: left a barrier before all arrived"
-            );
-        }
-    }
-
-    #[test]
-    fn members_on_too_few_cores_never_lose_a_wake_up() {
-        // More members than this machine has cores: members are preempted at barriers, so
-        // waiters park, and every barrier must still release everyone (or the test times out)
-        // and only after everyone has arrived.
+    fn members_on_too_few_cores_finish_every_step() {
+        // More members than this machine has cores: members are preempted in and between
+        // tasks, and every step must still run each task once and end (or the test times out).
         let threads = 2 * std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
         const STEPS: usize = 2000;
-        let early = within(Duration::from_secs(120), move || {
+        let hits = within(Duration::from_secs(120), move || {
             let team = Team::new(Some(threads));
-            let arrivals = AtomicUsize::new(0);
-            let early = AtomicUsize::new(0);
+            let hits = AtomicUsize::new(0);
             team.run(|w| {
                 for step in 0..STEPS {
-                    if w.id == step % w.n && step % 50 == 0 {
-                        std::thread::sleep(SPIN_LIMIT * 2);
-                    }
-                    arrivals.fetch_add(1, Ordering::Relaxed);
-                    w.sync();
-                    if arrivals.load(Ordering::Relaxed) < (step + 1) * w.n {
-                        early.fetch_add(1, Ordering::Relaxed);
-                    }
-                    w.sync();
+                    w.for_tasks(w.n, |i| {
+                        if i == step % w.n && step % 50 == 0 {
+                            std::thread::sleep(SPIN_LIMIT * 2);
+                        }
+                        hits.fetch_add(1, Ordering::Relaxed);
+                    });
                 }
             });
-            assert_eq!(arrivals.into_inner(), STEPS * threads);
-            early.into_inner()
+            hits.into_inner()
         });
-        assert_eq!(early, 0, "members left a barrier before everyone arrived");
+        assert_eq!(hits, STEPS * threads);
     }
 
     #[test]
-    fn a_panicking_member_releases_the_team_and_the_team_recovers() {
-        // Once with the partner still spinning, once with it parked.
+    fn a_member_panicking_outside_tasks_holds_nobody_up_and_the_team_recovers() {
+        // Once with the others still in their steps, once after they finished theirs.
         for delay in [Duration::ZERO, SPIN_LIMIT * 10] {
             within(Duration::from_secs(60), move || {
                 let team = Team::new(Some(2));
+                let done = AtomicUsize::new(0);
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     team.run(|w| {
                         if w.id == 1 {
                             std::thread::sleep(delay);
                             panic!("boom");
                         }
-                        w.sync(); // would wait forever without poisoning
+                        for _ in 0..3 {
+                            w.for_tasks(4, |_| {
+                                done.fetch_add(1, Ordering::Relaxed);
+                            });
+                        }
                     })
                 }));
                 assert!(r.is_err());
+                assert_eq!(done.load(Ordering::Relaxed), 12);
                 // The team still works afterwards.
                 let hits = AtomicUsize::new(0);
                 team.run(|w| {
                     w.for_tasks(10, |_| {
                         hits.fetch_add(1, Ordering::Relaxed);
                     });
-                    w.sync();
                 });
                 assert_eq!(hits.load(Ordering::Relaxed), 10);
             });
@@ -644,17 +493,5 @@ mod tests {
                 assert_eq!(singles.load(Ordering::Relaxed), 1);
             }
         }
-    }
-
-    #[test]
-    fn share_covers_range() {
-        let team = Team::new(Some(3));
-        let seen: Vec<AtomicUsize> = (0..10).map(|_| AtomicUsize::new(0)).collect();
-        team.run(|w| {
-            for i in w.share(10) {
-                seen[i].fetch_add(1, Ordering::Relaxed);
-            }
-        });
-        assert!(seen.iter().all(|s| s.load(Ordering::Relaxed) == 1));
     }
 }
