@@ -16,7 +16,10 @@
 //! worker over the batch's tokens in order, each token on its own sequence's state.
 
 use super::config::Config;
-use super::llama::{group_kv, matrix, project, store_and_attend, vector, Acts, WeightRef};
+use super::llama::{
+    group_kv, matrix, output_head, project, residual_swiglu_ffn, store_and_attend, vector, Acts,
+    FfnBuffers, WeightRef,
+};
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
@@ -244,6 +247,14 @@ pub(crate) fn forward(
     // Safety pattern (as in llama.rs): each step is a set of tasks (`for_tasks`, `for_rows`,
     // `single`); a task writes only the rows, channels or cells its index assigns to it, and
     // reads shared data only that earlier steps wrote. Nothing shared is written outside a task.
+    let ffn = FfnBuffers {
+        x: &x,
+        o: &o,
+        h: &h,
+        gate: &gate,
+        up: &up,
+        down: &down,
+    };
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
@@ -344,69 +355,33 @@ pub(crate) fn forward(
                     unsafe { project(model, w, &acts, &attn, n, &[out_proj], &[&o]) };
                 }
             }
-            w.for_rows(n, |t| {
-                // SAFETY: token rows t of x, o, h belong to this task.
-                unsafe {
-                    let xr = x.slice_mut(t * d..(t + 1) * d);
-                    ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
-                    ops::rms_norm(
-                        xr,
-                        &layer.ffn_norm,
-                        c.rms_eps,
-                        h.slice_mut(t * d..(t + 1) * d),
-                    );
-                }
-            });
-            // SAFETY: every member calls this in step; h is not written during it.
+            // SAFETY: every member calls this in step; nothing else uses these buffers.
             unsafe {
-                project(
+                residual_swiglu_ffn(
                     model,
                     w,
                     &acts,
-                    &h,
                     n,
-                    &[&layer.w_gate, &layer.w_up],
-                    &[&gate, &up],
+                    &layer.ffn_norm,
+                    [&layer.w_gate, &layer.w_up, &layer.w_down],
+                    &ffn,
                 )
             };
-            w.for_rows(n, |t| {
-                // SAFETY: token rows t of gate (write) and up (read) belong to this task.
-                unsafe {
-                    ops::swiglu(
-                        gate.slice_mut(t * ff..(t + 1) * ff),
-                        up.slice(t * ff..(t + 1) * ff),
-                    )
-                };
-            });
-            // SAFETY: every member calls this in step; gate is not written during it.
-            unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
-            w.for_rows(n, |t| {
-                // SAFETY: token rows t of x (write) and down (read) belong to this task.
-                unsafe {
-                    ops::add_assign(
-                        x.slice_mut(t * d..(t + 1) * d),
-                        down.slice(t * d..(t + 1) * d),
-                    )
-                };
-            });
         }
-        if n_out == 0 {
-            return;
-        }
-        w.for_rows(n_out, |r| {
-            let t = out_rows[r];
-            // SAFETY: output row r of hs belongs to this task; x is read-only now.
-            unsafe {
-                ops::rms_norm(
-                    x.slice(t * d..(t + 1) * d),
-                    &wts.output_norm,
-                    c.rms_eps,
-                    hs.slice_mut(r * d..(r + 1) * d),
-                )
-            };
-        });
-        // SAFETY: every member calls this in step; hs is not written during it.
-        unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
+        // Output head, only for rows that want logits.
+        // SAFETY: every member calls this in step; x is not written any more.
+        unsafe {
+            output_head(
+                model,
+                w,
+                &acts,
+                &x,
+                &out_rows,
+                (&wts.output_norm, &wts.output),
+                &hs,
+                &out,
+            )
+        };
     });
     Ok(Logits {
         data: logits,

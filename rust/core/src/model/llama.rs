@@ -379,6 +379,111 @@ pub(super) unsafe fn store_and_attend(
     });
 }
 
+/// The buffers of a llama-style FFN block (token-major rows: `x`, `o`, `h`, `down` of `n_embd`
+/// values, `gate`, `up` of `n_ff`).
+pub(super) struct FfnBuffers<'s, 'b> {
+    pub x: &'s SharedSlice<'b, f32>,
+    pub o: &'s SharedSlice<'b, f32>,
+    pub h: &'s SharedSlice<'b, f32>,
+    pub gate: &'s SharedSlice<'b, f32>,
+    pub up: &'s SharedSlice<'b, f32>,
+    pub down: &'s SharedSlice<'b, f32>,
+}
+
+/// The second half of a llama-style layer over `n` tokens: `x += o`, `h = norm(x)`, SwiGLU FFN
+/// (`w_gate`, `w_up`, `w_down`), `x += down`.
+///
+/// # Safety
+/// Every member calls this at the same step; `b`'s buffers and `acts` are used by nothing else
+/// during the call.
+pub(super) unsafe fn residual_swiglu_ffn(
+    model: &Model,
+    w: &Worker<'_>,
+    acts: &SharedSlice<Acts>,
+    n: usize,
+    ffn_norm: &[f32],
+    [w_gate, w_up, w_down]: [&WeightRef; 3],
+    b: &FfnBuffers<'_, '_>,
+) {
+    let c = &model.config;
+    let (d, ff) = (c.n_embd, c.n_ff);
+    let FfnBuffers {
+        x,
+        o,
+        h,
+        gate,
+        up,
+        down,
+    } = *b;
+    w.for_rows(n, |t| {
+        // SAFETY: token rows t of x, o, h belong to this task.
+        unsafe {
+            let xr = x.slice_mut(t * d..(t + 1) * d);
+            ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
+            ops::rms_norm(xr, ffn_norm, c.rms_eps, h.slice_mut(t * d..(t + 1) * d));
+        }
+    });
+    // SAFETY: every member calls this in step; h is not written during it.
+    unsafe { project(model, w, acts, h, n, &[w_gate, w_up], &[gate, up]) };
+    w.for_rows(n, |t| {
+        // SAFETY: token rows t of gate (write) and up (read) belong to this task.
+        unsafe {
+            ops::swiglu(
+                gate.slice_mut(t * ff..(t + 1) * ff),
+                up.slice(t * ff..(t + 1) * ff),
+            )
+        };
+    });
+    // SAFETY: every member calls this in step; gate is not written during it.
+    unsafe { project(model, w, acts, gate, n, &[w_down], &[down]) };
+    w.for_rows(n, |t| {
+        // SAFETY: token rows t of x (write) and down (read) belong to this task.
+        unsafe {
+            ops::add_assign(
+                x.slice_mut(t * d..(t + 1) * d),
+                down.slice(t * d..(t + 1) * d),
+            )
+        };
+    });
+}
+
+/// The output head for the rows that want logits: `hs[r] = norm(x[out_rows[r]])`, then
+/// `out = hs output^T`.
+///
+/// # Safety
+/// Every member calls this at the same step; `x` is not written during it, and `hs`, `out` and
+/// `acts` are used by nothing else.
+pub(super) unsafe fn output_head(
+    model: &Model,
+    w: &Worker<'_>,
+    acts: &SharedSlice<Acts>,
+    x: &SharedSlice<f32>,
+    out_rows: &[usize],
+    (output_norm, output): (&[f32], &WeightRef),
+    hs: &SharedSlice<f32>,
+    out: &SharedSlice<f32>,
+) {
+    let c = &model.config;
+    let d = c.n_embd;
+    if out_rows.is_empty() {
+        return;
+    }
+    w.for_rows(out_rows.len(), |r| {
+        let t = out_rows[r];
+        // SAFETY: output row r of hs belongs to this task; x is read-only now.
+        unsafe {
+            ops::rms_norm(
+                x.slice(t * d..(t + 1) * d),
+                output_norm,
+                c.rms_eps,
+                hs.slice_mut(r * d..(r + 1) * d),
+            )
+        };
+    });
+    // SAFETY: every member calls this in step; hs is not written during it.
+    unsafe { project(model, w, acts, hs, out_rows.len(), &[output], &[out]) };
+}
+
 /// Runs one batch through the model, storing its keys and values at the cells each layer group
 /// planned (`io`: per group its storage, the cells, and each batch sequence's blocks and
 /// positions, including the new cells).
@@ -447,6 +552,14 @@ pub(crate) fn forward(
     // `single`); a task writes only the rows or cells its index assigns to it, and reads shared
     // data only that earlier steps wrote (a step returns once all its tasks are done). Nothing
     // shared is written outside a task: a member may skip a step the others have finished.
+    let ffn = FfnBuffers {
+        x: &x,
+        o: &o,
+        h: &h,
+        gate: &gate,
+        up: &up,
+        down: &down,
+    };
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
@@ -525,72 +638,33 @@ pub(crate) fn forward(
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };
             // 7. Residual, then h = norm(x) for the FFN, per token.
-            w.for_rows(n, |t| {
-                // SAFETY: token rows t of x, o, h belong to this task.
-                unsafe {
-                    let xr = x.slice_mut(t * d..(t + 1) * d);
-                    ops::add_assign(xr, o.slice(t * d..(t + 1) * d));
-                    ops::rms_norm(
-                        xr,
-                        &layer.ffn_norm,
-                        c.rms_eps,
-                        h.slice_mut(t * d..(t + 1) * d),
-                    );
-                }
-            });
-            // 8. Gate and up projections, SwiGLU.
-            // SAFETY: every member calls this in step; h is not written during it.
+            // SAFETY: every member calls this in step; nothing else uses these buffers.
             unsafe {
-                project(
+                residual_swiglu_ffn(
                     model,
                     w,
                     &acts,
-                    &h,
                     n,
-                    &[&layer.w_gate, &layer.w_up],
-                    &[&gate, &up],
+                    &layer.ffn_norm,
+                    [&layer.w_gate, &layer.w_up, &layer.w_down],
+                    &ffn,
                 )
             };
-            w.for_rows(n, |t| {
-                // SAFETY: token rows t of gate (write) and up (read) belong to this task.
-                unsafe {
-                    ops::swiglu(
-                        gate.slice_mut(t * ff..(t + 1) * ff),
-                        up.slice(t * ff..(t + 1) * ff),
-                    )
-                };
-            });
-            // 9. Down projection and residual.
-            // SAFETY: every member calls this in step; gate is not written during it.
-            unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
-            w.for_rows(n, |t| {
-                // SAFETY: token rows t of x (write) and down (read) belong to this task.
-                unsafe {
-                    ops::add_assign(
-                        x.slice_mut(t * d..(t + 1) * d),
-                        down.slice(t * d..(t + 1) * d),
-                    )
-                };
-            });
         }
         // Output head, only for rows that want logits.
-        if n_out == 0 {
-            return;
-        }
-        w.for_rows(n_out, |r| {
-            let t = out_rows[r];
-            // SAFETY: output row r of hs belongs to this task; x is read-only now.
-            unsafe {
-                ops::rms_norm(
-                    x.slice(t * d..(t + 1) * d),
-                    &wts.output_norm,
-                    c.rms_eps,
-                    hs.slice_mut(r * d..(r + 1) * d),
-                )
-            };
-        });
-        // SAFETY: every member calls this in step; hs is not written during it.
-        unsafe { project(model, w, &acts, &hs, n_out, &[&wts.output], &[&out]) };
+        // SAFETY: every member calls this in step; x is not written any more.
+        unsafe {
+            output_head(
+                model,
+                w,
+                &acts,
+                &x,
+                &out_rows,
+                (&wts.output_norm, &wts.output),
+                &hs,
+                &out,
+            )
+        };
     });
     Ok(Logits {
         data: logits,
