@@ -8,6 +8,8 @@ pub mod rope;
 
 pub use rope::{Rope, RopeScaling};
 
+use crate::quant::SimdLevel;
+
 /// `out = x / sqrt(mean(x^2) + eps) * w`, one row. The sum runs in f64 like ggml.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert_eq!(x.len(), w.len());
@@ -45,18 +47,156 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 }
 
 /// GELU, tanh approximation (ggml's `ggml_gelu`; ggml reads it from an f16 table, this
-/// computes it in f32).
+/// computes it in f32): `0.5 x (1 + tanh(y))` with `y = sqrt(2/pi) (x + 0.044715 x^3)`, computed
+/// as the equal `x / (1 + exp(-2y))` (no cancellation near 0) with [`exp_f32`]. This is the
+/// scalar twin of the SIMD kernel of [`geglu`]: the same f32 operations in the same order
+/// (fused multiply-adds included), so both give the same bits.
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const A: f32 = 0.044_715;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + A * x * x)).tanh())
+    let x2 = x * x;
+    let inner = GELU_A.mul_add(x2, 1.0);
+    let t = x * GELU_M2C;
+    x / (1.0 + exp_f32(t * inner))
 }
+
+/// `-2 sqrt(2/pi)` and the cubic coefficient of the tanh approximation of GELU.
+const GELU_M2C: f32 = -1.595_769_1;
+const GELU_A: f32 = 0.044_715;
+
+/// Bounds of the argument of [`exp_f32`] (results stay normal and finite: `2^-126..2^127`).
+const EXP_LO: f32 = -87.0;
+const EXP_HI: f32 = 88.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 split in a part exact in few bits and the rest (Cody-Waite reduction).
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Minimax polynomial of `(exp(r) - 1 - r) / r^2` on `|r| <= ln2 / 2` (Cephes `expf`).
+const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    5.000_000_1e-1,
+];
+
+/// `exp(x)` within about 2 ulp for `x` in `[-87, 88]` (clamped to that range outside it; NaN
+/// gives NaN): `x = n ln2 + r`, a polynomial in `r`, times `2^n` built in the exponent bits.
+/// Only `+`, `*`, fused multiply-adds and bit operations, so the SIMD kernels repeat it
+/// exactly.
+#[inline]
+pub fn exp_f32(x: f32) -> f32 {
+    let x = if x < EXP_LO {
+        EXP_LO
+    } else if x > EXP_HI {
+        EXP_HI
+    } else {
+        x
+    };
+    let n = (x * LOG2E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_P[0];
+    for &c in &EXP_P[1..] {
+        p = p.mul_add(r, c);
+    }
+    let r2 = r * r;
+    let y = p.mul_add(r2, r) + 1.0;
+    // n is an integer in -126..=127 here (NaN converts to 0 and stays NaN through y).
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    y * scale
+}
+
+/// Lowest level of each SIMD kernel of [`geglu`] (see `quant::simd::coverage`).
+#[cfg(test)]
+pub(crate) const GEGLU_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
 
 /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU), in place in `gate`.
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    geglu_level(gate, up, crate::quant::simd::level())
+}
+
+/// [`geglu`] with the kernels of `level` (capped to what the CPU has); every level gives the
+/// same bits.
+pub(crate) fn geglu_level(gate: &mut [f32], up: &[f32], level: SimdLevel) {
+    assert_eq!(gate.len(), up.len(), "geglu: gate and up differ in length");
+    #[cfg(target_arch = "x86_64")]
+    if level.min(crate::quant::simd::detect()) >= SimdLevel::Avx2 {
+        // SAFETY: AVX2 and FMA were detected on this CPU; both slices hold gate.len() values.
+        unsafe { x86::geglu_avx2(gate, up) };
+        return;
+    }
+    let _ = level;
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = gelu_tanh(*g) * u;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{gelu_tanh, EXP_HI, EXP_LO, EXP_P, GELU_A, GELU_M2C, LN2_HI, LN2_LO, LOG2E};
+    use std::arch::x86_64::*;
+
+    /// [`super::exp_f32`] on 8 lanes, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        // Clamp as the scalar code: a NaN lane stays NaN (the comparisons are false for it).
+        let lo = _mm256_set1_ps(EXP_LO);
+        let hi = _mm256_set1_ps(EXP_HI);
+        let x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo));
+        let x = _mm256_blendv_ps(x, hi, _mm256_cmp_ps::<_CMP_GT_OQ>(x, hi));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let r2 = _mm256_mul_ps(r, r);
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+        // `n as i32` of the scalar code: NaN lanes convert to i32::MIN there to 0 (Rust
+        // saturates); the bits differ but the product with a NaN `y` is NaN either way.
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+    }
+
+    /// `gate = gelu_tanh(gate) * up`, 8 lanes at a time, the tail with the scalar twin.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available; `up.len() >= gate.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn geglu_avx2(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len();
+        let body = n - n % 8;
+        let (m2c, a, one) = (
+            _mm256_set1_ps(GELU_M2C),
+            _mm256_set1_ps(GELU_A),
+            _mm256_set1_ps(1.0),
+        );
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 <= body <= gate.len() <= up.len().
+            unsafe {
+                let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+                let u = _mm256_loadu_ps(up.as_ptr().add(i));
+                let x2 = _mm256_mul_ps(x, x);
+                let inner = _mm256_fmadd_ps(a, x2, one);
+                let t = _mm256_mul_ps(x, m2c);
+                let e = exp8(_mm256_mul_ps(t, inner));
+                let g = _mm256_div_ps(x, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(g, u));
+            }
+            i += 8;
+        }
+        for j in body..n {
+            gate[j] = gelu_tanh(gate[j]) * up[j];
+        }
     }
 }
 
@@ -101,26 +241,77 @@ mod tests {
         assert_eq!(rows, out.to_vec());
     }
 
-    /// Values of the tanh-approximated GELU from its formula in f64 (and its limits).
+    /// The tanh-approximated GELU from its formula in f64 (and its limits), on a dense grid
+    /// and at the extremes where `exp` is clamped.
     #[test]
     fn gelu_tanh_values() {
-        for x in [-12.0f64, -3.0, -1.0, -0.1, 0.0, 0.5, 1.0, 2.5, 12.0] {
-            let want = 0.5
-                * x
-                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+        let reference = |x: f64| {
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+        };
+        let grid = (-4000..=4000).map(|i| i as f64 / 200.0);
+        for x in grid.chain([-1e4, -60.0, -12.0, -1e-6, 0.0, 1e-30, 12.0, 60.0, 1e4]) {
+            let want = reference(x);
             let got = gelu_tanh(x as f32) as f64;
-            assert!(
-                (got - want).abs() < 1e-6 * (1.0 + want.abs()),
-                "{x}: {got} vs {want}"
-            );
+            // The f32 argument of exp carries up to ~|2y| ulp of rounding: allow for it.
+            let tol = 2e-6 * (want.abs() + 1e-3 * x.abs()) + 1e-30;
+            assert!((got - want).abs() <= tol, "{x}: {got} vs {want}");
         }
-        let mut g = [1.0f32, -2.0];
-        geglu(&mut g, &[3.0, 0.5]);
-        assert_eq!(g, [gelu_tanh(1.0) * 3.0, gelu_tanh(-2.0) * 0.5]);
+        assert!(gelu_tanh(f32::NAN).is_nan());
         let mut l = [0.0f32, 30.0, -1e9];
         softcap(&mut l, 30.0);
         assert_eq!(l[0], 0.0);
         assert!((l[1] - 30.0 * 1f32.tanh()).abs() < 1e-5 && (l[2] + 30.0).abs() < 1e-5);
+    }
+
+    /// `exp_f32` against f64 `exp` within 3 ulp over its whole range, and clamped outside.
+    #[test]
+    fn exp_f32_accuracy() {
+        for i in -8700..=8800 {
+            let x = i as f32 / 100.0;
+            let want = (x as f64).exp();
+            let got = exp_f32(x) as f64;
+            assert!(
+                (got - want).abs() <= 3.0 * f32::EPSILON as f64 * want,
+                "{x}: {got} vs {want}"
+            );
+        }
+        assert_eq!(exp_f32(-1000.0), exp_f32(-87.0));
+        assert_eq!(exp_f32(1000.0), exp_f32(88.0));
+        assert!(exp_f32(88.0).is_finite() && exp_f32(-87.0) > 0.0);
+    }
+
+    /// The GeGLU SIMD kernel against its scalar twin (`gelu_tanh(g) * u` per element), bit for
+    /// bit, over lengths that leave every tail and values from tiny to beyond the clamps.
+    #[test]
+    fn geglu_kernels_match_scalar_twin() {
+        use crate::quant::simd::coverage;
+        let kernels = coverage::simd_kernels(&GEGLU_KERNELS);
+        let mut seed = 7u64;
+        let mut f = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        };
+        for len in [0usize, 1, 7, 8, 9, 31, 640, 2051] {
+            let gate: Vec<f32> = (0..len)
+                .map(|i| f() * [0.01f32, 1.0, 4.0, 100.0][i % 4])
+                .collect();
+            let up: Vec<f32> = (0..len).map(|_| f() * 3.0).collect();
+            let twin: Vec<u32> = gate
+                .iter()
+                .zip(&up)
+                .map(|(&g, &u)| (gelu_tanh(g) * u).to_bits())
+                .collect();
+            for &level in std::iter::once(&SimdLevel::Scalar).chain(&kernels) {
+                let mut got = gate.clone();
+                geglu_level(&mut got, &up, level);
+                let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, twin, "len {len} {}", level.name());
+            }
+        }
+        coverage::report("geglu", &GEGLU_KERNELS, &kernels);
     }
 
     #[test]
