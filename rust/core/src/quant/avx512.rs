@@ -391,6 +391,120 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
     }
 }
 
+/// One legacy block of one weight row unpacked for [`tile_unpacked`]: the 32 integer weights
+/// `q` (0..16 or 0..32, so they fit the signed operand of `vpdpbusd`), `d`, `m_eff` (as
+/// `legacy::unpack_block` returns them) and `corr = 128 * sum(q)`.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct UBlock {
+    pub(crate) q: [i8; 32],
+    pub(crate) d: f32,
+    pub(crate) m: f32,
+    pub(crate) corr: i32,
+}
+
+impl UBlock {
+    pub(crate) const ZERO: UBlock = UBlock {
+        q: [0; 32],
+        d: 0.0,
+        m: 0.0,
+        corr: 0,
+    };
+}
+
+/// Unpacks one block of 4- or 5-bit type `T` into `out` (the values of
+/// `legacy::unpack_block`, whose results the tests compare through the kernels).
+///
+/// # Safety
+/// The features in the attribute are available; `blk` points at a whole block of type `T`
+/// (not Q8_0).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn unpack_ublock<const T: u8>(blk: *const u8, out: &mut UBlock) {
+    debug_assert!(T != super::avx2::T_Q8_0);
+    // SAFETY: reads stay inside the block (caller); `out.q` holds 32 bytes.
+    unsafe {
+        let q = _mm512_castsi512_si256(weights_pair::<T, false>(blk));
+        _mm256_storeu_si256(out.q.as_mut_ptr().cast(), q);
+        let s = _mm256_sad_epu8(q, _mm256_setzero_si256());
+        let s = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        let sum = _mm_cvtsi128_si64(_mm_add_epi64(s, _mm_unpackhi_epi64(s, s))) as i32;
+        let d = f16_load(blk);
+        out.d = d;
+        out.m = match T {
+            T_Q4_0 => -8.0 * d,
+            T_Q5_0 => -16.0 * d,
+            _ => f16_load(blk.add(2)),
+        };
+        out.corr = 128 * sum;
+    }
+}
+
+/// The first `R` (at most 4) of the rows in `rows` (each `nb` [`UBlock`]s) times one packed
+/// group of 16 tokens (`lines`, `pd`, `ps` at the group's block 0, layout of
+/// `QuantizedActs::packed`); `out[r][lane]` receives the dot of row `r` with token `lane`.
+///
+/// The variant of [`tile`] for 4- and 5-bit weights unpacked once per task: each activation
+/// line is loaded once for the `R` rows and flipped to `qa + 128` (unsigned), the weight bytes
+/// come broadcast from the unpacked rows straight into `vpdpbusd`, and `corr` takes the `+ 128`
+/// back exactly, so the integer block sums and the f32 operations are those of the canonical
+/// order (`legacy::vec_dot_scalar`): the same bits as every other kernel.
+///
+/// # Safety
+/// The features in the attribute are available; `rows[r]` points at `nb` blocks for `r < R`;
+/// `lines` covers `nb * 8` lines and `pd`/`ps` cover `nb * 16` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn tile_unpacked<const R: usize>(
+    rows: &[*const UBlock; 4],
+    nb: usize,
+    lines: *const Line,
+    pd: *const f32,
+    ps: *const f32,
+    out: &mut [[f32; 16]; 4],
+) {
+    let flip = _mm512_set1_epi8(-128);
+    let mut slots = [[_mm512_setzero_ps(); 8]; R];
+    // SAFETY: b < nb, k < 8 and r < R keep every access inside the ranges of the contract.
+    unsafe {
+        for s in 0..nb.min(8) {
+            let mut facc = [_mm512_setzero_ps(); R];
+            let mut b = s;
+            while b < nb {
+                let da = _mm512_loadu_ps(pd.add(b * 16));
+                let sa = _mm512_loadu_ps(ps.add(b * 16));
+                let blk: [&UBlock; R] = std::array::from_fn(|r| &*rows[r].add(b));
+                let mut ia = [_mm512_setzero_si512(); R];
+                for k in 0..8 {
+                    let line =
+                        _mm512_xor_si512(_mm512_load_si512(lines.add(b * 8 + k).cast()), flip);
+                    for r in 0..R {
+                        let wq = blk[r].q.as_ptr().add(4 * k).cast::<i32>().read_unaligned();
+                        ia[r] = _mm512_dpbusd_epi32(ia[r], line, _mm512_set1_epi32(wq));
+                    }
+                }
+                for r in 0..R {
+                    let isum = _mm512_sub_epi32(ia[r], _mm512_set1_epi32(blk[r].corr));
+                    let sc = _mm512_mul_ps(_mm512_set1_ps(blk[r].d), da);
+                    let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, facc[r]);
+                    facc[r] = _mm512_fmadd_ps(_mm512_set1_ps(blk[r].m), sa, f);
+                }
+                b += 8;
+            }
+            for r in 0..R {
+                slots[r][s] = facc[r];
+            }
+        }
+        for r in 0..R {
+            let a = &mut slots[r];
+            for h in [4, 2, 1] {
+                for j in 0..h {
+                    a[j] = _mm512_add_ps(a[j], a[j + h]);
+                }
+            }
+            _mm512_storeu_ps(out[r].as_mut_ptr(), a[0]);
+        }
+    }
+}
+
 /// Unpacks one block into two 256-bit vectors of 16 unsigned weight bytes, each copied to both
 /// 128-bit halves (elements 0..16 and 16..32), returning them with `d` and `m_eff` broadcast to
 /// all lanes; the 256-bit twin of [`unpack_bcast`] for the narrow tile.

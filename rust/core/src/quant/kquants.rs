@@ -4,8 +4,9 @@
 //!
 //! Guarantees: the block layouts are bit-compatible with ggml/GGUF (verified against the `gguf`
 //! Python package in tests); dequantization reproduces ggml's f32 values exactly; every SIMD
-//! kernel computes the same per-block integer sums as the scalar reference (results differ only by
-//! f32 accumulation order); a SIMD level the running CPU lacks is never executed, whatever level
+//! kernel computes the same per-block integer sums as the scalar reference; the AVX-512 kernels
+//! (and the prefill tile of `quant::ktile`) also follow its f32 order and return its bits, the
+//! AVX2 ones differ by f32 accumulation order only; a SIMD level the running CPU lacks is never executed, whatever level
 //! the caller passes.
 //!
 //! Layouts (256 weights per super-block, split into sub-blocks):
@@ -59,7 +60,7 @@ impl Default for BlockQ8K {
 }
 
 #[inline(always)]
-fn f16_at(b: &[u8], off: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], off: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
 }
 
@@ -70,7 +71,7 @@ fn f16_at(b: &[u8], off: usize) -> f32 {
 /// low nibbles of scales 4..8 (low half) and mins 4..8 (high half), whose top two bits are the
 /// spare top bits of bytes 0..4 (scales) and 4..8 (mins).
 #[inline(always)]
-fn unpack_scales_mins(s: &[u8]) -> (u64, u64) {
+pub(super) fn unpack_scales_mins(s: &[u8]) -> (u64, u64) {
     let w0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
     let w1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
     let w2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
@@ -145,7 +146,7 @@ pub fn dequantize_q5_k(src: &[u8], dst: &mut [f32]) {
 /// Decodes the 6-bit unsigned quant (0..64) of element `32k + l` (k in 0..4, l in 0..32) of one
 /// 128-element half of a Q6_K block, given that half's 64 `ql` and 32 `qh` bytes.
 #[inline(always)]
-fn q6_quant(ql: &[u8], qh: &[u8], k: usize, l: usize) -> u8 {
+pub(super) fn q6_quant(ql: &[u8], qh: &[u8], k: usize, l: usize) -> u8 {
     let lo = if k < 2 {
         ql[32 * k + l] & 0x0f
     } else {
@@ -242,8 +243,13 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
 // Dot products: scalar references
 // ---------------------------------------------------------------------------------------------
 
+/// The canonical order of the K-quant dot products (every AVX-512 kernel follows it, so they
+/// give these bits; the AVX2 kernels differ by f32 rounding): per super-block the exact
+/// integer sums `sumi` (scaled quants times activations) and `summ` (mins times activation
+/// sums), then `acc = fma(sumi, d, acc)` and `accm = fma(summ, dmin, accm)`; the result is
+/// `acc - accm` (Q6_K: no mins, `acc`).
 fn dot_q4_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    let mut sum = 0.0f32;
+    let (mut acc, mut accm) = (0.0f32, 0.0f32);
     for (blk, ab) in w.chunks_exact(Q4_K_BYTES).zip(a) {
         let d = f16_at(blk, 0) * ab.d;
         let dmin = f16_at(blk, 2) * ab.d;
@@ -266,13 +272,14 @@ fn dot_q4_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         for j in 0..8 {
             summ += m[j] as i32 * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32);
         }
-        sum += d * sumi as f32 - dmin * summ as f32;
+        acc = (sumi as f32).mul_add(d, acc);
+        accm = (summ as f32).mul_add(dmin, accm);
     }
-    sum
+    acc - accm
 }
 
 fn dot_q5_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    let mut sum = 0.0f32;
+    let (mut acc, mut accm) = (0.0f32, 0.0f32);
     for (blk, ab) in w.chunks_exact(Q5_K_BYTES).zip(a) {
         let d = f16_at(blk, 0) * ab.d;
         let dmin = f16_at(blk, 2) * ab.d;
@@ -298,9 +305,10 @@ fn dot_q5_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         for j in 0..8 {
             summ += m[j] as i32 * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32);
         }
-        sum += d * sumi as f32 - dmin * summ as f32;
+        acc = (sumi as f32).mul_add(d, acc);
+        accm = (summ as f32).mul_add(dmin, accm);
     }
-    sum
+    acc - accm
 }
 
 fn dot_q6_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
@@ -323,7 +331,7 @@ fn dot_q6_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
                 sumi += s0 * (scales[g] as i8) as i32 + s1 * (scales[g + 1] as i8) as i32;
             }
         }
-        sum += d * sumi as f32;
+        sum = (sumi as f32).mul_add(d, sum);
     }
     sum
 }
@@ -657,8 +665,7 @@ mod x86 {
                     _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8),
                 )
             });
-            let mut accf = _mm512_setzero_ps();
-            let mut accm = _mm256_setzero_ps();
+            let (mut accf, mut accm) = (0.0f32, 0.0f32);
             for (blk, ab) in w.chunks_exact(bytes).zip(a) {
                 let p = blk.as_ptr();
                 let d = f16_at(blk, 0) * ab.d;
@@ -693,11 +700,14 @@ mod x86 {
                         _mm512_add_epi32(acc, _mm512_madd_epi16(prod, s))
                     };
                 }
-                accf = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d), accf);
+                // The canonical order (see `dot_q4_k_scalar`): exact block sums, one fma each.
+                let sumi = _mm512_reduce_add_epi32(acc);
                 let mm = mins_times_bsums(m, ab);
-                accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(dmin), accm);
+                let summ = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(mm));
+                accf = (sumi as f32).mul_add(d, accf);
+                accm = (summ as f32).mul_add(dmin, accm);
             }
-            _mm512_reduce_add_ps(accf) - hsum256_ps(accm)
+            accf - accm
         }
     }
 
@@ -718,7 +728,7 @@ mod x86 {
                 }
                 _mm512_loadu_si512(v.as_ptr() as *const __m512i)
             });
-            let mut accf = _mm512_setzero_ps();
+            let mut accf = 0.0f32;
             for (blk, ab) in w.chunks_exact(Q6_K_BYTES).zip(a) {
                 let p = blk.as_ptr();
                 let d = f16_at(blk, 208) * ab.d;
@@ -762,9 +772,10 @@ mod x86 {
                         acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p23, s23));
                     }
                 }
-                accf = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d), accf);
+                // The canonical order (see `dot_q6_k_scalar`): the exact block sum, one fma.
+                accf = (_mm512_reduce_add_epi32(acc) as f32).mul_add(d, accf);
             }
-            _mm512_reduce_add_ps(accf)
+            accf
         }
     }
 

@@ -9,14 +9,17 @@
 //!   each weight block unpacked once per group of tokens (`tile4`: 2 rows x 4 tokens per
 //!   256-bit vector for up to 4 tokens, `tile8`: 1 row x 8 tokens, once per group of 8, for 5
 //!   to 32); rows ahead are prefetched into L2, so a decode step streams the weights once;
-//! - wide tile (legacy weights, AVX-512 VNNI, activations packed for `PACK_MIN_TOKENS` (33)
-//!   tokens or more, i.e. prefill): tasks own a range of rows (and of 16-token groups when rows are few);
-//!   inside, 4 rows x 32 tokens are computed per kernel call with weights unpacked once per
-//!   block and activations of the token groups staying in L1 across rows.
+//! - wide tile (legacy and K-quant weights, AVX-512 VNNI, activations packed for
+//!   `PACK_MIN_TOKENS` (33) tokens or more, i.e. prefill): tasks own a range of rows (and of
+//!   16-token groups when rows are few); inside, legacy weights take 4 rows x 32 tokens per
+//!   kernel call with weights unpacked once per block and activations of the token groups
+//!   staying in L1 across rows; K-quant weights take 4 rows x 16 tokens per call over rows
+//!   unpacked once per task and group range (`ktile`).
 //!
-//! At AVX-512 VNNI every path follows the canonical order of `legacy::vec_dot_scalar`, so a
-//! token's outputs are bit-identical whatever path its batch takes (batch invariance); at the
-//! AVX2 levels every token goes through the same per-row kernel.
+//! At AVX-512 VNNI every path follows the canonical order of `legacy::vec_dot_scalar` (legacy
+//! weights) or of `kquants::dot_q4_k_scalar` (K-quants), so a token's outputs are bit-identical
+//! whatever path its batch takes (batch invariance); at the AVX2 levels every token goes through
+//! the same per-row kernel.
 //!
 //! No allocation happens inside the parallel loops.
 
@@ -169,7 +172,8 @@ fn plan(
             let chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
             return (Plan::Narrow { chunk }, rows.div_ceil(chunk));
         }
-        if level >= SimdLevel::Avx512Vnni && pack == Pack::Wide && legacy::is_legacy(ty) {
+        let tiled = legacy::is_legacy(ty) || super::ktile::serves(ty);
+        if level >= SimdLevel::Avx512Vnni && pack == Pack::Wide && tiled {
             let groups = n.div_ceil(q8::GROUP);
             let row_chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
             let row_chunks = rows.div_ceil(row_chunk);
@@ -249,10 +253,14 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
     /// step must know its task count before anyone may read its inputs).
     pub fn planned_tasks(w: &QMatrix<'_>, n_tokens: usize, threads: usize) -> usize {
         let level = simd::level().min(simd::detect());
-        let pack = if super::q8::act_kind(w.ty) == Some(super::q8::ActKind::Q8) {
-            Pack::for_tokens(n_tokens, simd::level())
-        } else {
-            Pack::None
+        let pack = match super::q8::act_kind(w.ty) {
+            Some(super::q8::ActKind::Q8) => Pack::for_tokens(n_tokens, simd::level()),
+            // Q8_K activations are packed for the wide tile only.
+            Some(super::q8::ActKind::Q8K) => match Pack::for_tokens(n_tokens, simd::level()) {
+                Pack::Wide => Pack::Wide,
+                _ => Pack::None,
+            },
+            _ => Pack::None,
         };
         plan(w.rows, w.ty, n_tokens, pack, threads, level).1
     }
@@ -311,8 +319,15 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 let r1 = (r0 + row_chunk).min(w.rows);
                 let g0 = tc * group_chunk;
                 let g1 = (g0 + group_chunk).min(groups);
-                // SAFETY: forwarded contract; this task owns rows r0..r1 x groups g0..g1.
-                unsafe { tiled::range(w, a, self.out, r0, r1, g0, g1) };
+                // SAFETY: forwarded contract; this task owns rows r0..r1 x groups g0..g1; the
+                // activations were packed wide for `w`'s type (`serves`, checked when planning).
+                unsafe {
+                    if legacy::is_legacy(w.ty) {
+                        tiled::range(w, a, self.out, r0, r1, g0, g1)
+                    } else {
+                        super::ktile::range(w, a, self.out, r0, r1, g0, g1)
+                    }
+                };
             }
         }
     }
@@ -482,7 +497,7 @@ mod narrow {
 mod tiled {
     use super::*;
     use crate::quant::avx2::{T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0};
-    use crate::quant::avx512::tile;
+    use crate::quant::avx512::{tile, tile_unpacked, unpack_ublock, UBlock};
     use crate::quant::q8::GROUP;
     use crate::quant::GgmlType;
 
@@ -513,6 +528,10 @@ mod tiled {
         }
     }
 
+    /// Most blocks per row (2,048 columns) of the unpacked-row path: its buffer lives on the
+    /// stack.
+    const UNPACK_MAX_BLOCKS: usize = 64;
+
     unsafe fn range_t<const T: u8>(
         w: &QMatrix,
         a: &QuantizedActs,
@@ -522,6 +541,11 @@ mod tiled {
         g0: usize,
         g1: usize,
     ) {
+        if T != T_Q8_0 && w.cols / 32 <= UNPACK_MAX_BLOCKS {
+            // SAFETY: forwarded contract.
+            unsafe { range_unpacked::<T>(w, a, out, r0, r1, g0, g1) };
+            return;
+        }
         let mut rb = r0;
         while rb < r1 {
             let rb1 = (rb + ROW_BLOCK).min(r1);
@@ -543,6 +567,71 @@ mod tiled {
                 }
             }
             rb = rb1;
+        }
+    }
+
+    /// Rows `r0..r1` x groups `g0..g1` of 4- and 5-bit weights with rows of at most
+    /// `UNPACK_MAX_BLOCKS` blocks: every 4 rows are unpacked once, then `tile_unpacked` runs
+    /// them over each group.
+    ///
+    /// # Safety
+    /// As [`range`].
+    unsafe fn range_unpacked<const T: u8>(
+        w: &QMatrix,
+        a: &QuantizedActs,
+        out: &SharedSlice<f32>,
+        r0: usize,
+        r1: usize,
+        g0: usize,
+        g1: usize,
+    ) {
+        let nb = w.cols / 32;
+        let ts = w.ty.type_size();
+        let mut buf = [[UBlock::ZERO; UNPACK_MAX_BLOCKS]; 4];
+        let n = a.n_tokens;
+        let mut r = r0;
+        while r < r1 {
+            let rn = (r1 - r).min(4);
+            for (i, rowbuf) in buf.iter_mut().enumerate().take(rn) {
+                let row = w.row(r + i);
+                for (b, ub) in rowbuf.iter_mut().enumerate().take(nb) {
+                    let blk = &row[b * ts..(b + 1) * ts];
+                    // SAFETY: level Avx512Vnni (caller); `blk` is one whole block of type T,
+                    // which is not Q8_0 here.
+                    unsafe { unpack_ublock::<T>(blk.as_ptr(), ub) };
+                }
+            }
+            let rows: [*const UBlock; 4] = std::array::from_fn(|i| buf[i.min(rn - 1)].as_ptr());
+            for g in g0..g1 {
+                let off = g * nb;
+                // The slices prove the packed buffers cover group g (panics otherwise).
+                let lines = &a.packed[off * 8..(off + nb) * 8];
+                let pd = &a.pd[off * GROUP..(off + nb) * GROUP];
+                let ps = &a.ps[off * GROUP..(off + nb) * GROUP];
+                let mut res = [[0f32; 16]; 4];
+                let (l, d, s) = (lines.as_ptr(), pd.as_ptr(), ps.as_ptr());
+                // SAFETY: the caller only takes this path at level Avx512Vnni (detected); the
+                // first `rn` rows of `rows` hold `nb` unpacked blocks; the slices above cover
+                // group g's `nb` blocks.
+                unsafe {
+                    match rn {
+                        4 => tile_unpacked::<4>(&rows, nb, l, d, s, &mut res),
+                        3 => tile_unpacked::<3>(&rows, nb, l, d, s, &mut res),
+                        2 => tile_unpacked::<2>(&rows, nb, l, d, s, &mut res),
+                        _ => tile_unpacked::<1>(&rows, nb, l, d, s, &mut res),
+                    }
+                };
+                for lane in 0..GROUP.min(n - g * GROUP) {
+                    let at = (g * GROUP + lane) * w.rows + r;
+                    // SAFETY: token g * 16 + lane < n and rows r..r+rn: inside `out`; the
+                    // caller owns this tile exclusively.
+                    let dst = unsafe { out.slice_mut(at..at + rn) };
+                    for (i, o) in dst.iter_mut().enumerate() {
+                        *o = res[i][lane];
+                    }
+                }
+            }
+            r += rn;
         }
     }
 
@@ -776,7 +865,7 @@ mod tests {
             .chain(kernels.iter().copied())
             .collect();
         for ty in LEGACY {
-            for cols in [96usize, 576, 1056] {
+            for cols in [96usize, 576, 1056, 2080] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
                 let tok: Vec<f32> = (0..cols).map(|_| rng.f() * 3.0).collect();
@@ -1106,6 +1195,70 @@ mod tests {
             }
         }
         simd::coverage::report("K-quant matmul", &kquants::DOT_KERNELS, &kernels);
+    }
+
+    /// Lowest level of the K-quant prefill tile (`ktile`), and of the per-row K-quant kernels
+    /// that follow the canonical order bit for bit (the AVX-512 ones).
+    const KTILE_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
+    const KQUANT_EXACT_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512];
+
+    /// Issue #9: the K-quant prefill tile (wide packed Q8_K activations) against its scalar
+    /// twin (`kquants::dot_q*_k_scalar` per row and token) bit for bit, at shapes that leave a
+    /// 4-row call, single rows, partly filled token groups and rows longer than one unpacked
+    /// block chunk; the AVX-512 per-row kernels (decode) give the same bits, so a token's
+    /// outputs do not depend on its batch.
+    #[test]
+    fn kquant_tile_matches_scalar_twin_bit_exact() {
+        let mut rng = Rng(17);
+        let tiles = simd::coverage::simd_kernels(&KTILE_KERNELS);
+        let rows_exact = simd::coverage::simd_kernels(&KQUANT_EXACT_KERNELS);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for ty in KQUANTS {
+            for &(rows, cols) in &[(1usize, 256usize), (6, 512), (9, 1024), (4, 4608)] {
+                let data = random_kquant_weights(ty, rows, cols, &mut rng);
+                let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+                for n in [33usize, 48, 70] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 3.0).collect();
+                    let mut plain = QuantizedActs::new();
+                    quantize_acts_impl(&mut plain, &x, n, cols, ty, Pack::None).unwrap();
+                    let mut wide = QuantizedActs::new();
+                    quantize_acts_impl(&mut wide, &x, n, cols, ty, Pack::Wide).unwrap();
+                    assert!(wide.has_packed());
+                    let mut twin = vec![0f32; n * rows];
+                    matmul_level(&w, &plain, &mut twin, SimdLevel::Scalar).unwrap();
+                    for &level in &tiles {
+                        let mut got = vec![f32::NAN; n * rows];
+                        matmul_level(&w, &wide, &mut got, level).unwrap();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&twin),
+                            "{} {rows}x{cols} n={n} tile {}:\n{got:?}\nvs\n{twin:?}",
+                            ty.name(),
+                            level.name()
+                        );
+                    }
+                    for &level in &rows_exact {
+                        for l in SimdLevel::ALL.into_iter().filter(|&l| l >= level) {
+                            let mut got = vec![f32::NAN; n * rows];
+                            matmul_level(&w, &plain, &mut got, l).unwrap();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&twin),
+                                "{} {rows}x{cols} n={n} per-row {}",
+                                ty.name(),
+                                l.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        simd::coverage::report("K-quant matmul, prefill tile", &KTILE_KERNELS, &tiles);
+        simd::coverage::report(
+            "K-quant matmul, canonical per-row kernels",
+            &KQUANT_EXACT_KERNELS,
+            &rows_exact,
+        );
     }
 
     #[test]

@@ -10,6 +10,8 @@ pub mod avx2;
 pub mod avx512;
 pub mod float;
 pub mod kquants;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod ktile;
 pub mod legacy;
 pub mod matmul;
 pub mod q8;

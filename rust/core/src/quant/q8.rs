@@ -88,6 +88,12 @@ pub struct QuantizedActs {
     /// `4k..4k+4` of block `b` for tokens `16g..16g+16` (zero for padding tokens). Narrow with
     /// `L` = 8 or 4 lanes: the `4L`-byte line `(g * nb + b) * 8 + k` (`16 / L` per `Line`)
     /// holds bytes `4k..4k+4` of block `b` for tokens `Lg..Lg+L` (zero for padding tokens).
+    ///
+    /// Q8_K (wide only): per group `g` of 16 tokens and block `b` of 256, [`K_LINES`] lines from
+    /// `(g * nb + b) * K_LINES`: line `k < 64` holds quants `4k..4k+4` of each token as unsigned
+    /// bytes `q + 128` (the tile kernel's `vpdpbusd` operand; padding tokens 128), line `64 + i`
+    /// holds for each token the i16 pair (sum of sub-block `2i`, sum of sub-block `2i + 1`),
+    /// sub-blocks being 32 quants; `pd` holds each token's `d`.
     pub(crate) packed: Vec<Line>,
     /// Packed scales: `(g * nb + b) * 16 + lane` (wide), `(g * nb + b) * L + lane` (narrow).
     pub(crate) pd: Vec<f32>,
@@ -276,6 +282,9 @@ pub(crate) fn quantize_acts_impl(
                     &mut a.k[t * nb..(t + 1) * nb],
                 );
             }
+            if pack == Pack::Wide && n_tokens > 0 {
+                pack_q8k(a);
+            }
         }
         ActKind::Q8 => {
             let nb = cols / QK;
@@ -406,6 +415,53 @@ fn pack_q8_narrow<const L: usize>(a: &mut QuantizedActs, kind: Pack) {
         }
     }
     a.pack = kind;
+}
+
+/// Lines per Q8_K block and group of 16 tokens in the wide packed copy: 64 lines of quants, 4
+/// of sub-block sums (see [`QuantizedActs::packed`]).
+pub(crate) const K_LINES: usize = 68;
+
+/// Builds the 16-token interleaved copy of Q8_K activations (see [`QuantizedActs::packed`]).
+fn pack_q8k(a: &mut QuantizedActs) {
+    let (n, nb) = (a.n_tokens, a.cols / QK_K);
+    let groups = n.div_ceil(GROUP);
+    // Padding tokens: quants 0 (stored as 0x80), sums 0, d 0.
+    let mut pad = Line([-128; 64]);
+    a.packed.resize(groups * nb * K_LINES, pad);
+    for gb in 0..groups * nb {
+        pad.0 = [0; 64];
+        a.packed[gb * K_LINES + 64..(gb + 1) * K_LINES].fill(pad);
+    }
+    a.pd.resize(groups * nb * GROUP, 0.0);
+    for g in 0..groups {
+        for lane in 0..(n - g * GROUP).min(GROUP) {
+            let t = g * GROUP + lane;
+            for b in 0..nb {
+                let gb = g * nb + b;
+                let blk = &a.k[t * nb + b];
+                let lines = &mut a.packed[gb * K_LINES..(gb + 1) * K_LINES];
+                for (k, line) in lines[..64].iter_mut().enumerate() {
+                    for i in 0..4 {
+                        // Stored as the unsigned byte q + 128 (see the field docs).
+                        line.0[4 * lane + i] = blk.qs[4 * k + i] ^ -128;
+                    }
+                }
+                for (i, line) in lines[64..].iter_mut().enumerate() {
+                    let s = |s: usize| blk.bsums[2 * s] as i32 + blk.bsums[2 * s + 1] as i32;
+                    // |sum of 32 quants| <= 32 * 128: an exact i16.
+                    let pair = [s(2 * i) as i16, s(2 * i + 1) as i16];
+                    for (j, v) in pair.iter().enumerate() {
+                        let at = 4 * lane + 2 * j;
+                        let bytes = v.to_le_bytes();
+                        line.0[at] = bytes[0] as i8;
+                        line.0[at + 1] = bytes[1] as i8;
+                    }
+                }
+                a.pd[gb * GROUP + lane] = blk.d;
+            }
+        }
+    }
+    a.pack = Pack::Wide;
 }
 
 /// Builds the 16-token interleaved copy of Q8 activations (see [`QuantizedActs::packed`]).
