@@ -60,7 +60,7 @@ pub fn gelu_tanh(x: f32) -> f32 {
 }
 
 /// `-2 sqrt(2/pi)` and the cubic coefficient of the tanh approximation of GELU.
-const GELU_M2C: f32 = -1.595_769_1;
+const GELU_M2C: f32 = -1.595_769_2;
 const GELU_A: f32 = 0.044_715;
 
 /// Bounds of the argument of [`exp_f32`] (results stay normal and finite: `2^-126..2^127`).
@@ -77,7 +77,7 @@ const EXP_P: [f32; 6] = [
     8.333_452e-3,
     4.166_579_6e-2,
     1.666_666_5e-1,
-    5.000_000_1e-1,
+    0.5,
 ];
 
 /// `exp(x)` within about 2 ulp for `x` in `[-87, 88]` (clamped to that range outside it; NaN
@@ -86,13 +86,7 @@ const EXP_P: [f32; 6] = [
 /// exactly.
 #[inline]
 pub fn exp_f32(x: f32) -> f32 {
-    let x = if x < EXP_LO {
-        EXP_LO
-    } else if x > EXP_HI {
-        EXP_HI
-    } else {
-        x
-    };
+    let x = x.clamp(EXP_LO, EXP_HI);
     let n = (x * LOG2E).round_ties_even();
     let r = n.mul_add(-LN2_HI, x);
     let r = n.mul_add(-LN2_LO, r);
