@@ -291,3 +291,77 @@ def _check_last_position_logits(g: Golden, core, ref: np.ndarray, name: str) -> 
     # the reference argmax comes from llama.cpp's float32 logits (greedy_tokens[0])
     assert int(np.argmax(ours)) == p["greedy_tokens"][0]
     assert int(np.argmax(ref)) == p["greedy_tokens"][0], "float16 fixture lost the argmax"
+
+
+# --- (e) prefix reuse past the sliding window (Gemma 3) ---------------------------------------
+
+
+def test_gemma3_prefix_reuse_past_the_window_matches_llama(request):
+    """A sequence that resumes a cached prefix far past the 512-token window (only the window
+    blocks before the resume point are mapped in the local layers) continues exactly as the
+    fresh computation of the whole prompt, so it agrees with llama.cpp as that does.
+
+    For each recorded prompt longer than 1,500 tokens: a first sequence decodes its first 1,200
+    tokens and then other text, in 512-token batches (pruning its window as it goes); a second
+    sequence then maps the prompt from the prefix cache and must start past position 1,100."""
+    g = GOLDEN["gemma3"]
+    key = str(_path(request, "gemma3"))
+    if key not in _MODELS:
+        import kvserve
+
+        _MODELS[key] = kvserve.Model.load(key)._core
+    core = _MODELS[key]  # for the fresh runs (`_greedy`)
+    import kvserve._core
+
+    # Its own instance: a K/V memory that no other test filled.
+    reuse_core = kvserve._core.Model(key, threads=2)
+    long = [p for p in g.prompts if len(p["prompt_tokens"]) > 1500]
+    assert len(long) >= 2, "the gemma3 fixtures lost their long prompts"
+    for p in long:
+        toks = p["prompt_tokens"]
+        donor = toks[:1200] + [t for t in g.prompts[0]["prompt_tokens"][1:]] * 8
+        ctx = reuse_core.new_context(g.meta["n_ctx"])
+        for i in range(0, len(donor), 512):
+            part = donor[i : i + 512]
+            n = len(part)
+            ctx.decode(part, list(range(i, i + n)), [0] * n, [False] * (n - 1) + [True])
+        held = [gr for gr in ctx.stats()["groups"] if gr["kind"] == "window"][0]["blocks_held"]
+        assert held <= 512 // 16 + 1, f"window group holds {held} blocks"
+        m = ctx.match_prefix(1, toks)
+        assert m == 1200 // 16 * 16, f"{p['name']}: resumed at {m}, expected 1,200 rounded down"
+        n = len(toks) - m
+        logits = ctx.decode(
+            toks[m:], list(range(m, len(toks))), [1] * n, [False] * (n - 1) + [True]
+        )
+        fresh = _greedy(g, core, p)
+        pos, got = len(toks), []
+        for step in range(len(p["greedy_tokens"])):
+            row = _rows(logits)[-1]
+            lp = _log_softmax(row)
+            diff = float(
+                np.max(
+                    np.abs(
+                        lp[p["steps"][step]["top_ids"][:5]]
+                        - fresh.logprobs[step][p["steps"][step]["top_ids"][:5]]
+                    )
+                )
+            )
+            assert diff < 1e-3, (
+                f"{p['name']} step {step}: logprobs differ from the fresh run by {diff}"
+            )
+            tok = int(np.argmax(row))
+            got.append(tok)
+            if tok != fresh.tokens[step]:
+                break
+            logits = ctx.decode([tok], [pos], [1], [True])
+            pos += 1
+        assert got == fresh.tokens, f"{p['name']}: greedy with reuse {got} != fresh {fresh.tokens}"
+        d = _first_divergence(got, p["greedy_tokens"])
+        if d is not None:
+            step = p["steps"][d]
+            lp = _llama_logprob(step, got[d])
+            gap = None if lp is None else step["top_logprobs"][0] - lp
+            assert gap is not None and gap <= g.near_tie_nats, (
+                f"{p['name']}: diverges from llama.cpp at step {d} (gap {gap})"
+            )
+        ctx.audit()

@@ -181,6 +181,79 @@ def test_prefix_reuse_with_window_groups_equals_recompute(tiny):
     ctx.audit()
 
 
+def test_prefix_reuse_resumes_far_past_the_window(tiny):
+    """A prompt decoded in batches (its window group pruned long before the end) is reused
+    by a later sequence up to its last whole block: the window group maps only the blocks
+    holding the window before the resume point, and the continuation has the reference's
+    logits. With a difference inside that window, reuse stops at the last point whose window
+    avoids it."""
+    model, w = tiny
+    prefix = _tokens(120, seed=21)
+    ctx = model.new_context(1024)
+    for i in range(0, 120, 32):
+        _decode(ctx, prefix[i : i + 32], i)
+    ctx.seq_rm(0)
+    tail = _tokens(6, seed=22)
+    n = ctx.match_prefix(1, prefix + tail)
+    assert n == 112
+    # The window of position 112 (93..111) lies in blocks 5 and 6.
+    assert _group(ctx, "window")["blocks_held"] == 2
+    assert _group(ctx, "full")["blocks_held"] == 7
+    got = _decode(ctx, (prefix + tail)[n:], n, seq=1)
+    want = ref.forward(w, SPEC, prefix + tail, kv_f16=True)[n:]
+    _close(got, want, "resumed past the window")
+    ctx.seq_rm(1)
+    # Position 100 differs: the full group matches up to 96, and the window before 96
+    # (77..95, blocks 4 and 5) is cached.
+    other = list(prefix)
+    other[100] = (other[100] + 1) % ref.N_VOCAB
+    assert ctx.match_prefix(2, other + tail) == 96
+    got = _decode(ctx, (other + tail)[96:], 96, seq=2)
+    want = ref.forward(w, SPEC, other + tail, kv_f16=True)[96:]
+    _close(got, want, "resumed before a difference")
+    ctx.audit()
+
+
+def _window_blocks(window: int, n_seq: int, n_batch: int) -> int:
+    """The sizing rule of docs/KV_SEMANTICS.md ("Sizing"), restated: per sequence its window
+    blocks and a partly filled one, one batch, and the windows of up to 4 resume points."""
+    per = math.ceil(window / BLOCK) + 1
+    return n_seq * (per + 1) + math.ceil(n_batch / BLOCK) + per * min(n_seq, 4)
+
+
+def test_window_memory_is_sized_by_the_window_not_the_context(tmp_path):
+    """A fresh model's window group gets the blocks its windows need, whatever n_ctx: the
+    full group grows with the context, the window group with sequences and batch only."""
+    path = tmp_path / "gemma3.gguf"
+    ref.write_model(path, SPEC)
+    totals = {}
+    for n_ctx, n_seq, n_batch in ((4096, 1, 2048), (65536, 1, 2048), (65536, 8, 512)):
+        m = core.Model(str(path), threads=1)  # each model makes its own memory
+        ctx = m.new_context(n_ctx, n_seq_max=n_seq, n_batch=n_batch)
+        totals[n_ctx, n_seq] = (
+            _group(ctx, "full")["blocks_total"],
+            _group(ctx, "window")["blocks_total"],
+        )
+        assert totals[n_ctx, n_seq][1] == _window_blocks(SPEC.window, n_seq, n_batch)
+    assert totals[65536, 1][0] > 10 * totals[4096, 1][0]
+    assert totals[65536, 1][1] == totals[4096, 1][1]
+
+
+def test_batch_larger_than_n_batch_is_refused_without_changes(tiny):
+    model, w = tiny
+    ctx = model.new_context(4096, n_batch=64)
+    toks = _tokens(100, seed=23)
+    _decode(ctx, toks[:30], 0)
+    before = ctx.stats()["groups"]
+    with pytest.raises(ValueError, match="n_batch"):
+        _decode(ctx, toks[30:], 30)
+    assert ctx.stats()["groups"] == before and ctx.n_cells == 30
+    got = np.concatenate([_decode(ctx, toks[30:94], 30), _decode(ctx, toks[94:], 94)])
+    want = ref.forward(w, SPEC, toks, kv_f16=True)[30:]
+    _close(got, want, "in two batches of at most n_batch")
+    ctx.audit()
+
+
 def test_real_gemma_4096_tokens_window_bounded(gemma_path):
     """Gemma 3 270M: a 4,096-token sequence in batches of 512 holds at most
     ⌈512/16⌉ + 1 blocks per window layer group after each batch, while the full group holds
@@ -225,8 +298,15 @@ def test_engine_serves_gemma_with_prefix_reuse_identical_to_recompute(gemma_path
             outs[reuse] = [e.generate(p, max_tokens=12, temperature=0) for p in prompts]
             st = e.stats()
             assert st["kv_window_layers"] == 15 and st["kv_full_layers"] == 3
+            # Sized for 2 running sequences and one step (256 prompt tokens + 2), not ctx_size.
+            assert st["kv_window_blocks_total"] == _window_blocks(512, 2, 256 + 2)
             if reuse:
-                assert outs[True][1].cached_tokens >= 256
-                assert outs[True][3].cached_tokens >= 256
+                # Everything the prompts share, in whole blocks (a long document's prefix
+                # resumes far past the 512-token window).
+                for a, b in ((0, 1), (2, 3)):
+                    ta, tb = model.tokenize(prompts[a]), model.tokenize(prompts[b])
+                    common = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+                    assert outs[True][b].cached_tokens == common // 16 * 16
+                assert outs[True][3].cached_tokens > 600
     assert [r.text for r in outs[True]] == [r.text for r in outs[False]]
     assert all(r.cached_tokens == 0 for r in outs[False])

@@ -58,6 +58,8 @@ class Model:
         kv_memory: int | None = None,
         prefix_cache: bool = True,
         memory_tokens: int | None = None,
+        n_seq_max: int = 1,
+        n_batch: int = 2048,
     ) -> Context: ...
     def metadata(self) -> dict[str, object]: ...
     def _inject_worker_panic(self, layer: int | None) -> None:

@@ -65,6 +65,10 @@ FINISH_STOP = "stop"  # end-of-generation token or stop string
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CONTEXT = "context"  # the context window is full
 
+# Most tokens one decode call takes (a context's n_batch, llama.cpp's default): prompts are
+# fed in batches of this many.
+PROMPT_BATCH = 2048
+
 
 @dataclass(frozen=True)
 class GenerateResult:
@@ -240,14 +244,23 @@ class Model:
         return prompt_ids(self, self.apply_chat_template(messages, add_generation_prompt))
 
     def new_context(
-        self, n_ctx: int = 4096, kv_type: str = "f16", kv_memory: int | None = None
+        self,
+        n_ctx: int = 4096,
+        kv_type: str = "f16",
+        kv_memory: int | None = None,
+        n_seq_max: int = 1,
+        n_batch: int = PROMPT_BATCH,
     ) -> _core.Context:
         """A decoding context holding at most ``n_ctx`` tokens; ``kv_type`` is "f16", "q8_0"
         (half the memory) or "f32". Every context of a model (and of one ``kv_type``) shares one
         block pool and one prefix index: a prefix one context computed is found by the next, and
         one memory budget covers them all. The pool is made on first use, for ``kv_memory``
-        bytes if given, else for ``max(n_ctx, 4096)`` tokens."""
-        return self._core.new_context(n_ctx, kv_type=kv_type, kv_memory=kv_memory)
+        bytes if given, else for ``max(n_ctx, 4096)`` tokens. On a model with sliding-window
+        layers (Gemma 3) their memory is sized for ``n_seq_max`` sequences decoded at once and
+        batches of at most ``n_batch`` tokens (a larger ``decode`` raises ``ValueError``)."""
+        return self._core.new_context(
+            n_ctx, kv_type=kv_type, kv_memory=kv_memory, n_seq_max=n_seq_max, n_batch=n_batch
+        )
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
@@ -355,8 +368,11 @@ class _Run:
         n = len(toks)
         # Whole blocks of the prompt that an earlier request on this model computed are reused.
         m = self.cached_tokens = ctx.match_prefix(0, toks)
-        k = n - m
-        logits = ctx.decode(toks[m:], list(range(m, n)), [0] * k, [False] * (k - 1) + [True])
+        # In batches of at most PROMPT_BATCH tokens (the context's n_batch); logits of the last.
+        for i in range(m, n, PROMPT_BATCH):
+            j = min(i + PROMPT_BATCH, n)
+            k = j - i
+            logits = ctx.decode(toks[i:j], list(range(i, j)), [0] * k, [False] * (k - 1) + [j == n])
         pos = n
         is_eog = self.model.is_eog
         history = list(toks)  # the penalties' history: prompt, then generated tokens

@@ -502,6 +502,10 @@ class Engine:
             kv_memory=kv_bytes,
             prefix_cache=prefix_cache,
             memory_tokens=None if kv_bytes is not None else parallel * ctx_size,
+            # Sliding-window memory is sized for the running sequences and one step's batch
+            # (prompt chunks of batch_tokens plus one token per running sequence).
+            n_seq_max=parallel,
+            n_batch=batch_tokens + parallel,
         )
         st = self._ctx.stats()
         self.kv_type = str(st["kv_type"])
@@ -1582,7 +1586,6 @@ class Engine:
             if req.children:  # before req may finish and release its sequence
                 n_generated += self._fork(req, rows[i])
             n_generated += self._deliver(req, tok)
-        self._generated_tokens += n_generated
         self._reclaim()
         now = time.monotonic()
         self._recent.append((now, n_generated, now - t0))
@@ -1610,10 +1613,11 @@ class Engine:
 
     def _deliver(self, req: _Request, tok: int) -> int:
         """Hands ``tok`` to ``req`` and finishes it when it is done; returns 1 if the token
-        counts as generated."""
+        counts as generated (counted in ``stats()`` before the request can see its result)."""
         if not req.ignore_eos and self._is_eog(tok):
             self._finish(req, FINISH_STOP)
             return 0
+        self._generated_tokens += 1
         req.ids.append(tok)
         if req.logprobs is not None and req.pending_logprob is not None:
             req.logprobs.append(req.pending_logprob)

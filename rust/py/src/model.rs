@@ -183,8 +183,11 @@ impl Model {
     /// A decoding context over the model's shared K/V memory for `kv_type` ("f16" default,
     /// "q8_0" or "f32"): at most `n_ctx` tokens. With `kv_memory` bytes or `memory_tokens`
     /// tokens, the memory (when this call makes it) is sized by them and the context may use
-    /// all of it. `prefix_cache=False`: the blocks it fills are not indexed.
-    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None, prefix_cache=true, memory_tokens=None))]
+    /// all of it. `prefix_cache=False`: the blocks it fills are not indexed. `n_seq_max`
+    /// sequences decoded at once and `n_batch`, the most tokens in one `decode` call, size the
+    /// memory of sliding-window layers (llama.cpp's parameters of those names); on a model with
+    /// such layers a larger batch raises `ValueError`.
+    #[pyo3(signature = (n_ctx=4096, kv_type="f16", block_size=16, kv_memory=None, prefix_cache=true, memory_tokens=None, n_seq_max=1, n_batch=2048))]
     #[allow(clippy::too_many_arguments)]
     fn new_context(
         &self,
@@ -195,6 +198,8 @@ impl Model {
         kv_memory: Option<usize>,
         prefix_cache: bool,
         memory_tokens: Option<usize>,
+        n_seq_max: usize,
+        n_batch: usize,
     ) -> PyResult<Context> {
         let o = KvOptions {
             n_ctx,
@@ -203,6 +208,8 @@ impl Model {
             kv_type: KvType::from_name(kv_type).map_err(to_py)?,
             block_size,
             prefix_cache,
+            n_seq_max,
+            n_batch,
         };
         let m = Arc::clone(&self.inner);
         let ctx = py

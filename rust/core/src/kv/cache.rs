@@ -347,8 +347,18 @@ impl PagedCache {
     /// The batch's K/V are written: indexes the blocks it filled (see the module docs) and
     /// returns them with their keys (a hybrid model checkpoints its states there).
     pub fn commit(&mut self, tx: BatchTx) -> Vec<(BlockId, Key)> {
+        self.commit_upto(tx, |_| usize::MAX)
+    }
+
+    /// [`PagedCache::commit`], keying at most the first `limit(s)` blocks of each sequence
+    /// ([`KvTable::commit_upto`]).
+    pub fn commit_upto(
+        &mut self,
+        tx: BatchTx,
+        limit: impl Fn(SeqId) -> usize,
+    ) -> Vec<(BlockId, Key)> {
         let id = self.prefix_cache.then_some(self.shared.model_id);
-        let keyed = self.table.commit(tx, id);
+        let keyed = self.table.commit_upto(tx, id, limit);
         let out = keyed.iter().map(|&(b, key, _)| (b, key)).collect();
         for (b, key, parent) in keyed {
             // Cannot fail: the block is held and its tokens are block_size long.
@@ -374,6 +384,31 @@ impl PagedCache {
     /// positions `0..n`. Returns `n`, a multiple of the block size; the caller decodes
     /// `tokens[n..]` at positions `n..`. `InvalidInput` if `seq < 0` or `seq` has cells.
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        self.match_prefix_in(seq, tokens, None)
+    }
+
+    /// [`PagedCache::match_prefix`] for a sliding-window group of `window` positions: a token
+    /// at the resume point `n` sees only positions `n - window + 1 ..`, so only the blocks
+    /// holding those are needed (at most `⌈window / b⌉ + 1`), not the whole prefix. Finds the
+    /// largest `n` (a multiple of `b`, at most `(len(tokens) - 1)` tokens) whose window blocks
+    /// are all indexed, attaches those (the sequence then starts at the first of them, a clean
+    /// run pruned at its front) and returns `n`. Blocks before the window are not looked up:
+    /// a long prompt resumes even when the window group evicted its head.
+    pub fn match_window_prefix(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        window: usize,
+    ) -> Result<usize> {
+        self.match_prefix_in(seq, tokens, Some(window.max(1)))
+    }
+
+    fn match_prefix_in(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        window: Option<usize>,
+    ) -> Result<usize> {
         if seq < 0 {
             return Err(Error::InvalidInput(format!(
                 "match_prefix needs a sequence id >= 0, got {seq}"
@@ -392,17 +427,50 @@ impl PagedCache {
         let mut blocks: Vec<BlockId> = Vec::new();
         let mut keys: Vec<Key> = Vec::new();
         let mut parent = ROOT_KEY;
-        for chunk in tokens.chunks_exact(bs).take(n_max) {
-            let key = block_key(self.shared.model_id, parent, chunk);
-            let Some(b) = index.lookup(pool, key, parent, chunk) else {
-                break;
-            };
-            blocks.push(b);
-            keys.push(key);
-            parent = key;
+        let mut first = 0;
+        if let Some(w) = window {
+            for chunk in tokens.chunks_exact(bs).take(n_max) {
+                parent = block_key(self.shared.model_id, parent, chunk);
+                keys.push(parent);
+            }
+            // First block a token at position `k * bs` sees.
+            let lo = |k: usize| (k * bs + 1).saturating_sub(w) / bs;
+            let mut found: Vec<Option<BlockId>> = vec![None; n_max];
+            // Resume at `k` once blocks `lo(k)..k` are found, looking from the top down: a miss
+            // at block `j` rules out every resume point whose window holds `j`, i.e. every
+            // point above `j` still to be tried, so the next candidate is `j` itself.
+            let (mut k, mut i) = (n_max, n_max);
+            while i > lo(k) {
+                let j = i - 1;
+                let parent = if j == 0 { ROOT_KEY } else { keys[j - 1] };
+                let chunk = &tokens[j * bs..(j + 1) * bs];
+                if let Some(b) = index.lookup(pool, keys[j], parent, chunk) {
+                    found[j] = Some(b);
+                } else {
+                    for b in found[j + 1..k].iter_mut().rev().filter_map(Option::take) {
+                        let _ = pool.release(b);
+                    }
+                    k = j;
+                }
+                i = j;
+            }
+            first = lo(k);
+            blocks = found[first..k].iter().map(|b| b.expect("found")).collect();
+            keys.truncate(k);
+        } else {
+            for chunk in tokens.chunks_exact(bs).take(n_max) {
+                let key = block_key(self.shared.model_id, parent, chunk);
+                let Some(b) = index.lookup(pool, key, parent, chunk) else {
+                    break;
+                };
+                blocks.push(b);
+                keys.push(key);
+                parent = key;
+            }
         }
-        let n = blocks.len() * bs;
-        if let Err(e) = self.table.attach_blocks(seq, &blocks, &keys, &tokens[..n]) {
+        let n = (first + blocks.len()) * bs;
+        let own = &tokens[first * bs..n];
+        if let Err(e) = self.table.attach_blocks_at(seq, first, &blocks, &keys, own) {
             for &b in blocks.iter().rev() {
                 let _ = pool.release(b);
             }
@@ -835,5 +903,100 @@ mod tests {
         assert_eq!((st.referenced, st.cached), (0, 2));
         assert_eq!(a.match_prefix(0, &p).unwrap(), 8);
         a.table().check().unwrap();
+    }
+
+    /// A copy of a source's first cells (not all of them) continues with its own tokens: its
+    /// later blocks are keyed under its own chain, never under the source's longer one (a key
+    /// naming "the source's prefix, then these tokens" would hand K/V computed after other
+    /// tokens to a later prompt).
+    #[test]
+    fn a_partial_copy_keys_its_own_chain() {
+        let mut c = cache(128);
+        let p = prompt(40, 5);
+        decode(&mut c, 0, &p, 0);
+        c.table_mut().seq_cp(0, 1, 0, 18).unwrap();
+        let mut t1 = p[..18].to_vec();
+        t1.extend(prompt(26, 500));
+        decode(&mut c, 1, &t1[18..], 18);
+        c.table().check().unwrap();
+        // The source's prefix followed by the copy's tokens: only the source's 10 blocks.
+        let mut q = p.clone();
+        q.extend_from_slice(&t1[40..]);
+        assert_eq!(c.match_prefix(2, &q).unwrap(), 40);
+        assert_eq!(content(&c, 2), expect(&p));
+        // The copy's own tokens: all of its 11 full blocks were keyed under its chain.
+        let mut q = t1.clone();
+        q.push(7);
+        assert_eq!(c.match_prefix(3, &q).unwrap(), 44);
+        assert_eq!(content(&c, 3), expect(&t1));
+        c.table().check().unwrap();
+    }
+
+    /// Decodes `tokens` of `seq` from position 0 in chunks of `chunk`, pruning to a window of
+    /// `w` positions after each (as `LayerGroups::prune_windows` does).
+    fn decode_windowed(c: &mut PagedCache, seq: SeqId, tokens: &[u32], chunk: usize, w: usize) {
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            decode(c, seq, part, (i * chunk) as Pos);
+            let hi = c.table().seq_pos_max(seq);
+            c.table_mut().prune_front(seq, hi - w as Pos + 1);
+            c.table().check().unwrap();
+        }
+    }
+
+    /// A window group keeps keying blocks after its front was pruned, and a later prompt
+    /// resumes from the blocks its window needs only: far past the window, with the head of
+    /// the prompt evicted, and at the last point before a difference.
+    #[test]
+    fn window_prefix_resumes_past_the_window() {
+        const W: usize = 6;
+        let mut c = cache(48);
+        let pool = Arc::clone(c.table().pool());
+        let p = prompt(40, 11);
+        decode_windowed(&mut c, 0, &p, 3, W);
+        // Holds at most the window plus a chunk, in at most ceil((6 + 3) / 4) + 1 blocks.
+        assert!(c.table().stats().held_blocks <= 4);
+        assert_eq!(c.table().seq_pos_min(0), 40 - W as Pos);
+        c.table_mut().seq_rm(0, -1, -1);
+        assert_eq!(
+            pool.stats().cached,
+            10,
+            "every block of the prompt was keyed"
+        );
+        // Another sequence takes the free blocks and evicts the 2 oldest (positions 0..8).
+        let n = pool.total() - 10 + 2;
+        decode(&mut c, 5, &prompt(n * BS, 900), 0);
+        assert_eq!(pool.stats().cached, 8);
+        c.table_mut().seq_rm(5, -1, -1);
+        let mut q = p.clone();
+        q.push(1);
+        assert_eq!(c.match_prefix(1, &q).unwrap(), 0, "the head is gone");
+        c.table_mut().seq_rm(1, -1, -1);
+        // The window of position 40 (35..39) lies in blocks 8 and 9: resume at 40.
+        assert_eq!(c.match_window_prefix(1, &q, W).unwrap(), 40);
+        assert_eq!(content(&c, 1), expect(&p)[32..].to_vec());
+        assert_eq!(c.table().seq_pos_min(1), 32);
+        c.table().check().unwrap();
+        // The resumed sequence keys its next blocks under the prompt's chain.
+        let more = prompt(9, 77);
+        decode(&mut c, 1, &more[..8], 40);
+        let hi = c.table().seq_pos_max(1);
+        c.table_mut().prune_front(1, hi - W as Pos + 1);
+        let mut r = p.clone();
+        r.extend_from_slice(&more);
+        assert_eq!(c.match_window_prefix(2, &r, W).unwrap(), 48);
+        c.table_mut().seq_rm(2, -1, -1);
+        c.table_mut().seq_rm(1, -1, -1);
+        // A difference at position 38 (block 9): the last point whose window avoids it is 36
+        // (window 31..35: blocks 7 and 8).
+        let mut d = p.clone();
+        d[38] += 1;
+        assert_eq!(c.match_window_prefix(3, &d, W).unwrap(), 36);
+        assert_eq!(content(&c, 3), expect(&p)[28..36].to_vec());
+        c.table().check().unwrap();
+        // A window as long as the prompt needs every block: nothing, since the head is gone.
+        c.table_mut().seq_rm(3, -1, -1);
+        assert_eq!(c.match_window_prefix(4, &q, 64).unwrap(), 0);
+        assert!(c.table().seq_ids().is_empty() || c.table().seq_pos_max(4) < 0);
+        c.table().check().unwrap();
     }
 }

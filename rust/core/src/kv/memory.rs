@@ -10,12 +10,15 @@
 //! sequence where the operation allows it. An operation a memory kind cannot honour (e.g. a
 //! partial `seq_rm` of a recurrent state) fails with a clear error and changes nothing.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::cache::PagedCache;
+use super::pool::BlockId;
+use super::prefix::Key;
 use super::prefix::{block_key, ROOT_KEY};
 use super::recurrent::RecurrentGroup;
-use super::table::{Pos, SeqId};
+use super::table::{BatchTx, Pos, SeqId};
 use crate::error::Result;
 
 pub trait Memory {
@@ -212,7 +215,10 @@ impl LayerGroups {
     /// Drops from every window group the cells of `seqs` that no later token can see: those
     /// with `pos <= pos_max - window` (positions only grow, `prepare_batch` checks it). Their
     /// blocks go back to the group's pool (cached when keyed, else free) once no sequence
-    /// holds them.
+    /// holds them. The sequence keeps its key chain ([`KvTable::prune_front`]), so its later
+    /// window blocks are keyed too and a prefix resumes far past the window.
+    ///
+    /// [`KvTable::prune_front`]: super::table::KvTable::prune_front
     pub fn prune_windows(&mut self, seqs: &[SeqId]) {
         for g in &mut self.groups {
             let GroupKind::Window(w) = g.kind else {
@@ -222,17 +228,18 @@ impl LayerGroups {
             for &s in seqs {
                 let hi = g.cache.table().seq_pos_max(s);
                 if hi >= w && g.cache.table().seq_pos_min(s) <= hi - w {
-                    g.cache.table_mut().seq_rm(s, 0, hi - w + 1);
+                    g.cache.table_mut().prune_front(s, hi - w + 1);
                 }
             }
         }
     }
 
     /// For a new sequence: maps the longest prefix of `tokens` every group can resume from
-    /// (see [`PagedCache::match_prefix`]): each group matches on its own, then groups that
-    /// matched more than the shortest drop the excess (their blocks stay cached). A window
-    /// group resumes from its own chain of keyed blocks, so reuse is bounded by what the
-    /// window group kept keyed (docs/KV_SEMANTICS.md, "Layer groups").
+    /// (see [`PagedCache::match_prefix`]): full groups match first, window groups then look
+    /// for the longest of those prefixes whose window blocks they still have
+    /// ([`PagedCache::match_window_prefix`]: at most `⌈window / b⌉ + 1` blocks per resume
+    /// point), and groups that matched more than the shortest drop the excess (their blocks
+    /// stay cached); docs/KV_SEMANTICS.md, "Layer groups".
     ///
     /// With a recurrent group the sequence must be empty, and the match ends at the longest
     /// prefix that also has a state checkpoint (`kv/recurrent.rs`) at which every window group
@@ -262,16 +269,18 @@ impl LayerGroups {
             parent = block_key(model_id, parent, chunk);
             keys.push(parent);
         }
-        let r = self.recurrent().expect("checked above");
-        let found = (0..keys.len()).rev().find_map(|i| {
+        let mut found = None;
+        for i in (0..keys.len()).rev() {
             let m = (i + 1) * bs;
-            if !self.can_resume_at(seq, m as Pos) {
-                return None;
+            let r = self.recurrent().expect("checked above");
+            let Some(v) = r.find_checkpoint(&storage, model_id, keys[i], &tokens[i * bs..m]) else {
+                continue;
+            };
+            if self.resume_windows_at(seq, &tokens[..=m], m)? {
+                found = Some((m, v));
+                break;
             }
-            let chunk = &tokens[i * bs..m];
-            r.find_checkpoint(&storage, model_id, keys[i], chunk)
-                .map(|v| (m, v))
-        });
+        }
         let Some((m, vals)) = found else {
             self.remove_kv(seq, -1);
             return Ok(0);
@@ -286,6 +295,33 @@ impl LayerGroups {
         Ok(m)
     }
 
+    /// Makes every window group of the new sequence `seq` hold the window before position
+    /// `m` (a block boundary at most what the full groups matched): as it is when it already
+    /// does, else by matching `tokens` (`m + 1` of them) again in that group, which then holds
+    /// the window before the largest point it can resume at. Whether all groups can resume
+    /// at `m`.
+    fn resume_windows_at(&mut self, seq: SeqId, tokens: &[u32], m: usize) -> Result<bool> {
+        if self.can_resume_at(seq, m as Pos) {
+            return Ok(true);
+        }
+        for g in &mut self.groups {
+            let GroupKind::Window(w) = g.kind else {
+                continue;
+            };
+            let t = g.cache.table();
+            let need = (m as Pos + 1 - w.min(Pos::MAX as usize) as Pos).max(0);
+            let lo = t.seq_pos_min(seq);
+            if lo >= 0 && lo <= need && t.seq_pos_max(seq) + 1 >= m as Pos {
+                continue;
+            }
+            g.cache.table_mut().seq_rm(seq, -1, -1);
+            if g.cache.match_window_prefix(seq, tokens, w)? != m {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Drops `seq`'s K/V cells from position `p0` on (`-1`: all) in every K/V group.
     fn remove_kv(&mut self, seq: SeqId, p0: Pos) {
         for g in &mut self.groups {
@@ -298,14 +334,20 @@ impl LayerGroups {
     /// [`LayerGroups::match_prefix`] over the K/V groups only.
     fn match_kv_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
         let mut n = usize::MAX;
-        for g in &mut self.groups {
+        // Full groups first: a window group only needs the window before their match.
+        let mut order: Vec<usize> = (0..self.groups.len()).collect();
+        order.sort_by_key(|&i| matches!(self.groups[i].kind, GroupKind::Window(_)));
+        for gi in order {
             if n == 0 {
                 break;
             }
-            n = n.min(
-                g.cache
-                    .match_prefix(seq, &tokens[..tokens.len().min(n.saturating_add(1))])?,
-            );
+            let g = &mut self.groups[gi];
+            let part = &tokens[..tokens.len().min(n.saturating_add(1))];
+            let m = match g.kind {
+                GroupKind::Window(w) => g.cache.match_window_prefix(seq, part, w)?,
+                GroupKind::Full | GroupKind::Recurrent => g.cache.match_prefix(seq, part)?,
+            };
+            n = n.min(m);
         }
         let n = if n == usize::MAX { 0 } else { n };
         for g in &mut self.groups {
@@ -314,6 +356,33 @@ impl LayerGroups {
             }
         }
         Ok(n)
+    }
+
+    /// Commits a batch planned in every K/V group (`txs` in group order) after its K/V were
+    /// written; returns the blocks the primary group keyed. The primary group commits first:
+    /// the others key no further than its clean prefix of each sequence (their K/V depend on
+    /// its layers too, e.g. after a `seq_rm` of positions a window group had already dropped).
+    pub fn commit_kv(&mut self, txs: Vec<BatchTx>, seqs: &[SeqId]) -> Vec<(BlockId, Key)> {
+        let pi = self.primary_index();
+        let mut txs: Vec<Option<BatchTx>> = txs.into_iter().map(Some).collect();
+        let p = &mut self.groups[pi].cache;
+        let keyed = p.commit(txs[pi].take().expect("one batch per group"));
+        let t = p.table();
+        let limits: HashMap<SeqId, usize> = seqs.iter().map(|&s| (s, t.chain_len(s))).collect();
+        for (g, tx) in self.groups.iter_mut().zip(txs) {
+            if let Some(tx) = tx {
+                g.cache
+                    .commit_upto(tx, |s| limits.get(&s).copied().unwrap_or(0));
+            }
+        }
+        keyed
+    }
+
+    /// Rolls back a batch planned in every K/V group (`txs` in group order).
+    pub fn rollback_kv(&mut self, txs: Vec<BatchTx>) {
+        for (g, tx) in self.groups.iter_mut().zip(txs) {
+            g.cache.rollback(tx);
+        }
     }
 
     /// Tokens stored, summed over groups' primary view (the primary group's count).
@@ -527,9 +596,7 @@ mod tests {
         let r = m.recurrent_mut().unwrap();
         let (tx, states) = r.begin(&batch.seq_ids, &batch.positions, &storage).unwrap();
         r.commit(tx, &states, &mut storage).unwrap();
-        for (g, tx) in m.groups_mut().iter_mut().zip(txs) {
-            g.cache.commit(tx);
-        }
+        m.commit_kv(txs, &[seq]);
         m.prune_windows(&[seq]);
     }
 
@@ -596,5 +663,84 @@ mod tests {
         }
         assert_eq!(full.pool_stats().referenced, 0);
         m.recurrent().unwrap().check().unwrap();
+    }
+
+    fn keyed_blocks(g: &Group) -> usize {
+        let pool = g.cache.shared().pool();
+        (0..pool.total() as BlockId)
+            .filter(|&b| pool.key(b) != crate::kv::NO_KEY)
+            .count()
+    }
+
+    /// A window group keys past its pruned front only as far as the full group's clean
+    /// prefix: once a `seq_rm` of old positions (which the window group had already dropped)
+    /// changes what later tokens see, neither group keys anything more.
+    #[test]
+    fn window_keys_stop_where_the_full_group_s_stop() {
+        let mut m = memory();
+        run(&mut m, 0, 0, 64);
+        let win = &m.groups()[1];
+        assert_eq!(
+            win.cache.table().seq_pos_min(0),
+            44,
+            "window 20 pruned the front"
+        );
+        assert_eq!(keyed_blocks(win), 4, "and kept keying");
+        run(&mut m, 0, 64, 16);
+        assert_eq!(
+            (keyed_blocks(&m.groups()[0]), keyed_blocks(&m.groups()[1])),
+            (5, 5)
+        );
+        m.seq_rm(0, 0, 16).unwrap();
+        run(&mut m, 0, 80, 32);
+        assert_eq!(
+            (keyed_blocks(&m.groups()[0]), keyed_blocks(&m.groups()[1])),
+            (5, 5)
+        );
+        for g in m.groups() {
+            g.cache.table().check().unwrap();
+        }
+    }
+
+    /// A hybrid + window sequence resumes from a state checkpoint below the longest K/V match:
+    /// the window group, which mapped only the window before that match, maps the window
+    /// before the checkpoint instead.
+    #[test]
+    fn hybrid_resumes_at_an_earlier_checkpoint_with_its_window() {
+        let mut m = memory();
+        run(&mut m, 0, 0, 80);
+        let toks: Vec<u32> = (0..80).collect();
+        let pi = m.primary_index();
+        let full = Arc::clone(m.groups()[pi].cache.shared());
+        let id = m.groups()[pi].cache.model_id();
+        let mut parent = ROOT_KEY;
+        let keys: Vec<Key> = toks
+            .chunks_exact(BS)
+            .map(|c| {
+                parent = block_key(id, parent, c);
+                parent
+            })
+            .collect();
+        // A checkpoint after block 2 only (positions 0..48).
+        let vals: Vec<f32> = (0..16).map(|i| i as f32 * 0.5).collect();
+        let r = m.recurrent().unwrap();
+        assert!(r.store_checkpoint(&mut full.lock_storage(), id, keys[2], &toks[32..48], &vals));
+        m.seq_rm(0, -1, -1).unwrap();
+        let mut q = toks.clone();
+        q.push(7);
+        assert_eq!(m.match_prefix(1, &q).unwrap(), 48);
+        let win = m.groups()[1].cache.table();
+        assert_eq!((win.seq_pos_min(1), win.seq_pos_max(1)), (16, 47));
+        assert_eq!(m.groups()[0].cache.table().seq_pos_max(1), 47);
+        let (pos, got) = m
+            .recurrent()
+            .unwrap()
+            .read(1, &full.lock_storage())
+            .unwrap()
+            .unwrap();
+        assert_eq!((pos, got), (47, vals));
+        for g in m.groups() {
+            g.cache.table().check().unwrap();
+        }
     }
 }

@@ -124,11 +124,25 @@ struct Seq {
     /// Cached attention view (`None`: rebuild on demand).
     view: Option<SeqView>,
     /// Content keys of the leading full blocks known to form a clean prefix (a prefix of the
-    /// truth; `chain_ok == false`: recompute from scratch at the next commit).
+    /// truth; `chain_ok == false`: recompute from scratch at the next commit, possible only
+    /// while `front == 0`). Key `k` names the sequence's cells `k*b .. (k+1)*b`, counted from
+    /// its first cell ever, whether or not a window pruning dropped them since.
     chain: Vec<Key>,
     chain_ok: bool,
     /// The block after `chain` is full but not a clean prefix block: nothing further is keyed.
     chain_stuck: bool,
+    /// Leading cells dropped by [`KvTable::prune_front`] (a window group's pruning): `cells[i]`
+    /// is the sequence's cell number `front + i`. The chain survives such a drop.
+    front: usize,
+}
+
+/// How `drop_cells` treats the key chain: a window's pruning keeps it (the dropped cells are no
+/// longer seen by anything, so later blocks still continue the same clean run); any other
+/// removal keeps it only when it removed a tail.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Removal {
+    Remove,
+    Prune,
 }
 
 /// Undo record of one planned batch (see the module docs): per sequence, its cell count before
@@ -303,18 +317,27 @@ impl KvTable {
 
     /// Removes the cells of `s` for which `drop(pos)` holds; releases blocks it no longer uses,
     /// tails first (so that the LRU evicts tails before heads).
-    fn drop_cells(&mut self, s: SeqId, mut drop: impl FnMut(Pos) -> bool) {
+    fn drop_cells(&mut self, s: SeqId, how: Removal, mut drop: impl FnMut(Pos) -> bool) {
         let Some(mut q) = self.seqs.remove(&s) else {
             return;
         };
         let mut released = Vec::new();
         let bs = self.bs;
         let before = q.cells.len();
+        // Whether the removed cells are a head or a tail of the list.
+        let (mut at, mut last_removed, mut first_kept, mut last_kept, mut first_removed) =
+            (0usize, None, None, None, None);
         q.cells.retain(|&(b, sl)| {
             let i = b as usize * bs + sl as usize;
+            let k = at;
+            at += 1;
             if !drop(self.pos[i]) {
+                first_kept.get_or_insert(k);
+                last_kept = Some(k);
                 return true;
             }
+            first_removed.get_or_insert(k);
+            last_removed = Some(k);
             self.users[i] -= 1;
             if self.users[i] == 0 {
                 self.live -= 1;
@@ -333,11 +356,45 @@ impl KvTable {
             let _ = self.pool.release(b);
         }
         if !q.cells.is_empty() {
-            if q.cells.len() != before {
+            let removed = before - q.cells.len();
+            if removed > 0 {
+                let head = last_removed < first_kept;
+                let tail = first_removed > last_kept;
+                let kept = (std::mem::take(&mut q.chain), q.chain_ok, q.chain_stuck);
                 self.refresh(&mut q);
+                if how == Removal::Prune && head {
+                    q.front += removed;
+                    (q.chain, q.chain_ok, q.chain_stuck) = kept;
+                } else if tail && kept.1 {
+                    // What is left is a prefix of what was there: so is its chain.
+                    q.chain = kept.0;
+                    q.chain.truncate((q.front + q.cells.len()) / bs);
+                    q.chain_ok = true;
+                }
             }
             self.seqs.insert(s, q);
         }
+    }
+
+    /// A window group's pruning: drops the cells of `s` with `pos < p1`. When they are the
+    /// sequence's leading cells (a clean run pruned from its front, the usual case), its key
+    /// chain is kept, so the blocks it fills later still get content keys (chained to the
+    /// dropped ones, whose keys it remembers) and a window group can resume a prefix far past
+    /// its window. Only valid where no later token can see the dropped cells (the caller's
+    /// window rule); a plain `seq_rm` of a front range stops keying instead.
+    pub fn prune_front(&mut self, s: SeqId, p1: Pos) {
+        if s >= 0 {
+            self.drop_cells(s, Removal::Prune, |p| p < p1);
+        }
+    }
+
+    /// Number of leading blocks of `s` whose content keys are known (0 when unknown): a group
+    /// that must not key past another group's clean prefix asks this.
+    pub fn chain_len(&self, s: SeqId) -> usize {
+        self.seqs
+            .get(&s)
+            .filter(|q| q.chain_ok && !q.tainted)
+            .map_or(0, |q| q.chain.len())
     }
 
     /// Counts one more (`up`) or one fewer sequence of this table holding block `b`.
@@ -436,7 +493,7 @@ impl KvTable {
     pub fn seq_rm(&mut self, s: SeqId, p0: Pos, p1: Pos) {
         let (p0, p1) = range(p0, p1);
         for t in self.targets(s) {
-            self.drop_cells(t, |p| p >= p0 && p < p1);
+            self.drop_cells(t, Removal::Remove, |p| p >= p0 && p < p1);
         }
     }
 
@@ -479,19 +536,28 @@ impl KvTable {
         }
         let clean =
             !self.seqs.contains_key(&dst) && self.seqs.get(&src).is_some_and(|q| !q.tainted);
+        // The copy is the source's first cells (not a range from its middle): then it is the
+        // same clean run, and the source's chain, cut to what was copied, is its chain too.
+        let head = self
+            .seqs
+            .get(&src)
+            .is_some_and(|q| q.cells[..add.len().min(q.cells.len())] == add[..]);
+        let n_add = add.len();
         for (b, sl) in add {
             self.add_cell(dst, b, sl, false)?;
         }
-        let chain = self.seqs.get(&src).map(|q| (q.chain.clone(), q.chain_ok));
+        let chain = self
+            .seqs
+            .get(&src)
+            .map(|q| (q.chain.clone(), q.chain_ok, q.front));
         if let Some(mut q) = self.seqs.remove(&dst) {
             q.tainted |= !clean;
             self.refresh(&mut q);
-            if clean {
-                // A clean copy holds the same leading blocks: the same key chain.
-                if let Some((c, ok)) = chain {
-                    q.chain = c;
-                    q.chain_ok = ok;
-                }
+            if let (true, true, Some((mut c, true, front))) = (clean, head, chain) {
+                c.truncate((front + n_add) / self.bs);
+                q.chain = c;
+                q.chain_ok = true;
+                q.front = front;
             }
             self.seqs.insert(dst, q);
         }
@@ -507,7 +573,7 @@ impl KvTable {
         }
         for t in self.targets(-1) {
             if t != s {
-                self.drop_cells(t, |_| true);
+                self.drop_cells(t, Removal::Remove, |_| true);
             }
         }
         Ok(())
@@ -517,7 +583,7 @@ impl KvTable {
     /// are dropped (their destinations belonged to the removed sequences).
     pub fn clear(&mut self) {
         for t in self.targets(-1) {
-            self.drop_cells(t, |_| true);
+            self.drop_cells(t, Removal::Remove, |_| true);
         }
         self.pending.clear();
         self.dirty.clear();
@@ -639,7 +705,7 @@ impl KvTable {
         // Removals first, decided on the old positions.
         let mut removed_any = false;
         for &t in &targets {
-            self.drop_cells(t, |p| {
+            self.drop_cells(t, Removal::Remove, |p| {
                 let r = in_range(p) && f(p) < 0;
                 removed_any |= r;
                 r
@@ -941,13 +1007,25 @@ impl KvTable {
     /// the caller indexes them.
     /// With `model_id == None` (prefix caching off) nothing is keyed.
     pub fn commit(&mut self, tx: BatchTx, model_id: Option<Key>) -> Vec<(BlockId, Key, Key)> {
+        self.commit_upto(tx, model_id, |_| usize::MAX)
+    }
+
+    /// [`KvTable::commit`], keying at most the first `limit(s)` blocks of each sequence `s`
+    /// (a window group keys no further than the full group's clean prefix: its K/V depend on
+    /// the full layers' too).
+    pub fn commit_upto(
+        &mut self,
+        tx: BatchTx,
+        model_id: Option<Key>,
+        limit: impl Fn(SeqId) -> usize,
+    ) -> Vec<(BlockId, Key, Key)> {
         for b in tx.pins.into_iter().rev() {
             let _ = self.pool.release(b);
         }
         let mut keyed = Vec::new();
         if let Some(id) = model_id {
             for (s, _, _) in tx.seqs {
-                self.extend_chain(s, id, &mut keyed);
+                self.extend_chain(s, id, limit(s), &mut keyed);
             }
         }
         keyed
@@ -955,19 +1033,36 @@ impl KvTable {
 
     /// Extends the key chain of `s` over its full clean prefix blocks (O(block size) per new
     /// block; O(cells) after a structural change).
-    fn extend_chain(&mut self, s: SeqId, model_id: Key, keyed: &mut Vec<(BlockId, Key, Key)>) {
+    fn extend_chain(
+        &mut self,
+        s: SeqId,
+        model_id: Key,
+        limit: usize,
+        keyed: &mut Vec<(BlockId, Key, Key)>,
+    ) {
         let Some(mut q) = self.seqs.remove(&s) else {
             return;
         };
         if !q.chain_ok {
             q.chain.clear();
             q.chain_ok = true;
-            q.chain_stuck = false;
+            // Keys of pruned cells cannot be recomputed.
+            q.chain_stuck = q.front > 0;
         }
         let bs = self.bs;
-        while !q.tainted && !q.chain_stuck && (q.chain.len() + 1) * bs <= q.cells.len() {
+        let front = q.front;
+        while !q.tainted
+            && !q.chain_stuck
+            && q.chain.len() < limit
+            && (q.chain.len() + 1) * bs <= front + q.cells.len()
+        {
             let k = q.chain.len();
-            let cells = &q.cells[k * bs..(k + 1) * bs];
+            if k * bs < front {
+                // Pruned before it was keyed.
+                q.chain_stuck = true;
+                break;
+            }
+            let cells = &q.cells[k * bs - front..(k + 1) * bs - front];
             let b = cells[0].0;
             let clean = cells.iter().enumerate().all(|(j, &(cb, sl))| {
                 let i = self.idx(cb, sl);
@@ -1044,7 +1139,14 @@ impl KvTable {
                     let _ = self.pool.release(b);
                 }
                 if !q.cells.is_empty() {
+                    // Back to what it held before the batch, whose chain still holds.
+                    let kept = (std::mem::take(&mut q.chain), q.chain_ok);
                     self.refresh(&mut q);
+                    if kept.1 {
+                        q.chain = kept.0;
+                        q.chain.truncate((q.front + q.cells.len()) / bs);
+                        q.chain_ok = true;
+                    }
                     self.seqs.insert(s, q);
                 }
             }
@@ -1096,6 +1198,23 @@ impl KvTable {
         keys: &[Key],
         tokens: &[u32],
     ) -> Result<()> {
+        self.attach_blocks_at(s, 0, blocks, keys, tokens)
+    }
+
+    /// [`KvTable::attach_blocks`] for a window group that resumes past its window: `blocks`
+    /// are the sequence's blocks number `first ..` (positions from `first * bs` on; the ones
+    /// before lie outside the window and are not needed), `keys` the content keys of all its
+    /// blocks `0 .. first + blocks.len()`, `tokens` those of `blocks` only. The sequence is
+    /// then a clean run pruned at its front (`front = first * bs`), so the blocks it fills
+    /// next are keyed in turn.
+    pub fn attach_blocks_at(
+        &mut self,
+        s: SeqId,
+        first: usize,
+        blocks: &[BlockId],
+        keys: &[Key],
+        tokens: &[u32],
+    ) -> Result<()> {
         if s < 0 {
             return Err(Error::InvalidInput(format!(
                 "attach needs a sequence id >= 0, got {s}"
@@ -1109,7 +1228,7 @@ impl KvTable {
         let distinct: HashSet<BlockId> = blocks.iter().copied().collect();
         if distinct.len() != blocks.len()
             || blocks.iter().any(|&b| b as usize >= self.pool.total())
-            || keys.len() != blocks.len()
+            || keys.len() != first + blocks.len()
             || tokens.len() != blocks.len() * self.bs
         {
             return Err(Error::InvalidInput(
@@ -1122,7 +1241,7 @@ impl KvTable {
         for (i, &b) in blocks.iter().enumerate() {
             for sl in 0..self.bs {
                 let c = self.idx(b, sl as u16);
-                let p = (i * self.bs + sl) as Pos;
+                let p = ((first + i) * self.bs + sl) as Pos;
                 if self.users[c] > 0 && (self.pos[c] != p || self.rope[c] != p) {
                     return Err(Error::InvalidInput(format!(
                         "attach: block {b} slot {sl} holds position {} (rotated for {}), not {p}",
@@ -1135,7 +1254,7 @@ impl KvTable {
             for sl in 0..self.bs {
                 let c = self.idx(b, sl as u16);
                 if self.users[c] == 0 {
-                    let p = (i * self.bs + sl) as Pos;
+                    let p = ((first + i) * self.bs + sl) as Pos;
                     self.pos[c] = p;
                     self.rope[c] = p;
                     self.tokens[c] = tokens[i * self.bs + sl];
@@ -1154,6 +1273,7 @@ impl KvTable {
             q.chain = keys.to_vec();
             q.chain_ok = true;
             q.chain_stuck = false;
+            q.front = first * self.bs;
         }
         Ok(())
     }
@@ -1296,6 +1416,14 @@ impl KvTable {
                 if *v != self.build_view(q) {
                     return Err(format!("seq {s}: cached view is stale"));
                 }
+            }
+            if q.chain_ok && q.chain.len() * self.bs > q.front + q.cells.len() {
+                return Err(format!(
+                    "seq {s}: {} chain keys for {} cells (front {})",
+                    q.chain.len(),
+                    q.cells.len(),
+                    q.front
+                ));
             }
         }
         let live = users.iter().filter(|&&u| u > 0).count();

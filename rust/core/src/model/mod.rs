@@ -139,8 +139,9 @@ impl Model {
     /// ([`Config::layer_groups`], in that order), created on first use and shared by every
     /// context of that format. Full-attention groups are sized by `o.kv_memory` (bytes, split
     /// between the groups) or else for `max(o.memory_tokens or o.n_ctx, 4096)` tokens; a window
-    /// group for at most `max(4096, o.n_ctx, 4 * (window + block))` of those tokens, since a
-    /// window group holds only each sequence's window and the current batch. A later request
+    /// group by its window, not the context ([`window_blocks`]: the windows of `o.n_seq_max`
+    /// sequences, one batch of `o.n_batch` tokens and the windows before a few cached resume
+    /// points), and never more blocks than a full group of the same memory. A later request
     /// for more than the memory holds replaces it when no context uses it (its cached prefixes
     /// are dropped); while contexts use it, the request shares it as it is (the context's
     /// token limit is then what the memory holds).
@@ -157,11 +158,6 @@ impl Model {
             layout(layers.len()).validate()?;
         }
         let bs = o.block_size;
-        let window_cap = |w: usize| {
-            MIN_POOL_TOKENS
-                .max(o.n_ctx)
-                .max(w.saturating_add(bs).saturating_mul(4))
-        };
         // Blocks of each group.
         let want: Vec<usize> = match o.kv_memory {
             Some(bytes) => {
@@ -172,7 +168,7 @@ impl Model {
                 let win: Vec<usize> = groups
                     .iter()
                     .map(|(k, _)| match k {
-                        LayerKind::Window(w) => blocks_for_tokens(window_cap(*w), bs),
+                        LayerKind::Window(w) => window_blocks(*w, o),
                         LayerKind::Full | LayerKind::Recurrent => 0,
                     })
                     .collect();
@@ -202,7 +198,7 @@ impl Model {
                 groups
                     .iter()
                     .map(|(k, _)| match k {
-                        LayerKind::Window(w) => blocks_for_tokens(t.min(window_cap(*w)), bs),
+                        LayerKind::Window(w) => blocks_for_tokens(t, bs).min(window_blocks(*w, o)),
                         LayerKind::Full | LayerKind::Recurrent => blocks_for_tokens(t, bs),
                     })
                     .collect()
@@ -390,6 +386,19 @@ pub fn vocab_from_gguf(g: &GgufFile) -> Result<VocabData> {
     })
 }
 
+/// Blocks of a sliding-window group of `window` positions for `o`: each of `o.n_seq_max`
+/// sequences holds at most `⌈window / b⌉ + 1` blocks between batches plus a partly filled one
+/// during a batch, a batch adds at most `⌈n_batch / b⌉`, and the windows before up to four
+/// cached resume points (`⌈window / b⌉ + 1` each) stay for prefix reuse.
+pub fn window_blocks(window: usize, o: &KvOptions) -> usize {
+    let bs = o.block_size.max(1);
+    let per = window.div_ceil(bs) + 1;
+    let seqs = o.n_seq_max.max(1);
+    seqs.saturating_mul(per + 1)
+        .saturating_add(o.n_batch.max(1).div_ceil(bs))
+        .saturating_add(per.saturating_mul(seqs.min(4)))
+}
+
 /// How a context's KV cache is sized and stored.
 #[derive(Debug, Clone, Copy)]
 pub struct KvOptions {
@@ -406,6 +415,11 @@ pub struct KvOptions {
     pub block_size: usize,
     /// Key the blocks this context fills so that later prompts can reuse them (prefix cache).
     pub prefix_cache: bool,
+    /// Sequences decoded at once (llama.cpp's `n_seq_max`): sizes sliding-window groups.
+    pub n_seq_max: usize,
+    /// Most tokens in one batch (llama.cpp's `n_batch`) for models with sliding-window
+    /// layers, whose memory is sized for it; a larger batch is refused with `InvalidInput`.
+    pub n_batch: usize,
 }
 
 impl Default for KvOptions {
@@ -417,15 +431,22 @@ impl Default for KvOptions {
             kv_type: KvType::F16,
             block_size: DEFAULT_BLOCK_SIZE,
             prefix_cache: true,
+            n_seq_max: 1,
+            n_batch: DEFAULT_N_BATCH,
         }
     }
 }
+
+/// Default [`KvOptions::n_batch`] (llama.cpp's default `n_batch`).
+pub const DEFAULT_N_BATCH: usize = 2048;
 
 /// A running context: the model plus the block tables of its sequences, over the model's shared
 /// K/V memory ([`Model::kv_memory`]): one cache per layer group ([`LayerGroups`]).
 pub struct Context {
     model: Arc<Model>,
     memory: LayerGroups,
+    /// Largest batch a model with window groups takes (`KvOptions::n_batch`).
+    n_batch: usize,
 }
 
 /// One layer group's part of a forward pass: its storage (locked), the batch's planned cells
@@ -502,6 +523,7 @@ impl Context {
         Ok(Context {
             model,
             memory: LayerGroups::new(groups, recurrent)?,
+            n_batch: o.n_batch.max(1),
         })
     }
 
@@ -547,6 +569,15 @@ impl Context {
     /// window groups drop the cells that left every later token's window.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
         batch.validate(self.model.n_vocab())?;
+        if batch.len() > self.n_batch && self.memory.has_window() {
+            return Err(invalid(format!(
+                "a batch of {} tokens is larger than this context's n_batch ({}), for which \
+                 its sliding-window memory is sized: split it, or make the context with a \
+                 larger n_batch",
+                batch.len(),
+                self.n_batch
+            )));
+        }
         let shared: Vec<Arc<SharedKv>> = self
             .memory
             .groups()
@@ -680,15 +711,10 @@ impl Context {
         };
         let ok = matches!(run, Ok(Ok(_)));
         let mut keyed = Vec::new();
-        for (gi, (g, tx)) in self.memory.groups_mut().iter_mut().zip(txs).enumerate() {
-            if ok {
-                let k = g.cache.commit(tx);
-                if gi == pi {
-                    keyed = k;
-                }
-            } else {
-                g.cache.rollback(tx);
-            }
+        if ok {
+            keyed = self.memory.commit_kv(txs, &seqs);
+        } else {
+            self.memory.rollback_kv(txs);
         }
         if let (Some((vals, of)), Some(r)) = (ckpts, self.memory.recurrent()) {
             // The state after the last token of every primary-group block the commit keyed.
@@ -849,7 +875,15 @@ pub fn bench(
         rng ^= rng << 17;
         (rng % n_vocab) as u32
     };
-    let mut ctx = Context::new(Arc::clone(model), (n_prompt + n_gen).max(1) + 8)?;
+    // The prompt is one batch (llama-bench's pp is one n_batch = n_prompt batch).
+    let mut ctx = Context::with_options(
+        Arc::clone(model),
+        &KvOptions {
+            n_ctx: (n_prompt + n_gen).max(1) + 8,
+            n_batch: n_prompt.max(1),
+            ..KvOptions::default()
+        },
+    )?;
     let reps = reps.max(1);
     let (mut pp, mut tg) = (0.0f64, 0.0f64);
     if n_prompt > 0 {
@@ -914,7 +948,15 @@ pub fn bench_batched(
         rng ^= rng << 17;
         (rng % n_vocab) as u32
     };
-    let mut ctx = Context::new(Arc::clone(model), batch * (n_prompt + n_gen) + 8)?;
+    let mut ctx = Context::with_options(
+        Arc::clone(model),
+        &KvOptions {
+            n_ctx: batch * (n_prompt + n_gen) + 8,
+            n_seq_max: batch,
+            n_batch: batch * n_prompt,
+            ..KvOptions::default()
+        },
+    )?;
     let mut prompt = Batch::default();
     for s in 0..batch {
         for p in 0..n_prompt {
