@@ -95,7 +95,8 @@ class Context:
         Decode ``tokens[n:]`` at positions ``n, n+1, ...`` next."""
     def seq_state_read(self, seq: int) -> bytes:
         """The state of ``seq``: positions, token ids and K/V rows as stored (f16/q8_0/f32
-        bytes), with the weights identity and K/V format."""
+        bytes), with the weights identity and K/V format; with several layer groups
+        (sliding-window layers), each group's cells (a window group's window only)."""
     def seq_state_write(self, seq: int, data: bytes) -> int:
         """Writes a state from :meth:`seq_state_read` into the empty sequence ``seq`` without
         recomputing it; returns its token count. All or nothing (``ValueError``,

@@ -445,7 +445,8 @@ impl Context {
     }
 
     /// The state of sequence `seq` as bytes: its positions, token ids and K/V rows exactly as
-    /// stored, plus the weights identity and K/V format (see `kv::state` in the core).
+    /// stored, plus the weights identity and K/V format; for a model with several layer groups
+    /// (sliding-window layers) what each group holds (see `kv::state` in the core).
     fn seq_state_read<'py>(&self, py: Python<'py>, seq: i32) -> PyResult<Bound<'py, PyBytes>> {
         let data = self.with(py, |c| c.seq_state_read(seq))?;
         Ok(PyBytes::new(py, &data))

@@ -756,27 +756,16 @@ impl Context {
         self.memory.clear();
     }
 
-    /// Sequence states are per cell across all layers; a model with more than one layer group
-    /// (a sliding window) has no such cells for positions its window dropped.
-    fn one_group(&self, what: &str) -> Result<()> {
-        if self.memory.groups().len() > 1 {
-            return Err(Error::Unsupported(format!(
-                "{what} is not supported for models with layer groups (sliding-window \
-                 attention) yet"
-            )));
-        }
-        Ok(())
-    }
-
     /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
-    /// rules in `kv::state`). `Unsupported` for models with a sliding window.
+    /// rules in `kv::state`): version 1 for a model with one K/V group; for a model with several
+    /// (sliding-window layers) the version-2 container of each group's cells (a window group's:
+    /// only its window).
     ///
     /// A hybrid model's state is the K/V part as above followed by the recurrent state: its
     /// values (`f32`), then a 20-byte footer: its position `i32` (-1: none), the number of
     /// values `u64` (0 or the state's size), version `u32` (1) and `b"KVRS"`, little-endian.
     pub fn seq_state_read(&mut self, seq: i32) -> Result<Vec<u8>> {
-        self.one_group("reading a sequence state")?;
-        let kv = self.cache_mut().seq_state_read(seq)?;
+        let kv = self.memory.seq_state_read(seq, self.model.id())?;
         let Some(r) = self.memory.recurrent() else {
             return Ok(kv);
         };
@@ -797,13 +786,14 @@ impl Context {
 
     /// Writes a state from [`Context::seq_state_read`] (of this or another context or process
     /// of the same model and K/V format) into the empty sequence `seq` without recomputing it;
-    /// returns the number of cells. All or nothing. `Unsupported` for models with a sliding
-    /// window.
+    /// returns the number of cells (the sequence's tokens). All or nothing across every group
+    /// and the recurrent state: the K/V is staged in every group, the recurrent state written,
+    /// and only then is every group committed; any error undoes all of it.
     pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
-        self.one_group("writing a sequence state")?;
         let n_vocab = self.model.n_vocab();
+        let id = self.model.id();
         let Some(r) = self.memory.recurrent() else {
-            return self.cache_mut().seq_state_write(seq, data, n_vocab);
+            return self.memory.seq_state_write(seq, data, n_vocab, id);
         };
         let bad = |why: &str| invalid(format!("sequence state: {why}"));
         let len = data.len();
@@ -836,19 +826,19 @@ impl Context {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
-        let n = self
-            .cache_mut()
-            .seq_state_write(seq, &data[..start], n_vocab)?;
+        let staged = self
+            .memory
+            .seq_state_stage(seq, &data[..start], n_vocab, id)?;
         if nf > 0 {
             let shared = Arc::clone(self.cache().shared());
             let r = self.memory.recurrent_mut().expect("checked above");
             let written = r.write(seq, pos, &vals, &mut shared.lock_storage());
             if let Err(e) = written {
-                self.cache_mut().seq_rm(seq, -1, -1)?;
+                self.memory.seq_state_rollback(staged);
                 return Err(e);
             }
         }
-        Ok(n)
+        Ok(self.memory.seq_state_commit(staged))
     }
 }
 
