@@ -554,6 +554,26 @@ pub fn bench<'py>(
     d.set_item("prefill_tok_s", r.prefill_tok_s)?;
     d.set_item("decode_tok_s", r.decode_tok_s)?;
     d.set_item("threads", model.inner.threads())?;
+    // Per K/V layer group: what the benchmark's sequence held after its prompt.
+    let groups = PyList::empty(py);
+    for u in &r.groups {
+        let g = PyDict::new(py);
+        let (name, window) = match u.kind {
+            LayerKind::Full => ("full", None),
+            LayerKind::Window(w) => ("window", Some(w)),
+            LayerKind::Recurrent => ("recurrent", None),
+        };
+        g.set_item("kind", name)?;
+        g.set_item("window", window)?;
+        g.set_item("layers", u.layers)?;
+        g.set_item("blocks_total", u.blocks_total)?;
+        g.set_item("blocks_held", u.blocks_held)?;
+        g.set_item("bytes_per_block", u.bytes_per_block)?;
+        g.set_item("bytes_held", u.blocks_held * u.bytes_per_block)?;
+        g.set_item("bytes_total", u.blocks_total * u.bytes_per_block)?;
+        groups.append(g)?;
+    }
+    d.set_item("kv_groups", groups)?;
     Ok(d)
 }
 

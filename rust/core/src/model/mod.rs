@@ -845,10 +845,41 @@ impl Context {
 /// Throughput measured like llama-bench: `pp` is one batch of `n_prompt` tokens, `tg` is
 /// `n_gen` single-token steps from an empty context; each after one warm-up run, averaged over
 /// `reps` runs (llama-bench reports the mean too).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct BenchResult {
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// Per K/V layer group, what the benchmark's one sequence held after its prompt (after
+    /// its generated tokens when there is no prompt): a window group's stays bounded by the
+    /// window.
+    pub groups: Vec<GroupUsage>,
+}
+
+/// One K/V layer group's memory as [`bench`] saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupUsage {
+    pub kind: LayerKind,
+    pub layers: usize,
+    pub blocks_total: usize,
+    pub blocks_held: usize,
+    pub bytes_per_block: usize,
+}
+
+impl Context {
+    /// Per K/V layer group: its pool's size and the blocks this context holds in it.
+    pub fn group_usage(&self) -> Vec<GroupUsage> {
+        self.memory
+            .groups()
+            .iter()
+            .map(|g| GroupUsage {
+                kind: g.kind,
+                layers: g.layers.len(),
+                blocks_total: g.cache.shared().pool_stats().total,
+                blocks_held: g.cache.table().stats().held_blocks,
+                bytes_per_block: g.cache.shared().layout().bytes_per_block(),
+            })
+            .collect()
+    }
 }
 
 pub fn bench(
@@ -876,6 +907,7 @@ pub fn bench(
     )?;
     let reps = reps.max(1);
     let (mut pp, mut tg) = (0.0f64, 0.0f64);
+    let mut groups = Vec::new();
     if n_prompt > 0 {
         for r in 0..=reps {
             ctx.clear();
@@ -886,6 +918,7 @@ pub fn bench(
                 pp += t0.elapsed().as_secs_f64() / reps as f64;
             }
         }
+        groups = ctx.group_usage();
     }
     if n_gen > 0 {
         for r in 0..=reps {
@@ -898,6 +931,9 @@ pub fn bench(
                 tg += t0.elapsed().as_secs_f64() / reps as f64;
             }
         }
+        if groups.is_empty() {
+            groups = ctx.group_usage();
+        }
     }
     Ok(BenchResult {
         prefill_tok_s: if n_prompt > 0 {
@@ -906,6 +942,7 @@ pub fn bench(
             0.0
         },
         decode_tok_s: if n_gen > 0 { n_gen as f64 / tg } else { 0.0 },
+        groups,
     })
 }
 
