@@ -234,6 +234,28 @@ def test_bench_json(model_path: Path) -> None:
     for key in ("prefill_tok_s", "decode_tok_s"):
         value = obj[key]
         assert isinstance(value, float) and value > 0
+    groups = obj["kv_groups"]
+    assert isinstance(groups, list)
+    (g,) = groups  # one sequence of 16 tokens: one block of the one group
+    assert (g["kind"], g["blocks_held"], g["layers"]) == ("full", 1, 30)
+    assert g["bytes_held"] == g["bytes_per_block"] and g["blocks_total"] > 1
+
+
+def test_bench_reports_the_window_group_bounded_by_its_window(gemma_path: Path) -> None:
+    """Gemma 3: after a 700-token prompt the full group holds all 44 blocks, the window
+    group at most the 512-token window's ceil(512 / 16) + 1 = 33; the text output says so."""
+    args = ["bench", "--model", str(gemma_path), "-p", "700", "-n", "1", "--reps", "1"]
+    obj = ok_json(*args, "--json")
+    groups = obj["kv_groups"]
+    assert isinstance(groups, list)
+    by_kind = {g["kind"]: g for g in groups}
+    assert by_kind["full"]["blocks_held"] == 44 and by_kind["full"]["layers"] == 3
+    assert by_kind["window"]["window"] == 512 and by_kind["window"]["layers"] == 15
+    assert 32 <= by_kind["window"]["blocks_held"] <= 33
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "KV window 512 (15 layers): " in text and "KV full (3 layers): 44 blocks held" in text
 
 
 def test_bench_batched_json(model_path: Path) -> None:

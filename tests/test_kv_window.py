@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import sys
 from pathlib import Path
 
@@ -32,9 +33,14 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[core.Model, dict[str, np.ndarray]]:
+def tiny_file(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     path = tmp_path_factory.mktemp("win") / "gemma3.gguf"
-    w = ref.write_model(path, SPEC)
+    return path, ref.write_model(path, SPEC)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_file) -> tuple[core.Model, dict[str, np.ndarray]]:
+    path, w = tiny_file
     return core.Model(str(path), threads=2), w
 
 
@@ -252,6 +258,134 @@ def test_batch_larger_than_n_batch_is_refused_without_changes(tiny):
     want = ref.forward(w, SPEC, toks, kv_f16=True)[30:]
     _close(got, want, "in two batches of at most n_batch")
     ctx.audit()
+
+
+def _sections(state: bytes) -> list[tuple[int, int, list[int], list[int]]]:
+    """(kind, window, positions, tokens) per K/V group of a layer-group sequence state, read
+    by the layout documented in rust/core/src/kv/state.rs (version 2: magic, version, identity,
+    group count, 20 bytes per group, then one version-1 section per group)."""
+    assert state[:4] == b"KVSQ" and int.from_bytes(state[4:8], "little") == 2
+    n_groups = int.from_bytes(state[24:28], "little")
+    at = 28 + 20 * n_groups
+    out = []
+    for i in range(n_groups):
+        kind, window, _layers, length = struct.unpack_from("<IIIQ", state, 28 + 20 * i)
+        sec = state[at : at + length]
+        assert sec[:4] == b"KVSQ" and int.from_bytes(sec[4:8], "little") == 1
+        n = int.from_bytes(sec[44:48], "little")
+        cells = np.frombuffer(sec, dtype="<i4", count=2 * n, offset=48)
+        out.append((kind, window, cells[:n].tolist(), cells[n:].tolist()))
+        at += length
+    assert at == len(state)
+    return out
+
+
+def test_sequence_state_of_a_pruned_sequence_continues_bit_for_bit(tiny_file):
+    """A 50-token sequence whose window group was pruned (it holds positions 30..49 of a
+    20-position window): its state holds every position in the full group and only the
+    window in the window group; written into another Model instance (its own K/V memory),
+    the next tokens' logits are bit-identical to the original's and match the reference."""
+    path, w = tiny_file
+    a = core.Model(str(path), threads=2).new_context(256)
+    b = core.Model(str(path), threads=2).new_context(256)
+    toks = _tokens(60, seed=11)
+    for i in range(0, 50, 7):
+        _decode(a, toks[i : min(i + 7, 50)], i)
+    state = a.seq_state_read(0)
+    groups = _sections(state)
+    assert [(k, win) for k, win, _, _ in groups] == [(1, SPEC.window), (0, 0)]
+    assert groups[0][2:] == (list(range(30, 50)), toks[30:50])
+    assert groups[1][2:] == (list(range(50)), toks[:50])
+    _decode(b, _tokens(9, seed=12), 0)  # another sequence beside it
+    assert b.seq_state_write(2, state) == 50
+    assert (b.seq_pos_min(2), b.seq_pos_max(2)) == (0, 49)
+    assert _group(b, "window")["tokens_stored"] == 9 + SPEC.window
+    want = ref.forward(w, SPEC, toks, kv_f16=True)[50:]
+    for i in range(50, 60):
+        got_a = _decode(a, [toks[i]], i)
+        got_b = _decode(b, [toks[i]], i, seq=2)
+        assert np.array_equal(got_a, got_b), f"position {i}: logits differ"
+        _close(got_b, want[i - 50 : i - 49], f"restored sequence at {i}")
+    b.audit()
+
+
+def test_bad_sequence_states_load_nothing(tiny_file, tmp_path):
+    """Truncated, corrupt, other-layout and other-model states raise ValueError, and the
+    context is as before (no cells in any group, the sequence empty, the pool audit clean)."""
+    path, _ = tiny_file
+    model = core.Model(str(path), threads=2)
+    a = model.new_context(256)
+    _decode(a, _tokens(45, seed=13), 0)
+    state = a.seq_state_read(0)
+    win_sec = 28 + 2 * 20
+    token_at = win_sec + 48 + 4 * SPEC.window  # the window section's first token id
+    changed = bytearray(state)
+    changed[token_at] ^= 1
+    other_path = tmp_path / "other.gguf"
+    ref.write_model(other_path, dataclasses.replace(SPEC, seed=32))
+    other = core.Model(str(other_path), threads=2).new_context(256)
+    _decode(other, _tokens(45, seed=13), 0)
+    no_window = tmp_path / "nowin.gguf"
+    ref.write_model(no_window, dataclasses.replace(SPEC, window=None))
+    one_group = core.Model(str(no_window), threads=2).new_context(256)
+    _decode(one_group, _tokens(45, seed=13), 0)
+    cases = [
+        (state[:-1], "runs past the end"),
+        (state[: len(state) // 2], "runs past the end"),
+        (state[:40], "group table"),
+        (state + b"\0", "sections end"),
+        (bytes(changed), "holds token"),
+        (other.seq_state_read(0), "another model"),
+        (one_group.seq_state_read(0), "one K/V group"),
+    ]
+    b = model.new_context(256)
+    _decode(b, _tokens(20, seed=14), 0, seq=1)
+    before = (b.n_cells, b.stats()["groups"])
+    for data, why in cases:
+        with pytest.raises(ValueError, match=why):
+            b.seq_state_write(0, data)
+        assert (b.n_cells, b.stats()["groups"]) == before, why
+        assert b.seq_pos_max(0) == -1
+        b.audit()
+    with pytest.raises(ValueError, match="several K/V layer groups"):
+        one_group.seq_state_write(5, state)
+    assert b.seq_state_write(0, state) == 45
+
+
+def test_real_gemma_state_past_the_window_continues_exactly(gemma_path):
+    """Gemma 3 270M, a 700-token prompt (longer than the 512-token window, so the window
+    groups were pruned): the state written into another Model instance continues with the
+    greedy tokens and bit-identical logits of the uninterrupted original."""
+    m1 = core.Model(str(gemma_path), threads=2)
+    m2 = core.Model(str(gemma_path), threads=2)
+    text = " ".join(f"Line {i}: the river flows past mill number {i}." for i in range(56))
+    prompt = m1.tokenize(text + "\nQuestion: what flows past the mills?\nAnswer:", True, True)
+    assert len(prompt) > 700
+    n = len(prompt)
+    a, b = m1.new_context(1024), m2.new_context(1024)
+    for i in range(0, n, 256):
+        last = _decode_last(a, prompt[i : i + 256], i)
+    state = a.seq_state_read(0)
+    win = [g for g in _sections(state) if g[0] == 1]
+    assert win and all(g[2] == list(range(n - 512, n)) for g in win), "pruned to the window"
+    assert b.seq_state_write(0, state) == n
+    toks_a, toks_b = [], []
+    row_a = row_b = last
+    for i in range(8):
+        toks_a.append(int(np.argmax(row_a)))
+        toks_b.append(int(np.argmax(row_b)))
+        row_a = _decode_last(a, [toks_a[-1]], n + i)
+        row_b = _decode_last(b, [toks_b[-1]], n + i)
+        assert np.array_equal(row_a, row_b), f"step {i}: logits differ"
+    assert toks_a == toks_b
+    b.audit()
+
+
+def _decode_last(ctx, toks: list[int], start: int) -> np.ndarray:
+    """Decodes ``toks`` into sequence 0 from ``start``; the last token's logits (float32)."""
+    k = len(toks)
+    out = ctx.decode(toks, list(range(start, start + k)), [0] * k, [False] * (k - 1) + [True])
+    return np.frombuffer(out, dtype=np.float32).copy()
 
 
 def test_real_gemma_4096_tokens_window_bounded(gemma_path):

@@ -615,3 +615,42 @@ def test_hybrid_iswa_engine_greedy_same_with_and_without_prefix_reuse(iswa: Tiny
             cached = [r.cached_tokens for r in again]
             assert (max(cached) > 0) == reuse, cached
     assert outs[True] == outs[False]
+
+
+def test_hybrid_iswa_state_past_the_window_continues_bit_for_bit(iswa: Tiny):
+    """Full, window and recurrent groups in one state: a 50-token sequence (its window group
+    pruned to 20 positions) written into another Model instance continues with bit-identical
+    logits that match the reference. A pool with room for the K/V but not the state fails the
+    write with KvCacheFull and leaves every group as it was (the staged K/V is rolled back)."""
+    toks = _toks(56, seed=8)
+    a = core.Model(str(iswa.path), threads=2).new_context(512)
+    for i in range(0, 50, 7):
+        j = min(i + 7, 50)
+        iswa.decode(a, toks[i:j], list(range(i, j)), [0] * (j - i))
+    data = a.seq_state_read(0)
+    assert data[4:8] == (2).to_bytes(4, "little") and data[-4:] == b"KVRS"
+    b = core.Model(str(iswa.path), threads=2).new_context(512)
+    assert b.seq_state_write(3, data) == 50
+    assert _groups(b)["window"]["tokens_stored"] == ISWA.window
+    want = iswa.ref(toks)[50:]
+    for i in range(50, 56):
+        la = iswa.decode(a, [toks[i]], [i], [0])
+        lb = iswa.decode(b, [toks[i]], [i], [3])
+        assert np.array_equal(la, lb), f"position {i}"
+        close(lb, want[i - 50 : i - 49], iswa.tol, f"restored at {i}")
+    b.audit()
+
+    m = core.Model(str(iswa.path), threads=2)
+    c = m.new_context(4096, prefix_cache=False, memory_tokens=4096)
+    free = _groups(c)["full"]["blocks_total"] - math.ceil(50 / BLOCK) - 1  # K/V fits, no state
+    filler = _toks(free * BLOCK, seed=9)
+    for i in range(0, len(filler), 1024):
+        chunk = filler[i : i + 1024]
+        c.decode(chunk, list(range(i, i + len(chunk))), [1] * len(chunk), [False] * len(chunk))
+    full = _groups(c)["full"]
+    assert full["blocks_free"] + full["blocks_cached"] == math.ceil(50 / BLOCK)
+    before = c.stats()
+    with pytest.raises(KvCacheFull):
+        c.seq_state_write(0, data)
+    assert c.stats() == before and c.seq_pos_max(0) == -1
+    c.audit()

@@ -331,6 +331,40 @@ def test_cached_tokens(client: openai.OpenAI, model: Model) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
 
 
+def test_gemma3_reuses_a_long_shared_prefix_past_its_window(
+    gemma_path: Path, tmp_path: Path
+) -> None:
+    """Gemma 3 (sliding-window layers) served: two requests share a document longer than the
+    512-token window; the second reports every whole block of the shared part as cached (its
+    local layers resume from the window blocks before that point), and both answers are those
+    of ``Model.generate`` on a fresh model, which computes every token."""
+    doc = " ".join(f"Line {i}: the river flows past mill number {i}." for i in range(60))
+    prompts = [doc + "\nQuestion: what flows past the mills?\nAnswer:",
+               doc + "\nQuestion: how many mills are there?\nAnswer:"]  # fmt: skip
+    model = Model(gemma_path, threads=1)
+    ids = [model.tokenize(p, add_special=True, parse_special=True) for p in prompts]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert common > 700
+    srv = Server(
+        ["--model", str(gemma_path), "--threads", "2", "--parallel", "2", "--ctx-size", "2048"],
+        tmp_path / "server.log",
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+        got = [
+            client.completions.create(model="m", prompt=p, max_tokens=8, temperature=0)
+            for p in prompts
+        ]
+    finally:
+        srv.stop()
+    for p, r in zip(prompts, got):
+        fresh = Model(gemma_path, threads=1)  # its own K/V memory: nothing cached
+        assert r.choices[0].text == fresh.generate(p, max_tokens=8).text
+    usage = got[1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == common // 16 * 16
+
+
 # -- chat -------------------------------------------------------------------------------------
 
 CHAT: list[Any] = [  # Any: the openai client types messages as TypedDicts

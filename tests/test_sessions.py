@@ -529,3 +529,71 @@ def test_sequence_state_through_the_binding(model_path: Path, oracle: Model) -> 
     assert tiny.n_cells == 0
     assert isinstance(oracle.core.identity, str) and len(oracle.core.identity) == 32
     assert kvserve.SessionInfo is kvserve.sessions.SessionInfo
+
+
+def test_a_gemma_session_past_the_window_saves_loads_and_continues_as_in_place(
+    gemma_path: Path, tmp_path: Path
+) -> None:
+    """Gemma 3 (sliding-window layers, so the session file holds each layer group's cells):
+    a session whose first turn is longer than the 512-token window (its window groups were
+    pruned) is saved, loaded into a fresh engine on another Model instance, and its next turn
+    equals the turn of the engine that kept it in memory, computing only the new tokens.
+    Damaged files raise SessionFileError and load nothing (no session, no block held, the
+    pool's audit clean)."""
+    doc = " ".join(f"Line {i}: the river flows past mill number {i}." for i in range(56))
+    p1 = doc + "\nQuestion: what flows past the mills?\nAnswer:"
+    p2 = "\nQuestion: and how many mills are there?\nAnswer:"
+    path = tmp_path / "g.kvs"
+    kw: dict[str, Any] = {"parallel": 2, "ctx_size": 2048, "batch_tokens": 256}
+    with Engine(Model.load(gemma_path, threads=2), **kw) as a:
+        r1 = a.generate(p1, max_tokens=8, session_id="g")
+        assert r1.prompt_tokens > 700
+        a.save_session("g", path)
+        stored = r1.prompt_tokens + len(r1.tokens)
+        in_place = a.generate(p2, max_tokens=12, session_id="g")
+    assert in_place.cached_tokens == stored
+
+    header, kv = read_session_file(path)
+    assert kv[:8] == b"KVSQ" + (2).to_bytes(4, "little"), "a layer-group state"
+    n_groups = int.from_bytes(kv[24:28], "little")
+    kinds = [kv[28 + 20 * i] for i in range(n_groups)]
+    win = kinds.index(1)
+    at = (
+        28
+        + 20 * n_groups
+        + sum(int.from_bytes(kv[28 + 20 * i + 12 : 28 + 20 * i + 20], "little") for i in range(win))
+    )
+    assert int.from_bytes(kv[at + 44 : at + 48], "little") == 512, "only the window saved"
+    changed = bytearray(kv)
+    changed[at + 48 + 4 * 512] ^= 1  # the window's first token id
+    write_session_file(tmp_path / "token.kvs", header, bytes(changed))
+    layout = bytearray(kv)
+    layout[28 + 20 * win + 4] ^= 1  # the window size
+    write_session_file(tmp_path / "layout.kvs", header, bytes(layout))
+    data = path.read_bytes()
+    (tmp_path / "truncated.kvs").write_bytes(data[: len(data) - 1000])
+    cases = [
+        ("token.kvs", "holds token"),
+        ("layout.kvs", "another layout"),
+        ("truncated.kvs", "truncated"),
+    ]
+
+    with Engine(Model.load(gemma_path, threads=2), **kw) as b:
+        base = b.stats()
+        for name, match in cases:
+            with pytest.raises(SessionFileError, match=match):
+                b.load_session(tmp_path / name)
+            st = b.stats()
+            assert b.sessions() == [], name
+            assert (st["kv_blocks_used"], st["kv_blocks_cached"]) == (
+                base["kv_blocks_used"],
+                base["kv_blocks_cached"],
+            ), name
+            b._on_engine(b._ctx.audit)
+        assert b.load_session(path) == "g"
+        assert b.sessions()[0].tokens == stored
+        assert b.stats()["prompt_tokens"] == 0  # loading computed nothing
+        loaded = b.generate(p2, max_tokens=12, session_id="g")
+        b._on_engine(b._ctx.audit)
+    assert (loaded.tokens, loaded.text) == (in_place.tokens, in_place.text)
+    assert loaded.cached_tokens == stored

@@ -95,7 +95,8 @@ class Context:
         Decode ``tokens[n:]`` at positions ``n, n+1, ...`` next."""
     def seq_state_read(self, seq: int) -> bytes:
         """The state of ``seq``: positions, token ids and K/V rows as stored (f16/q8_0/f32
-        bytes), with the weights identity and K/V format."""
+        bytes), with the weights identity and K/V format; with several layer groups
+        (sliding-window layers), each group's cells (a window group's window only)."""
     def seq_state_write(self, seq: int, data: bytes) -> int:
         """Writes a state from :meth:`seq_state_read` into the empty sequence ``seq`` without
         recomputing it; returns its token count. All or nothing (``ValueError``,
@@ -121,9 +122,11 @@ class Logits:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-def bench(
-    model: Model, n_prompt: int = 512, n_gen: int = 128, reps: int = 3
-) -> dict[str, float]: ...
+def bench(model: Model, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict[str, Any]:
+    """``prefill_tok_s``, ``decode_tok_s``, ``threads`` and ``kv_groups``: per K/V layer group
+    (``kind``, ``window``, ``layers``, ``blocks_total``, ``blocks_held``, ``bytes_per_block``,
+    ``bytes_held``, ``bytes_total``) what the one sequence held after its prompt."""
+
 def bench_batched(
     model: Model, batches: list[int], n_prompt: int = 128, n_gen: int = 64
 ) -> list[dict[str, float]]: ...

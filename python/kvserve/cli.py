@@ -215,6 +215,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"prefill ({args.n_prompt} tokens): {result['prefill_tok_s']:.1f} tok/s\n"
             f"decode  ({args.n_gen} tokens): {result['decode_tok_s']:.1f} tok/s\n"
         )
+        seen = args.n_prompt if args.n_prompt > 0 else args.n_gen
+        for g in result["kv_groups"]:
+            kind = g["kind"] if g["window"] is None else f"window {g['window']}"
+            _write(
+                f"KV {kind} ({g['layers']} layers): {g['blocks_held']} blocks held after "
+                f"{seen} tokens = {g['bytes_held'] / 2**20:.1f} MiB of "
+                f"{g['bytes_total'] / 2**20:.1f} MiB allocated\n"
+            )
     return 0
 
 

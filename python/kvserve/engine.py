@@ -64,8 +64,9 @@ Sessions (``session_id=``; the bookkeeping lives in :mod:`kvserve.sessions`):
   ``max_sessions`` set, creating or loading one more drops the least recently used idle
   session (an error if every session is busy).
 - ``save_session`` writes a session (tokens, random generator state, and the K/V of its cells
-  as stored) to a checksummed file atomically; ``load_session`` restores it without
-  recomputation. Session operations run on the engine thread between steps.
+  as stored; with sliding-window layers, what each layer group holds) to a checksummed file
+  atomically; ``load_session`` restores it without recomputation. Session operations run on
+  the engine thread between steps.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ import concurrent.futures
 import heapq
 import itertools
 import re
+import struct
 import threading
 import time
 from collections import deque
@@ -388,14 +390,34 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _primary_section(kv: bytes) -> int:
+    """Offset of the cells of the primary (first full-attention, else first) K/V group in a
+    sequence state (rust/core/src/kv/state.rs): 0 for a one-group state (version 1); in a
+    layer-group state (version 2: the group count at byte 24, then 20 bytes per group — kind,
+    window and layers as u32, section length as u64 — then the sections in that order) the
+    offset of that group's section. -1 if the bytes are too short to say."""
+    if len(kv) < 28 or int.from_bytes(kv[4:8], "little") != 2:
+        return 0
+    n = int.from_bytes(kv[24:28], "little")
+    table = 28 + 20 * n
+    if n == 0 or len(kv) < table:
+        return -1
+    entries = [struct.unpack_from("<IIIQ", kv, 28 + 20 * i) for i in range(n)]
+    primary = next((i for i, e in enumerate(entries) if e[0] == 0), 0)
+    return table + sum(e[3] for e in entries[:primary])
+
+
 def _check_state(kv: bytes, tokens: list[int], path: StrPath) -> None:
-    """A session's K/V state must hold exactly ``tokens`` at positions ``0..n-1`` (the core's
-    sequence state layout, rust/core/src/kv/state.rs: the cell count at byte 44, then the
-    positions and the token ids as little-endian 32-bit integers)."""
+    """A session's K/V state must hold exactly ``tokens`` at positions ``0..n-1`` in its primary
+    group (the core's sequence state layout, rust/core/src/kv/state.rs: from the section's
+    start, the cell count at byte 44, then the positions and the token ids as little-endian
+    32-bit integers). The core checks the rest (every other group's cells are the primary's)."""
     n = len(tokens)
-    ok = len(kv) >= 48 + 8 * n and int.from_bytes(kv[44:48], "little") == n
+    at = _primary_section(kv)
+    ok = at >= 0 and len(kv) >= at + 48 + 8 * n
+    ok = ok and int.from_bytes(kv[at + 44 : at + 48], "little") == n
     if ok and n:
-        cells = np.frombuffer(kv, dtype="<i4", count=2 * n, offset=48)
+        cells = np.frombuffer(kv, dtype="<i4", count=2 * n, offset=at + 48)
         ok = bool(np.array_equal(cells[:n], np.arange(n))) and cells[n:].tolist() == tokens
     if not ok:
         raise SessionFileError(

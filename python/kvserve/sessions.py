@@ -22,7 +22,8 @@ eviction, TTL, ``max_sessions``).
       32      H      header: UTF-8 JSON (session id, model identity and name, K/V type,
                      tokens, n_kv, random generator state, priority, saved_at)
       32+H    K      the K/V state: ``Context.seq_state_read`` bytes (positions, tokens and
-                     K/V rows of every layer as stored: f16/q8_0/f32)
+                     K/V rows of every layer as stored: f16/q8_0/f32; for a model with
+                     several layer groups, each group's cells: rust/core/src/kv/state.rs)
       32+H+K  32     SHA-256 of every byte before it
 
   A file is written to a temporary file in the target's directory, flushed, fsynced and

@@ -445,7 +445,8 @@ impl Context {
     }
 
     /// The state of sequence `seq` as bytes: its positions, token ids and K/V rows exactly as
-    /// stored, plus the weights identity and K/V format (see `kv::state` in the core).
+    /// stored, plus the weights identity and K/V format; for a model with several layer groups
+    /// (sliding-window layers) what each group holds (see `kv::state` in the core).
     fn seq_state_read<'py>(&self, py: Python<'py>, seq: i32) -> PyResult<Bound<'py, PyBytes>> {
         let data = self.with(py, |c| c.seq_state_read(seq))?;
         Ok(PyBytes::new(py, &data))
@@ -553,6 +554,26 @@ pub fn bench<'py>(
     d.set_item("prefill_tok_s", r.prefill_tok_s)?;
     d.set_item("decode_tok_s", r.decode_tok_s)?;
     d.set_item("threads", model.inner.threads())?;
+    // Per K/V layer group: what the benchmark's sequence held after its prompt.
+    let groups = PyList::empty(py);
+    for u in &r.groups {
+        let g = PyDict::new(py);
+        let (name, window) = match u.kind {
+            LayerKind::Full => ("full", None),
+            LayerKind::Window(w) => ("window", Some(w)),
+            LayerKind::Recurrent => ("recurrent", None),
+        };
+        g.set_item("kind", name)?;
+        g.set_item("window", window)?;
+        g.set_item("layers", u.layers)?;
+        g.set_item("blocks_total", u.blocks_total)?;
+        g.set_item("blocks_held", u.blocks_held)?;
+        g.set_item("bytes_per_block", u.bytes_per_block)?;
+        g.set_item("bytes_held", u.blocks_held * u.bytes_per_block)?;
+        g.set_item("bytes_total", u.blocks_total * u.bytes_per_block)?;
+        groups.append(g)?;
+    }
+    d.set_item("kv_groups", groups)?;
     Ok(d)
 }
 

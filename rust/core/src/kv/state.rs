@@ -3,13 +3,30 @@
 //! an empty sequence without recomputation. The role of llama.cpp's
 //! `llama_state_seq_get_data`/`llama_state_seq_set_data`, in kvserve's own format.
 //!
-//! # Format (version 1, little-endian)
+//! Two versions share the magic `KVSQ`: **version 1** holds the cells of one K/V memory (one
+//! layer group); it is the whole state of a model with one K/V group (as it always was). A model
+//! with several K/V groups (Gemma 3's sliding-window and global layers: [`LayerGroups`]) writes
+//! **version 2**, a container of one version-1 *section* per group, each holding the cells that
+//! group holds for the sequence: all positions for a full-attention group, only its window (what
+//! it kept after pruning) for a window group.
+//!
+//! Why a container of per-group sections rather than one new per-cell format: a group is a
+//! memory of its own (its pool, its layers, its identity, see `Model::kv_memory`), and a window
+//! group has no K/V at all for the positions it dropped, so there is no "cell of every layer"
+//! to write for them. A section is exactly what one group holds, read and validated by the same
+//! code as a one-group state against that group's memory (its identity covers the weights, the
+//! group's kind and layers); the container only says which groups there are and where each
+//! section is. One-group models keep writing and reading version 1 byte for byte, so their
+//! existing states and session files still load. An older build that reads a version-2 state
+//! says "format version 2" instead of misreading it.
+//!
+//! # Version 1: the cells of one group (little-endian)
 //!
 //! | offset | bytes | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `KVSQ` |
 //! | 4 | 4 | format version (`1`) |
-//! | 8 | 16 | weights identity (`model::model_identity`, u128) |
+//! | 8 | 16 | weights identity of the memory (`SharedKv::weights_id`: for a one-group model `model::model_identity`, u128; for a group of a several-group model the group's own id, which also covers its kind and layers) |
 //! | 24 | 4 | K/V type code (ggml type ids: F32 = 0, F16 = 1, Q8_0 = 8) |
 //! | 28 | 4 | layers |
 //! | 32 | 4 | `kv_dim` (values per token row) |
@@ -20,40 +37,71 @@
 //! | 48+4n | 4n | token ids (u32) |
 //! | 48+8n | 2·layers·n·row | per layer: the K rows of the `n` cells, then their V rows |
 //!
-//! `row` is the type's row size for `kv_dim` values. The length must match exactly. The bytes
-//! carry no checksum: whoever stores them (kvserve's session files) adds one.
+//! `row` is the type's row size for `kv_dim` values. The length must match exactly.
+//!
+//! # Version 2: layer groups (little-endian)
+//!
+//! | offset | bytes | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `KVSQ` |
+//! | 4 | 4 | format version (`2`) |
+//! | 8 | 16 | weights identity of the model (`model::model_identity`, u128) |
+//! | 24 | 4 | `g`: K/V groups |
+//! | 28 | 20g | per group, in the model's group order: kind (u32: 0 full, 1 window), window (u32, positions; 0 for full), layers (u32), section length in bytes (u64) |
+//! | 28+20g | ... | the `g` sections in the same order, each a version-1 state of that group |
+//!
+//! The lengths must add up exactly. Neither version carries a checksum: whoever stores the bytes
+//! (kvserve's session files) adds one. A hybrid model's state appends its recurrent part after
+//! either version (`model::Context::seq_state_read`).
 //!
 //! # Rules
 //!
 //! - **Read** (`seq_state_read`): pending copy-on-write copies and K-shifts are applied first,
 //!   so every K row is rotated for its cell's position. Cells are written in position order; a
 //!   sequence with two cells at one position cannot be written (`InvalidInput`). An unknown or
-//!   empty sequence gives a state of 0 cells.
-//! - **Write** (`seq_state_write`) goes into an *empty* sequence and is one batch transaction:
-//!   the whole input is validated first (magic, version, weights identity, K/V type and shape,
-//!   flags, exact length, increasing non-negative positions, token ids in the vocabulary); then
-//!   the cells are planned like a decode batch (all or nothing: `KvCacheFull` if the pool or the
-//!   context limit cannot hold them), the rows are copied into their slots, and only then is
-//!   the batch committed: full blocks of a clean state (positions `0, 1, 2, ...`) get their
-//!   content keys and enter the prefix index, exactly as if the tokens had been decoded. A state
-//!   read from a sequence that was not clean marks the new sequence not clean, so none of its
-//!   blocks is ever keyed. On any error nothing changed.
+//!   empty sequence gives a state of 0 cells (in every section).
+//! - **Write** (`seq_state_write`) goes into an *empty* sequence (in every group) and is one
+//!   batch transaction across all groups: the whole input is validated first (magic, version,
+//!   weights identity, the groups' kinds, windows and layers, each section's K/V type and shape,
+//!   flags, exact lengths, increasing non-negative positions, token ids in the vocabulary, and
+//!   that every cell a non-primary group holds is a cell of the primary group with the same
+//!   token); then the cells are planned like a decode batch in every group (all or nothing:
+//!   `KvCacheFull` if a pool or the context limit cannot hold them, and every group is rolled
+//!   back), the rows are copied into their slots, and only then is every group committed: full
+//!   blocks of a clean state (positions `0, 1, 2, ...`) get their content keys and enter the
+//!   prefix index, exactly as if the tokens had been decoded. A state read from a sequence that
+//!   was not clean marks the new sequence not clean, so none of its blocks is ever keyed. On any
+//!   error nothing changed in any group.
+//! - A window group's cells are written at their positions, from its first held position on,
+//!   and that first cell goes to slot `pos mod block_size` of its block (as in a sequence
+//!   decoded from position 0 and then pruned), so attention walks the same block layout and a
+//!   restored sequence continues bit for bit as the original. (The planner starts a sequence at
+//!   slot 0, so the write plans filler cells before it in the same block and removes them after
+//!   the commit; when they would start at position 0 the sequence is marked not clean first, so
+//!   they are never keyed.) A window sequence that does not start at position 0 gets no content
+//!   keys, as a pruned one never does.
 //! - Writing trusts that the rows are the K/V of those tokens under those weights (as loading
-//!   a model trusts its file): the identity check rejects other models and formats, and the
-//!   container's checksum rejects damage.
+//!   a model trusts its file): the identity checks reject other models, layouts and formats,
+//!   and the container's checksum rejects damage.
 
 use std::sync::Arc;
 
 use super::cache::PagedCache;
-use super::table::{Pos, SeqId};
+use super::memory::{GroupKind, LayerGroups};
+use super::prefix::Key;
+use super::table::{BatchTx, Pos, SeqId};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 
 /// First bytes of a sequence state.
 pub const STATE_MAGIC: [u8; 4] = *b"KVSQ";
-/// Version of the sequence state format.
+/// Version of the one-group format (the cells of one K/V memory).
 pub const STATE_VERSION: u32 = 1;
+/// Version of the layer-group container (one version-1 section per K/V group).
+pub const GROUPS_VERSION: u32 = 2;
 const HEADER: usize = 48;
+const GROUPS_HEADER: usize = 28;
+const GROUP_ENTRY: usize = 20;
 const FLAG_CLEAN: u32 = 1;
 
 fn bad(msg: impl Into<String>) -> Error {
@@ -62,6 +110,10 @@ fn bad(msg: impl Into<String>) -> Error {
 
 fn u32_at(d: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(d[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(d: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(d[at..at + 8].try_into().expect("8 bytes"))
 }
 
 /// A validated state (borrowing the K/V rows of the input).
@@ -80,6 +132,15 @@ impl Parsed<'_> {
         let at = ((2 * layer + usize::from(v)) * n + i) * self.row;
         &self.rows[at..at + self.row]
     }
+}
+
+/// A state's cells planned and written into one group's cache, not yet committed.
+#[must_use = "a staged state must be committed or rolled back"]
+struct Staged {
+    tx: BatchTx,
+    seq: SeqId,
+    /// Filler cells planned at `[fill.0, fill.1)` before the first real cell (window groups).
+    fill: Option<(Pos, Pos)>,
 }
 
 impl PagedCache {
@@ -146,7 +207,8 @@ impl PagedCache {
         Ok(out)
     }
 
-    /// Checks `data` against this memory (see the module docs) without changing anything.
+    /// Checks `data` (a version-1 state) against this memory (see the module docs) without
+    /// changing anything.
     fn parse_state<'a>(&self, data: &'a [u8], n_vocab: usize) -> Result<Parsed<'a>> {
         if data.len() < HEADER {
             return Err(bad(format!(
@@ -158,9 +220,16 @@ impl PagedCache {
             return Err(bad("wrong magic (not a kvserve sequence state)"));
         }
         let version = u32_at(data, 4);
+        if version == GROUPS_VERSION {
+            return Err(bad(
+                "a state of a model with several K/V layer groups (format version 2); this \
+                 memory is one group (another model or layout)",
+            ));
+        }
         if version != STATE_VERSION {
             return Err(bad(format!(
-                "format version {version}, this build reads version {STATE_VERSION}"
+                "format version {version}, this build reads versions {STATE_VERSION} and \
+                 {GROUPS_VERSION}"
             )));
         }
         let shared = self.shared();
@@ -234,11 +303,8 @@ impl PagedCache {
         })
     }
 
-    /// Writes a state (from [`PagedCache::seq_state_read`], possibly of another context or
-    /// process) into the empty sequence `seq`; returns its cell count. Token ids must be below
-    /// `n_vocab`. All or nothing (see the module docs): `InvalidInput` for a bad state or a
-    /// non-empty `seq`, `KvCacheFull` when the cells do not fit.
-    pub fn seq_state_write(&mut self, seq: SeqId, data: &[u8], n_vocab: usize) -> Result<usize> {
+    /// `InvalidInput` unless `seq >= 0` has no cells here.
+    fn check_empty(&self, seq: SeqId) -> Result<()> {
         if seq < 0 {
             return Err(bad(format!("needs a sequence id >= 0, got {seq}")));
         }
@@ -247,28 +313,47 @@ impl PagedCache {
                 "sequence {seq} is not empty; a state is written into an empty sequence"
             )));
         }
-        let st = self.parse_state(data, n_vocab)?;
+        Ok(())
+    }
+
+    /// Plans the cells of `st` into the empty sequence `seq` as one batch and copies their
+    /// rows into their slots, without committing (`None` for 0 cells). With `align`, the first
+    /// cell goes to slot `pos mod block_size` (filler cells before it, removed at commit).
+    /// `KvCacheFull` (nothing changed) when the cells do not fit.
+    fn stage_state(&mut self, seq: SeqId, st: &Parsed, align: bool) -> Result<Option<Staged>> {
         let n = st.positions.len();
         if n == 0 {
-            return Ok(0);
+            return Ok(None);
         }
-        let batch = Batch {
-            tokens: st.tokens.clone(),
-            positions: st.positions.clone(),
-            seq_ids: vec![seq; n],
-            logits: vec![false; n],
+        let first = st.positions[0];
+        let n_fill = if align {
+            first as usize % self.table().block_size()
+        } else {
+            0
         };
+        let base = first - n_fill as Pos;
+        let mut batch = Batch {
+            tokens: Vec::with_capacity(n_fill + n),
+            positions: (base..first).collect(),
+            seq_ids: vec![seq; n_fill + n],
+            logits: vec![false; n_fill + n],
+        };
+        // Fillers carry a valid token id; their rows are never read (removed before any use).
+        batch.tokens.resize(n_fill, st.tokens[0]);
+        batch.tokens.extend_from_slice(&st.tokens);
+        batch.positions.extend_from_slice(&st.positions);
         let shared = Arc::clone(self.shared());
         let mut storage = shared.lock_storage();
         let (slots, tx) = self.begin_batch(&batch, &mut storage)?;
-        if !st.clean {
-            // Before the commit: nothing of this sequence is ever keyed.
+        if !st.clean || (n_fill > 0 && base == 0) {
+            // Before the commit: nothing of this sequence is ever keyed (nor are fillers that
+            // would look like a run from position 0).
             self.table_mut().taint(seq);
         }
         let mut written = Ok(());
         'rows: for layer in 0..shared.layout().n_layers {
             for v in [false, true] {
-                for (i, &(b, sl)) in slots.iter().enumerate() {
+                for (i, &(b, sl)) in slots[n_fill..].iter().enumerate() {
                     written = storage.write_row_raw(layer, b, sl as usize, v, st.row(layer, v, i));
                     if written.is_err() {
                         break 'rows;
@@ -276,22 +361,301 @@ impl PagedCache {
                 }
             }
         }
+        drop(storage);
         match written {
-            Ok(()) => {
-                self.commit(tx);
-                Ok(n)
-            }
+            Ok(()) => Ok(Some(Staged {
+                tx,
+                seq,
+                fill: (n_fill > 0).then_some((base, first)),
+            })),
             Err(e) => {
                 self.rollback(tx);
                 Err(e)
             }
         }
     }
+
+    /// Commits a staged state (its full clean blocks get their keys) and drops its fillers.
+    fn commit_staged(&mut self, s: Staged) {
+        self.commit(s.tx);
+        if let Some((p0, p1)) = s.fill {
+            self.table_mut().seq_rm(s.seq, p0, p1);
+        }
+    }
+
+    /// Writes a state (from [`PagedCache::seq_state_read`], possibly of another context or
+    /// process) into the empty sequence `seq`; returns its cell count. Token ids must be below
+    /// `n_vocab`. All or nothing (see the module docs): `InvalidInput` for a bad state or a
+    /// non-empty `seq`, `KvCacheFull` when the cells do not fit.
+    pub fn seq_state_write(&mut self, seq: SeqId, data: &[u8], n_vocab: usize) -> Result<usize> {
+        self.check_empty(seq)?;
+        let st = self.parse_state(data, n_vocab)?;
+        let n = st.positions.len();
+        if let Some(s) = self.stage_state(seq, &st, false)? {
+            self.commit_staged(s);
+        }
+        Ok(n)
+    }
+}
+
+/// A sequence state validated and written into every K/V group of a [`LayerGroups`], not yet
+/// committed: [`LayerGroups::seq_state_commit`] or [`LayerGroups::seq_state_rollback`] it.
+#[must_use = "a staged state must be committed or rolled back"]
+pub struct StagedState {
+    groups: Vec<Option<Staged>>,
+    n: usize,
+}
+
+/// Kind code and window of a group in the version-2 container.
+fn kind_code(kind: GroupKind) -> (u32, u32) {
+    match kind {
+        GroupKind::Full => (0, 0),
+        GroupKind::Window(w) => (1, w.min(u32::MAX as usize) as u32),
+        GroupKind::Recurrent => (2, 0),
+    }
+}
+
+fn kind_name(code: u32, window: u32) -> String {
+    match code {
+        0 => "full".into(),
+        1 => format!("window {window}"),
+        c => format!("kind {c}"),
+    }
+}
+
+impl LayerGroups {
+    /// The K/V state of `seq` (see the module docs): version 1 for a model with one K/V
+    /// group, else the version-2 container of every group's cells; `weights_id` is the model's
+    /// identity (`model::model_identity`). The recurrent group is not part of it.
+    pub fn seq_state_read(&mut self, seq: SeqId, weights_id: Key) -> Result<Vec<u8>> {
+        if self.groups().len() == 1 {
+            return self.groups_mut()[0].cache.seq_state_read(seq);
+        }
+        let mut sections = Vec::with_capacity(self.groups().len());
+        for g in self.groups_mut() {
+            sections.push(g.cache.seq_state_read(seq)?);
+        }
+        let g = self.groups().len();
+        let size = GROUPS_HEADER + GROUP_ENTRY * g + sections.iter().map(Vec::len).sum::<usize>();
+        let mut out = Vec::new();
+        out.try_reserve_exact(size).map_err(|_| {
+            Error::OutOfMemory(format!("cannot allocate {size} bytes of sequence state"))
+        })?;
+        out.extend_from_slice(&STATE_MAGIC);
+        out.extend_from_slice(&GROUPS_VERSION.to_le_bytes());
+        out.extend_from_slice(&weights_id.to_le_bytes());
+        out.extend_from_slice(&(g as u32).to_le_bytes());
+        for (grp, sec) in self.groups().iter().zip(&sections) {
+            let (code, window) = kind_code(grp.kind);
+            for w in [code, window, grp.layers.len() as u32] {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+            out.extend_from_slice(&(sec.len() as u64).to_le_bytes());
+        }
+        for sec in &sections {
+            out.extend_from_slice(sec);
+        }
+        debug_assert_eq!(out.len(), size);
+        Ok(out)
+    }
+
+    /// Splits a version-2 container into its sections after checking it against these groups
+    /// (identity, group count, kinds, windows, layers, lengths).
+    fn split_groups<'a>(&self, data: &'a [u8], weights_id: Key) -> Result<Vec<&'a [u8]>> {
+        let groups = self.groups();
+        let g = groups.len();
+        if data.len() >= 8 && data[..4] == STATE_MAGIC && u32_at(data, 4) == STATE_VERSION {
+            return Err(bad(format!(
+                "a state of a model with one K/V group (format version 1); this model has {g} \
+                 layer groups (another model or layout)"
+            )));
+        }
+        if data.len() < GROUPS_HEADER {
+            return Err(bad(format!(
+                "{} bytes is shorter than the {GROUPS_HEADER}-byte header (truncated?)",
+                data.len()
+            )));
+        }
+        if data[..4] != STATE_MAGIC {
+            return Err(bad("wrong magic (not a kvserve sequence state)"));
+        }
+        let version = u32_at(data, 4);
+        if version != GROUPS_VERSION {
+            return Err(bad(format!(
+                "format version {version}, this build reads versions {STATE_VERSION} and \
+                 {GROUPS_VERSION}"
+            )));
+        }
+        let id = u128::from_le_bytes(data[8..24].try_into().expect("16 bytes"));
+        if id != weights_id {
+            return Err(bad(format!(
+                "made by another model (weights identity {id:032x}, this model's is \
+                 {weights_id:032x})"
+            )));
+        }
+        let got_g = u32_at(data, 24) as usize;
+        let mine: Vec<String> = groups
+            .iter()
+            .map(|x| {
+                let (c, w) = kind_code(x.kind);
+                format!("{} ({} layers)", kind_name(c, w), x.layers.len())
+            })
+            .collect();
+        if got_g != g {
+            return Err(bad(format!(
+                "{got_g} K/V layer groups, this model has {g}: {} (another layout)",
+                mine.join(", ")
+            )));
+        }
+        let table = GROUPS_HEADER + GROUP_ENTRY * g;
+        if data.len() < table {
+            return Err(bad(format!(
+                "{} bytes is shorter than the {table}-byte group table (truncated?)",
+                data.len()
+            )));
+        }
+        let mut at = table;
+        let mut sections = Vec::with_capacity(g);
+        for (i, grp) in groups.iter().enumerate() {
+            let e = GROUPS_HEADER + GROUP_ENTRY * i;
+            let (code, window, layers) =
+                (u32_at(data, e), u32_at(data, e + 4), u32_at(data, e + 8));
+            let (want_code, want_window) = kind_code(grp.kind);
+            if (code, window, layers as usize) != (want_code, want_window, grp.layers.len()) {
+                return Err(bad(format!(
+                    "group {i} is {} ({layers} layers), this model's is {} (another layout)",
+                    kind_name(code, window),
+                    mine[i]
+                )));
+            }
+            let len = u64_at(data, e + 12);
+            let end = usize::try_from(len)
+                .ok()
+                .and_then(|l| at.checked_add(l))
+                .filter(|&end| end <= data.len())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "group {i}'s section of {len} bytes runs past the end of the {} bytes \
+                         (truncated or corrupt)",
+                        data.len()
+                    ))
+                })?;
+            sections.push(&data[at..end]);
+            at = end;
+        }
+        if at != data.len() {
+            return Err(bad(format!(
+                "{} bytes, but the groups' sections end at {at} (corrupt)",
+                data.len()
+            )));
+        }
+        Ok(sections)
+    }
+
+    /// Validates `data` (a state from [`LayerGroups::seq_state_read`] of this model, any context
+    /// or process) completely and writes its cells into the empty sequence `seq` of every
+    /// group, without committing: nothing of it is visible to the prefix index yet. `InvalidInput`
+    /// for a bad state or a non-empty `seq`, `KvCacheFull` when some group cannot hold its
+    /// cells; on error nothing changed in any group.
+    pub fn seq_state_stage(
+        &mut self,
+        seq: SeqId,
+        data: &[u8],
+        n_vocab: usize,
+        weights_id: Key,
+    ) -> Result<StagedState> {
+        for g in self.groups() {
+            g.cache.check_empty(seq)?;
+        }
+        let g = self.groups().len();
+        let sections = if g == 1 {
+            vec![data]
+        } else {
+            self.split_groups(data, weights_id)?
+        };
+        let mut parsed = Vec::with_capacity(g);
+        for (i, (grp, sec)) in self.groups().iter().zip(&sections).enumerate() {
+            let p = grp.cache.parse_state(sec, n_vocab);
+            parsed.push(p.map_err(|e| match e {
+                Error::InvalidInput(m) if g > 1 => Error::InvalidInput(format!("group {i}: {m}")),
+                e => e,
+            })?);
+        }
+        // Every cell of another group is a cell of the primary group, with the same token.
+        let pi = self.primary_index();
+        let primary = &parsed[pi];
+        for (i, p) in parsed.iter().enumerate().filter(|&(i, _)| i != pi) {
+            for (&pos, &tok) in p.positions.iter().zip(&p.tokens) {
+                match primary.positions.binary_search(&pos) {
+                    Ok(j) if primary.tokens[j] == tok => {}
+                    Ok(j) => {
+                        return Err(bad(format!(
+                            "group {i} holds token {tok} at position {pos}, group {pi} token {} \
+                             (corrupt)",
+                            primary.tokens[j]
+                        )))
+                    }
+                    Err(_) => {
+                        return Err(bad(format!(
+                            "group {i} holds position {pos}, which group {pi} does not (corrupt)"
+                        )))
+                    }
+                }
+            }
+        }
+        let n = parsed[pi].positions.len();
+        let mut staged = Vec::with_capacity(g);
+        for (grp, p) in self.groups_mut().iter_mut().zip(&parsed) {
+            let align = matches!(grp.kind, GroupKind::Window(_));
+            match grp.cache.stage_state(seq, p, align) {
+                Ok(s) => staged.push(s),
+                Err(e) => {
+                    self.seq_state_rollback(StagedState { groups: staged, n });
+                    return Err(e);
+                }
+            }
+        }
+        Ok(StagedState { groups: staged, n })
+    }
+
+    /// Commits a staged state in every group; returns the primary group's cell count (the
+    /// sequence's tokens).
+    pub fn seq_state_commit(&mut self, s: StagedState) -> usize {
+        for (grp, st) in self.groups_mut().iter_mut().zip(s.groups) {
+            if let Some(st) = st {
+                grp.cache.commit_staged(st);
+            }
+        }
+        s.n
+    }
+
+    /// Undoes a staged state in every group: each holds what it held before.
+    pub fn seq_state_rollback(&mut self, s: StagedState) {
+        for (grp, st) in self.groups_mut().iter_mut().zip(s.groups) {
+            if let Some(st) = st {
+                grp.cache.rollback(st.tx);
+            }
+        }
+    }
+
+    /// [`LayerGroups::seq_state_stage`] and commit: writes a state into the empty sequence
+    /// `seq` of every group, all or nothing; returns the number of the sequence's cells.
+    pub fn seq_state_write(
+        &mut self,
+        seq: SeqId,
+        data: &[u8],
+        n_vocab: usize,
+        weights_id: Key,
+    ) -> Result<usize> {
+        let s = self.seq_state_stage(seq, data, n_vocab, weights_id)?;
+        Ok(self.seq_state_commit(s))
+    }
 }
 
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::kv::memory::Memory;
     use crate::kv::pool::{BlockId, NO_KEY};
     use crate::kv::prefix::Key;
     use crate::kv::storage::{KvLayout, KvType};
@@ -589,5 +953,297 @@ mod tests {
         c.table_mut().seq_cp(1, 2, -1, -1).unwrap();
         let e = c.seq_state_read(2).unwrap_err();
         assert!(format!("{e}").contains("two cells at position 0"), "{e}");
+    }
+
+    // --- several layer groups (a window group and a full group, as Gemma 3) ---
+
+    const WIN: usize = 6;
+    const MODEL: Key = 0x5eed;
+
+    /// Layers 0 and 2 in a window group of `WIN` positions, 1 and 3 in a full group (the
+    /// window group first, as Gemma 3's layer 0 is local); pools of `n_win` and `n_full` blocks.
+    fn groups(n_win: usize, n_full: usize) -> LayerGroups {
+        use crate::kv::memory::Group;
+        let group = |kind, layers: Vec<usize>, m: Arc<SharedKv>| Group {
+            kind,
+            layers,
+            cache: cache(&m),
+        };
+        LayerGroups::new(
+            vec![
+                group(
+                    GroupKind::Window(WIN),
+                    vec![0, 2],
+                    memory(KvType::F16, n_win, 21),
+                ),
+                group(GroupKind::Full, vec![1, 3], memory(KvType::F16, n_full, 22)),
+            ],
+            None,
+        )
+        .unwrap()
+    }
+
+    /// [`decode`] in every group (K/V from [`value`] of the model layer), then the windows are
+    /// pruned, as `Context::decode` does.
+    fn decode_groups(m: &mut LayerGroups, seq: SeqId, tokens: &[u32], pos0: Pos) {
+        let b = Batch::prompt(tokens, pos0, seq);
+        let mut txs = Vec::new();
+        for g in m.groups_mut() {
+            let shared = Arc::clone(g.cache.shared());
+            let mut st = shared.lock_storage();
+            let (slots, tx) = g.cache.begin_batch(&b, &mut st).unwrap();
+            for (i, &layer) in g.layers.iter().enumerate() {
+                let kv = |w: usize| -> Vec<f32> {
+                    (0..tokens.len() * D)
+                        .map(|x| value(tokens[x / D], pos0 + (x / D) as Pos, layer, x % D, w))
+                        .collect()
+                };
+                PagedCache::write(&mut st, i, &slots, &kv(0), &kv(1));
+            }
+            txs.push(tx);
+        }
+        for (g, tx) in m.groups_mut().iter_mut().zip(txs) {
+            g.cache.commit(tx);
+        }
+        m.prune_windows(&[seq]);
+        for g in m.groups() {
+            g.cache.table().check().unwrap();
+        }
+    }
+
+    fn snapshot_groups(m: &LayerGroups) -> Vec<impl PartialEq + std::fmt::Debug> {
+        m.groups().iter().map(|g| snapshot(&g.cache)).collect()
+    }
+
+    /// Positions per slot of `seq`'s blocks in a group (the attention layout; block ids aside).
+    fn layout_of(m: &mut LayerGroups, gi: usize, seq: SeqId) -> Vec<i32> {
+        m.groups_mut()[gi].cache.view(seq).positions
+    }
+
+    /// A pruned sequence's state holds each group's cells (the window group only its window),
+    /// writes back into another memory with the same cells, rows and slot layout, re-reads
+    /// byte for byte, is keyed in the full group as a decode would be and not in the window
+    /// group, and goes on exactly like the original.
+    #[test]
+    fn layer_group_state_roundtrips_and_continues_like_the_original() {
+        let (mut a, mut b) = (groups(16, 16), groups(16, 16));
+        let t = tokens(23, 8);
+        decode_groups(&mut a, 0, &t[..10], 0);
+        decode_groups(&mut a, 0, &t[10..17], 10);
+        decode_groups(&mut a, 0, &t[17..], 17);
+        assert_eq!(
+            dump(&a.groups()[0].cache, 0)[0].0,
+            17,
+            "the window was pruned"
+        );
+        decode_groups(&mut b, 1, &tokens(9, 300), 0); // b is not empty
+        let data = a.seq_state_read(0, MODEL).unwrap();
+        assert_eq!(u32_at(&data, 4), GROUPS_VERSION);
+        assert_eq!(u32_at(&data, 24), 2);
+        let win_len = u64_at(&data, GROUPS_HEADER + 12) as usize;
+        let full_len = u64_at(&data, GROUPS_HEADER + GROUP_ENTRY + 12) as usize;
+        let row = KvType::F16.row_bytes(D);
+        assert_eq!(win_len, HEADER + 8 * WIN + 2 * LAYERS * WIN * row);
+        assert_eq!(full_len, HEADER + 8 * 23 + 2 * LAYERS * 23 * row);
+        assert_eq!(
+            data.len(),
+            GROUPS_HEADER + 2 * GROUP_ENTRY + win_len + full_len
+        );
+
+        assert_eq!(b.seq_state_write(5, &data, VOCAB, MODEL).unwrap(), 23);
+        for gi in 0..2 {
+            let (ga, gb) = (&a.groups()[gi].cache, &b.groups()[gi].cache);
+            assert_eq!(dump(gb, 5), dump(ga, 0), "group {gi}: cells, tokens, rows");
+            gb.table().check().unwrap();
+            assert_eq!(
+                layout_of(&mut b, gi, 5),
+                layout_of(&mut a, gi, 0),
+                "group {gi}"
+            );
+        }
+        assert_eq!(b.seq_state_read(5, MODEL).unwrap(), data, "byte-identical");
+        let (full_a, full_b) = (&a.groups()[1].cache, &b.groups()[1].cache);
+        assert_eq!(
+            keys(full_b, 5),
+            keys(full_a, 0),
+            "the full group keyed as a decode"
+        );
+        assert!(keys(full_b, 5)[..5].iter().all(|&k| k != NO_KEY));
+        assert!(keys(&b.groups()[0].cache, 5).iter().all(|&k| k == NO_KEY));
+        for extra in [&[5u32, 6, 7][..], &[8], &[9, 10, 11, 12, 13]] {
+            let p = a.seq_pos_max(0) + 1;
+            decode_groups(&mut a, 0, extra, p);
+            decode_groups(&mut b, 5, extra, p);
+            for gi in 0..2 {
+                let (ga, gb) = (&a.groups()[gi].cache, &b.groups()[gi].cache);
+                assert_eq!(dump(gb, 5), dump(ga, 0), "group {gi} after more tokens");
+                assert_eq!(layout_of(&mut b, gi, 5), layout_of(&mut a, gi, 0));
+            }
+        }
+        // An empty sequence: empty sections, and writing them adds nothing.
+        let empty = a.seq_state_read(7, MODEL).unwrap();
+        assert_eq!(empty.len(), GROUPS_HEADER + 2 * GROUP_ENTRY + 2 * HEADER);
+        let before = snapshot_groups(&b);
+        assert_eq!(b.seq_state_write(6, &empty, VOCAB, MODEL).unwrap(), 0);
+        assert_eq!(snapshot_groups(&b), before);
+    }
+
+    /// A window that starts inside the first block (positions 1..): the filler cell before it
+    /// sits at position 0, so without care block 0 would look like a clean run from 0 and be
+    /// keyed with a token that was never there. The window group keys nothing.
+    #[test]
+    fn window_fillers_at_position_zero_are_never_keyed() {
+        let (mut a, mut b) = (groups(16, 16), groups(16, 16));
+        let t = tokens(WIN + 1, 12);
+        decode_groups(&mut a, 0, &t, 0);
+        assert_eq!(dump(&a.groups()[0].cache, 0)[0].0, 1);
+        let data = a.seq_state_read(0, MODEL).unwrap();
+        b.seq_state_write(0, &data, VOCAB, MODEL).unwrap();
+        let win_b = &b.groups()[0].cache;
+        assert_eq!(dump(win_b, 0), dump(&a.groups()[0].cache, 0));
+        assert_eq!(win_b.shared().prefix_stats().indexed, 0);
+        assert!(keys(win_b, 0).iter().all(|&k| k == NO_KEY));
+        assert_eq!(layout_of(&mut b, 0, 0), layout_of(&mut a, 0, 0));
+        decode_groups(&mut b, 0, &tokens(9, 70), WIN as Pos + 1);
+        assert_eq!(b.groups()[0].cache.shared().prefix_stats().indexed, 0);
+    }
+
+    #[test]
+    fn bad_layer_group_states_change_no_group() {
+        let mut a = groups(16, 16);
+        let t = tokens(19, 2);
+        decode_groups(&mut a, 0, &t[..9], 0);
+        decode_groups(&mut a, 0, &t[9..], 9);
+        let data = a.seq_state_read(0, MODEL).unwrap();
+        let win = GROUPS_HEADER + 2 * GROUP_ENTRY; // the window section
+        let win_len = u64_at(&data, GROUPS_HEADER + 12) as usize;
+        let full = win + win_len; // the full section
+        let mut b = groups(16, 16);
+        decode_groups(&mut b, 1, &tokens(9, 70), 0);
+        decode_groups(&mut b, 2, &tokens(8, 90), 0);
+        b.seq_rm(2, -1, -1).unwrap(); // cached blocks
+        let set = |at: usize, v: u32| {
+            let mut d = data.clone();
+            d[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            d
+        };
+        let flip = |at: usize| {
+            let mut d = data.clone();
+            d[at] ^= 1;
+            d
+        };
+        let mut longer = data.clone();
+        longer.push(0);
+        // The window section one byte shorter and the full one one byte longer.
+        let mut boundary = set(GROUPS_HEADER + 12, win_len as u32 - 1);
+        let full_len = u64_at(&data, GROUPS_HEADER + GROUP_ENTRY + 12) as u32;
+        boundary[GROUPS_HEADER + GROUP_ENTRY + 12..][..4]
+            .copy_from_slice(&(full_len + 1).to_le_bytes());
+        let one_group = {
+            let mut c = cache(&memory(KvType::F16, 16, 22));
+            decode(&mut c, 0, &t, 0);
+            c.seq_state_read(0).unwrap()
+        };
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("empty", Vec::new(), "shorter than"),
+            (
+                "header, truncated",
+                data[..GROUPS_HEADER - 1].to_vec(),
+                "shorter",
+            ),
+            (
+                "group table, truncated",
+                data[..win - 1].to_vec(),
+                "group table",
+            ),
+            (
+                "one byte short",
+                data[..data.len() - 1].to_vec(),
+                "runs past the end",
+            ),
+            ("half", data[..data.len() / 2].to_vec(), "runs past the end"),
+            ("one byte more", longer, "sections end at"),
+            ("magic", flip(0), "magic"),
+            ("version", set(4, 3), "format version 3"),
+            ("a one-group state", one_group, "one K/V group"),
+            ("weights identity", flip(8), "another model"),
+            ("group count", set(24, 3), "3 K/V layer groups"),
+            ("group kind", set(GROUPS_HEADER, 0), "another layout"),
+            ("window size", set(GROUPS_HEADER + 4, 7), "window 7"),
+            (
+                "layers",
+                set(GROUPS_HEADER + GROUP_ENTRY + 8, 3),
+                "3 layers",
+            ),
+            (
+                "section lengths",
+                set(GROUPS_HEADER + 12, win_len as u32 - 1),
+                "sections end at",
+            ),
+            ("section boundary", boundary, "group 0: sequence state: 1"),
+            (
+                "a section's identity",
+                flip(win + 8),
+                "group 0: sequence state: made by",
+            ),
+            ("a section's cell count", set(full + 44, 18), "group 1"),
+            (
+                "token differs between groups",
+                set(win + HEADER + 4 * WIN, t[13] + 1),
+                "holds token",
+            ),
+            (
+                "a position the full group lacks",
+                set(win + HEADER + 4 * (WIN - 1), 30),
+                "does not",
+            ),
+        ];
+        for (what, d, why) in cases {
+            let before = snapshot_groups(&b);
+            let e = b.seq_state_write(3, &d, VOCAB, MODEL).unwrap_err();
+            assert!(matches!(e, Error::InvalidInput(_)), "{what}: {e}");
+            assert!(e.to_string().contains(why), "{what}: {e}");
+            assert_eq!(snapshot_groups(&b), before, "{what}: nothing changed");
+        }
+        let before = snapshot_groups(&b);
+        assert!(
+            b.seq_state_write(1, &data, VOCAB, MODEL).is_err(),
+            "not empty"
+        );
+        assert!(
+            b.seq_state_write(-1, &data, VOCAB, MODEL).is_err(),
+            "negative id"
+        );
+        assert!(
+            b.seq_state_write(3, &data, 100, MODEL).is_err(),
+            "vocabulary"
+        );
+        assert!(
+            b.seq_state_write(3, &data, VOCAB, MODEL + 1).is_err(),
+            "other model"
+        );
+        assert_eq!(snapshot_groups(&b), before);
+        // A several-group state given to a one-group memory.
+        let e = cache(&memory(KvType::F16, 16, 22))
+            .seq_state_write(0, &data, VOCAB)
+            .unwrap_err();
+        assert!(e.to_string().contains("several K/V layer groups"), "{e}");
+        // The window group (first) fits, the full group (second) does not: the window
+        // group's staged cells are undone too, and nothing was keyed.
+        let mut c = groups(16, 4);
+        decode_groups(&mut c, 0, &[1, 2], 0);
+        let before = snapshot_groups(&c);
+        let e = c.seq_state_write(1, &data, VOCAB, MODEL).unwrap_err();
+        assert!(matches!(e, Error::KvCacheFull(_)), "{e}");
+        assert_eq!(snapshot_groups(&c), before);
+        // The good state still loads after all that.
+        assert_eq!(b.seq_state_write(3, &data, VOCAB, MODEL).unwrap(), 19);
+        for gi in 0..2 {
+            assert_eq!(
+                dump(&b.groups()[gi].cache, 3),
+                dump(&a.groups()[gi].cache, 0)
+            );
+            b.groups()[gi].cache.table().check().unwrap();
+        }
     }
 }

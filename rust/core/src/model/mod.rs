@@ -756,27 +756,16 @@ impl Context {
         self.memory.clear();
     }
 
-    /// Sequence states are per cell across all layers; a model with more than one layer group
-    /// (a sliding window) has no such cells for positions its window dropped.
-    fn one_group(&self, what: &str) -> Result<()> {
-        if self.memory.groups().len() > 1 {
-            return Err(Error::Unsupported(format!(
-                "{what} is not supported for models with layer groups (sliding-window \
-                 attention) yet"
-            )));
-        }
-        Ok(())
-    }
-
     /// The state of sequence `seq`: its positions, tokens and K/V rows as stored (format and
-    /// rules in `kv::state`). `Unsupported` for models with a sliding window.
+    /// rules in `kv::state`): version 1 for a model with one K/V group; for a model with several
+    /// (sliding-window layers) the version-2 container of each group's cells (a window group's:
+    /// only its window).
     ///
     /// A hybrid model's state is the K/V part as above followed by the recurrent state: its
     /// values (`f32`), then a 20-byte footer: its position `i32` (-1: none), the number of
     /// values `u64` (0 or the state's size), version `u32` (1) and `b"KVRS"`, little-endian.
     pub fn seq_state_read(&mut self, seq: i32) -> Result<Vec<u8>> {
-        self.one_group("reading a sequence state")?;
-        let kv = self.cache_mut().seq_state_read(seq)?;
+        let kv = self.memory.seq_state_read(seq, self.model.id())?;
         let Some(r) = self.memory.recurrent() else {
             return Ok(kv);
         };
@@ -797,13 +786,14 @@ impl Context {
 
     /// Writes a state from [`Context::seq_state_read`] (of this or another context or process
     /// of the same model and K/V format) into the empty sequence `seq` without recomputing it;
-    /// returns the number of cells. All or nothing. `Unsupported` for models with a sliding
-    /// window.
+    /// returns the number of cells (the sequence's tokens). All or nothing across every group
+    /// and the recurrent state: the K/V is staged in every group, the recurrent state written,
+    /// and only then is every group committed; any error undoes all of it.
     pub fn seq_state_write(&mut self, seq: i32, data: &[u8]) -> Result<usize> {
-        self.one_group("writing a sequence state")?;
         let n_vocab = self.model.n_vocab();
+        let id = self.model.id();
         let Some(r) = self.memory.recurrent() else {
-            return self.cache_mut().seq_state_write(seq, data, n_vocab);
+            return self.memory.seq_state_write(seq, data, n_vocab, id);
         };
         let bad = |why: &str| invalid(format!("sequence state: {why}"));
         let len = data.len();
@@ -836,29 +826,60 @@ impl Context {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
-        let n = self
-            .cache_mut()
-            .seq_state_write(seq, &data[..start], n_vocab)?;
+        let staged = self
+            .memory
+            .seq_state_stage(seq, &data[..start], n_vocab, id)?;
         if nf > 0 {
             let shared = Arc::clone(self.cache().shared());
             let r = self.memory.recurrent_mut().expect("checked above");
             let written = r.write(seq, pos, &vals, &mut shared.lock_storage());
             if let Err(e) = written {
-                self.cache_mut().seq_rm(seq, -1, -1)?;
+                self.memory.seq_state_rollback(staged);
                 return Err(e);
             }
         }
-        Ok(n)
+        Ok(self.memory.seq_state_commit(staged))
     }
 }
 
 /// Throughput measured like llama-bench: `pp` is one batch of `n_prompt` tokens, `tg` is
 /// `n_gen` single-token steps from an empty context; each after one warm-up run, averaged over
 /// `reps` runs (llama-bench reports the mean too).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct BenchResult {
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// Per K/V layer group, what the benchmark's one sequence held after its prompt (after
+    /// its generated tokens when there is no prompt): a window group's stays bounded by the
+    /// window.
+    pub groups: Vec<GroupUsage>,
+}
+
+/// One K/V layer group's memory as [`bench`] saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupUsage {
+    pub kind: LayerKind,
+    pub layers: usize,
+    pub blocks_total: usize,
+    pub blocks_held: usize,
+    pub bytes_per_block: usize,
+}
+
+impl Context {
+    /// Per K/V layer group: its pool's size and the blocks this context holds in it.
+    pub fn group_usage(&self) -> Vec<GroupUsage> {
+        self.memory
+            .groups()
+            .iter()
+            .map(|g| GroupUsage {
+                kind: g.kind,
+                layers: g.layers.len(),
+                blocks_total: g.cache.shared().pool_stats().total,
+                blocks_held: g.cache.table().stats().held_blocks,
+                bytes_per_block: g.cache.shared().layout().bytes_per_block(),
+            })
+            .collect()
+    }
 }
 
 pub fn bench(
@@ -886,6 +907,7 @@ pub fn bench(
     )?;
     let reps = reps.max(1);
     let (mut pp, mut tg) = (0.0f64, 0.0f64);
+    let mut groups = Vec::new();
     if n_prompt > 0 {
         for r in 0..=reps {
             ctx.clear();
@@ -896,6 +918,7 @@ pub fn bench(
                 pp += t0.elapsed().as_secs_f64() / reps as f64;
             }
         }
+        groups = ctx.group_usage();
     }
     if n_gen > 0 {
         for r in 0..=reps {
@@ -908,6 +931,9 @@ pub fn bench(
                 tg += t0.elapsed().as_secs_f64() / reps as f64;
             }
         }
+        if groups.is_empty() {
+            groups = ctx.group_usage();
+        }
     }
     Ok(BenchResult {
         prefill_tok_s: if n_prompt > 0 {
@@ -916,6 +942,7 @@ pub fn bench(
             0.0
         },
         decode_tok_s: if n_gen > 0 { n_gen as f64 / tg } else { 0.0 },
+        groups,
     })
 }
 
