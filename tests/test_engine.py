@@ -698,3 +698,46 @@ def test_choices_check_n(engine: Engine) -> None:
             engine.choices("Hi", 4, bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n must be 1 with session_id"):
         engine.choices("Hi", 4, 2, session_id="s")
+
+
+def test_a_cached_prompt_skips_the_queue_while_long_prompts_prefill(
+    served: Model, oracle: Model
+) -> None:
+    """While a long uncached prompt takes the step's prompt budget (batch_tokens 64), a request
+    whose prompt is cached but for its short tail is admitted and answered before it, and
+    before a long prompt queued ahead of it (FCFS holds for prompts that cost the batch
+    something); every answer is the sequential one."""
+    doc = " ".join(f"Fact {i}: the keeper counts ship number {i}." for i in range(40))
+    cached = doc + " Question: who counts? Answer:"
+    long_a = " ".join(f"Entry {i}: the baker sells loaf {i} at dawn." for i in range(45))
+    long_c = " ".join(f"Note {i}: the miller grinds sack {i} at noon." for i in range(45))
+    for p in (long_a, long_c):
+        assert len(oracle.tokenize(p)) > 400
+    with Engine(served, parallel=4, ctx_size=2048, batch_tokens=64) as eng:
+        eng.generate(doc + " Question: what is counted? Answer:", max_tokens=1)  # caches doc
+        firsts: list[str] = []
+        texts: dict[str, str] = {}
+
+        async def run(name: str, prompt: str) -> None:
+            out = []
+            async for piece in eng.stream(prompt, max_tokens=4, temperature=0):
+                if not out:
+                    firsts.append(name)
+                out.append(piece)
+            texts[name] = "".join(out)
+
+        async def main() -> None:
+            a = asyncio.create_task(run("a", long_a))
+            while eng.stats()["running"] < 1:
+                await asyncio.sleep(0.001)
+            c = asyncio.create_task(run("c", long_c))
+            await asyncio.sleep(0.01)  # c is queued first
+            b = asyncio.create_task(run("b", cached))
+            await asyncio.gather(a, b, c)
+
+        asyncio.run(main())
+        st = eng.stats()
+    assert firsts[0] == "b", f"first tokens in order {firsts}"
+    for name, p in (("a", long_a), ("b", cached), ("c", long_c)):
+        assert texts[name] == sequential(oracle, p, 4, temperature=0).text, name
+    assert st["running"] == 0 and st["kv_blocks_used"] == 0

@@ -12,9 +12,13 @@ One step:
    what the running sequences still need; an admitted request first maps the longest cached
    prefix of its tokens (``match_prefix``), so only the rest is computed. A request whose
    prompt starts with whole blocks that a running request is prefilling right now waits
-   (keeping its place) until they are computed and cached, instead of computing them again;
+   (keeping its place) until they are computed and cached, instead of computing them again.
+   While the step's prompt budget is taken, a request of the head's priority that needs at
+   most a few blocks of prompt computed (the rest cached: a shared document, a session's next
+   turn) is admitted out of turn if memory and a slot (leaving one for the head) allow;
 3. build ONE batch: one token for every sequence that is generating, then chunks of the
-   prompts still being prefilled (highest priority, earliest first) up to ``batch_tokens``
+   prompts still being prefilled (short remainders first, then highest priority, earliest
+   first) up to ``batch_tokens``
    tokens in all (chunked prefill: a long prompt never stalls the running streams for more
    than one chunk);
 4. ``decode`` it (the GIL is released). If the pool cannot hold the batch (``KvCacheFull``),
@@ -31,7 +35,9 @@ One step:
 Per-step cost: O(R + T + W_admitted) Python work plus the argmax/sampling over R rows of
 ``n_vocab`` logits, where R is the number of running sequences (at most ``parallel``), T the
 batch's tokens (at most ``batch_tokens`` plus R) and W_admitted the requests admitted in the
-step (each O(log W) out of a heap of W waiting requests). Nothing scans all requests: cancelled
+step (each O(log W) out of a heap of W waiting requests); a step whose prompt budget is full
+also peeks at the cached prefix of each waiting request (the fast lane: O(W x prompt blocks)
+hash lookups). Otherwise nothing scans all requests: cancelled
 waiting requests are dropped lazily when they reach the head of the queue; only a preemption
 scans the R running sequences for its victim.
 
@@ -535,6 +541,9 @@ class Engine:
         pool_tokens = int(st["blocks_total"]) * self._block
         self.parallel = parallel
         self.batch_tokens = batch_tokens
+        # Prompt tokens left to compute that still let a waiting request skip the queue while
+        # the step's prompt budget is taken (see _admit): four blocks, or 1/8 of the budget.
+        self._fast_lane = max(4 * self._block, batch_tokens // 8)
         self.prefix_cache = prefix_cache
         self.context_shift = bool(context_shift)
         self.ctx_size = ctx_size
@@ -1465,7 +1474,15 @@ class Engine:
 
     def _admit(self) -> None:
         """Admits waiting requests (module docs, step 2). A request with choices still to fork
-        (:meth:`choices`) takes a slot for each and a block for each choice's own last block."""
+        (:meth:`choices`) takes a slot for each and a block for each choice's own last block.
+
+        FCFS within a priority, with one exception: while this step's prompt budget is taken
+        (``prefill >= batch_tokens``), a waiting request of the head's priority whose prompt is
+        all cached but for at most ``_fast_lane`` tokens (a shared document or system prompt
+        computed before, a session's next turn, or a short prompt) is admitted anyway if memory
+        and a slot allow, leaving one slot for the head: it costs the batch almost nothing, and
+        its user need not wait for others' long prompts (:meth:`_plan` gives such short
+        remainders their tokens first)."""
         avail = self._available()
         running = self._running.values()
         room = avail - sum(self._blocks_to_fill(r) + len(r.children) for r in running)
@@ -1474,6 +1491,7 @@ class Engine:
         deferred: list[tuple[tuple[int, int], _Request]] = []
         while self._waiting and slots < self.parallel:
             if prefill >= self.batch_tokens:
+                self._admit_cached(room, slots)
                 break  # no room in this step's batch: admitting now would only hold blocks
             key, req = self._waiting[0]
             if req.state != _WAITING:  # cancelled while waiting
@@ -1497,25 +1515,75 @@ class Engine:
             if self.prefix_cache and not resident and self._computing_shared_prefix(req):
                 deferred.append((key, req))  # its blocks come cached in a step or two
                 continue
-            if session is None:
-                req.seq = self._alloc_seq()
-                matched = self._ctx.match_prefix(req.seq, req.context()) if self.prefix_cache else 0
-            else:
-                matched = self._attach(req)
-            with self._cond:
-                self._n_waiting -= 1
-                self._running[req.seq] = req
-            req.state = _RUNNING
-            req.n_done = matched
-            if req.cached_tokens < 0:  # first admission (not a resume after preemption)
-                req.cached_tokens = min(matched, req.n_prompt)
-                self._prompt_tokens += req.n_prompt
-                self._cached_prompt_tokens += req.cached_tokens
+            matched = self._start(req)
             room -= need
             prefill += req.n_tokens - matched - 1
             slots += 1 + len(req.children)
         for item in deferred:
             heapq.heappush(self._waiting, item)
+
+    def _admit_cached(self, room: int, slots: int) -> None:
+        """The fast lane of :meth:`_admit`: admits, in queue order, waiting requests with at
+        most ``_fast_lane`` prompt tokens left to compute (by :meth:`Context.peek_prefix` or
+        the session's resident tokens) that fit ``room`` blocks and the free slots. O(waiting)
+        peeks of O(prompt blocks) each, only on steps whose prompt budget is full."""
+        if not self.prefix_cache or not self._waiting:
+            return
+        admitted: set[int] = set()
+        queue = sorted(self._waiting, key=lambda item: item[0])  # keys are unique
+        head = queue[0][0]
+        for key, req in queue:
+            # Never the last free slot (the queue's head may need it) and never ahead of a
+            # request of higher priority.
+            if slots + 2 > self.parallel or key[0] > head[0]:
+                break
+            if req.state != _WAITING or req.children:
+                continue
+            session = req.turn.session if req.turn is not None else None
+            ids = req.context()
+            if session is not None and session.resident:
+                done = min(_common_prefix(session.ids, ids), session.n_kv)
+            elif session is None:
+                done = self._ctx.peek_prefix(ids)
+            else:
+                continue  # an evicted session: the normal path recomputes it
+            if req.n_tokens - done > self._fast_lane:
+                continue
+            if session is None and self._computing_shared_prefix(req):
+                continue  # more of it comes cached in a step or two: wait for that
+            if session is not None:
+                req.n_done = done
+            need = self._blocks_to_fill(req, extra=1)
+            if need > room:
+                continue
+            self._start(req)
+            room -= need
+            slots += 1
+            admitted.add(id(req))
+        if admitted:
+            self._waiting = [x for x in self._waiting if id(x[1]) not in admitted]
+            heapq.heapify(self._waiting)
+
+    def _start(self, req: _Request) -> int:
+        """Moves an admitted request (already out of the queue) to the running set: a sequence
+        for it (the prefix cache mapped onto it, or its session's), its counters. Returns the
+        number of prompt tokens it need not compute."""
+        session = req.turn.session if req.turn is not None else None
+        if session is None:
+            req.seq = self._alloc_seq()
+            matched = self._ctx.match_prefix(req.seq, req.context()) if self.prefix_cache else 0
+        else:
+            matched = self._attach(req)
+        with self._cond:
+            self._n_waiting -= 1
+            self._running[req.seq] = req
+        req.state = _RUNNING
+        req.n_done = matched
+        if req.cached_tokens < 0:  # first admission (not a resume after preemption)
+            req.cached_tokens = min(matched, req.n_prompt)
+            self._prompt_tokens += req.n_prompt
+            self._cached_prompt_tokens += req.cached_tokens
+        return matched
 
     def _computing_shared_prefix(self, req: _Request) -> bool:
         """Whether a running request is still prefilling whole blocks that ``req``'s prompt
@@ -1551,7 +1619,10 @@ class Engine:
             else:
                 prefilling.append(req)
         left = self.batch_tokens - len(plan)
-        prefilling.sort(key=lambda r: r.key)
+        # Short remainders first (a prompt all cached but its tail, admitted by the fast lane
+        # of _admit): they cost a long prefill at most _fast_lane tokens of a step each.
+        fast = self._fast_lane
+        prefilling.sort(key=lambda r: (r.n_tokens - r.n_done > fast, r.key))
         for req in prefilling:
             if left <= 0:
                 break

@@ -444,6 +444,16 @@ impl Context {
         self.with(py, |c| c.match_prefix(seq, &tokens))
     }
 
+    /// How many tokens `match_prefix` would map for `tokens` now, without mapping anything or
+    /// touching the pool (an estimate for scheduling: blocks may be evicted before a match).
+    fn peek_prefix(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<usize> {
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_vocab(self.n_vocab, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        self.with(py, |c| Ok(c.peek_prefix(&tokens)))
+    }
+
     /// The state of sequence `seq` as bytes: its positions, token ids and K/V rows exactly as
     /// stored, plus the weights identity and K/V format; for a model with several layer groups
     /// (sliding-window layers) what each group holds (see `kv::state` in the core).

@@ -403,6 +403,41 @@ impl PagedCache {
         self.match_prefix_in(seq, tokens, Some(window.max(1)))
     }
 
+    /// How many tokens of `tokens` [`PagedCache::match_prefix`] (`window: None`) or
+    /// [`PagedCache::match_window_prefix`] would map now, at most `limit`, without mapping
+    /// anything or touching the pool: an estimate for scheduling (blocks may be evicted
+    /// before the match).
+    pub fn peek_prefix(&self, tokens: &[u32], window: Option<usize>, limit: usize) -> usize {
+        let bs = self.table.block_size();
+        let (pool, index) = (&self.shared.pool, &self.shared.index);
+        let n_max = (tokens.len().saturating_sub(1) / bs).min(limit / bs);
+        let mut keys = Vec::with_capacity(n_max);
+        let mut parent = ROOT_KEY;
+        for chunk in tokens.chunks_exact(bs).take(n_max) {
+            parent = block_key(self.shared.model_id, parent, chunk);
+            keys.push(parent);
+        }
+        let has = |j: usize| {
+            let parent = if j == 0 { ROOT_KEY } else { keys[j - 1] };
+            index.contains(pool, keys[j], parent, &tokens[j * bs..(j + 1) * bs])
+        };
+        match window {
+            None => (0..n_max).take_while(|&j| has(j)).count() * bs,
+            Some(w) => {
+                let lo = |k: usize| (k * bs + 1).saturating_sub(w.max(1)) / bs;
+                let (mut k, mut i) = (n_max, n_max);
+                while i > lo(k) {
+                    let j = i - 1;
+                    if !has(j) {
+                        k = j;
+                    }
+                    i = j;
+                }
+                k * bs
+            }
+        }
+    }
+
     fn match_prefix_in(
         &mut self,
         seq: SeqId,
@@ -628,6 +663,19 @@ mod tests {
 
         // At most len - 1 tokens, whole blocks only.
         for (n, want) in [(10, 8), (9, 8), (8, 4), (5, 4), (4, 0), (1, 0), (0, 0)] {
+            // The peek predicts the match and changes nothing.
+            let before = pool.stats();
+            assert_eq!(
+                c.peek_prefix(&p[..n], None, usize::MAX),
+                want,
+                "peek of {n}"
+            );
+            assert_eq!(
+                c.peek_prefix(&p[..n], None, 4),
+                want.min(4),
+                "peek of {n} up to 4"
+            );
+            assert_eq!(pool.stats(), before);
             let got = c.match_prefix(1, &p[..n]).unwrap();
             assert_eq!(got, want, "prompt of {n}");
             assert_eq!(got % BS, 0);
@@ -972,6 +1020,15 @@ mod tests {
         assert_eq!(c.match_prefix(1, &q).unwrap(), 0, "the head is gone");
         c.table_mut().seq_rm(1, -1, -1);
         // The window of position 40 (35..39) lies in blocks 8 and 9: resume at 40.
+        let before = pool.stats();
+        assert_eq!(c.peek_prefix(&q, Some(W), usize::MAX), 40);
+        assert_eq!(
+            c.peek_prefix(&q, Some(W), 39),
+            36,
+            "at most 39 tokens: resume at 36"
+        );
+        assert_eq!(c.peek_prefix(&q, None, usize::MAX), 0);
+        assert_eq!(pool.stats(), before);
         assert_eq!(c.match_window_prefix(1, &q, W).unwrap(), 40);
         assert_eq!(content(&c, 1), expect(&p)[32..].to_vec());
         assert_eq!(c.table().seq_pos_min(1), 32);
@@ -990,6 +1047,7 @@ mod tests {
         // (window 31..35: blocks 7 and 8).
         let mut d = p.clone();
         d[38] += 1;
+        assert_eq!(c.peek_prefix(&d, Some(W), usize::MAX), 36);
         assert_eq!(c.match_window_prefix(3, &d, W).unwrap(), 36);
         assert_eq!(content(&c, 3), expect(&p)[28..36].to_vec());
         c.table().check().unwrap();

@@ -322,6 +322,31 @@ impl LayerGroups {
         Ok(true)
     }
 
+    /// How many tokens of `tokens` [`LayerGroups::match_prefix`] would map now (an estimate
+    /// for scheduling, changing nothing): full groups first, then window groups up to that.
+    /// A model with a recurrent group also needs a state checkpoint, which this does not
+    /// look for: 0.
+    pub fn peek_prefix(&self, tokens: &[u32]) -> usize {
+        if self.recurrent.is_some() {
+            return 0;
+        }
+        let mut n = usize::MAX;
+        let mut order: Vec<&Group> = self.groups.iter().collect();
+        order.sort_by_key(|g| matches!(g.kind, GroupKind::Window(_)));
+        for g in order {
+            let window = match g.kind {
+                GroupKind::Window(w) => Some(w),
+                GroupKind::Full | GroupKind::Recurrent => None,
+            };
+            n = n.min(g.cache.peek_prefix(tokens, window, n));
+        }
+        if n == usize::MAX {
+            0
+        } else {
+            n
+        }
+    }
+
     /// Drops `seq`'s K/V cells from position `p0` on (`-1`: all) in every K/V group.
     fn remove_kv(&mut self, seq: SeqId, p0: Pos) {
         for g in &mut self.groups {

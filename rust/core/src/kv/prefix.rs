@@ -249,6 +249,22 @@ impl PrefixIndex {
         None
     }
 
+    /// Whether `key` (computed from `parent` and `tokens`) names a block that still holds it,
+    /// without taking a reference: an estimate for planning (the block may be evicted before
+    /// a later [`PrefixIndex::lookup`]).
+    pub fn contains(&self, pool: &BlockPool, key: Key, parent: Key, tokens: &[u32]) -> bool {
+        let m = self.inner();
+        let Some(&b) = m.map.get(&key) else {
+            return false;
+        };
+        let i = b as usize;
+        let bs = m.bs;
+        m.key[i] == key
+            && m.parent[i] == parent
+            && m.tokens[i * bs..(i + 1) * bs] == *tokens
+            && pool.key(b) == key_tag(key)
+    }
+
     /// Forgets block `b`'s key after the pool evicted or untagged it (`tag`: the tag it had).
     pub fn forget(&self, b: BlockId, tag: u64) {
         if tag == NO_KEY {

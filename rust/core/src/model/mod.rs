@@ -560,6 +560,12 @@ impl Context {
         self.memory.match_prefix(seq, tokens)
     }
 
+    /// How many tokens [`Context::match_prefix`] would map for `tokens` now, changing nothing
+    /// ([`LayerGroups::peek_prefix`]; an estimate: blocks may be evicted before the match).
+    pub fn peek_prefix(&self, tokens: &[u32]) -> usize {
+        self.memory.peek_prefix(tokens)
+    }
+
     /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
     ///
     /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
