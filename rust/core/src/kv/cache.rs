@@ -788,8 +788,11 @@ mod tests {
         // The caller's references: one per block.
         pool.retain(b0).unwrap();
         pool.retain(b1).unwrap();
+        let id = c.model_id();
         let t = c.table_mut();
-        let (k1, k2) = ([1u128], [1u128, 2]);
+        // The blocks' real content keys (the attach does not check them; `check` does).
+        let key0 = block_key(id, ROOT_KEY, &p[..4]);
+        let (k1, k2) = ([key0], [key0, block_key(id, key0, &p[4..8])]);
         let before = t.stats();
         assert!(
             t.attach_blocks(0, &[b0], &k1, &p[..4]).is_err(),

@@ -193,6 +193,8 @@ pub struct KvTable {
     /// Per cell: id of the write that produced its content (kept by copy-on-write).
     origin: Vec<u64>,
     next_origin: u64,
+    /// The model id of the last keying commit (for [`KvTable::check`] to recompute chains).
+    key_model: Option<Key>,
     pending: Vec<CowCopy>,
     pins: Vec<BlockId>,
     dirty: Vec<(BlockId, u16)>,
@@ -249,6 +251,7 @@ impl KvTable {
             rope: try_vec(n, -1, "KV block tables")?,
             origin: try_vec(n, 0, "KV block tables")?,
             next_origin: 1,
+            key_model: None,
             pending: Vec::new(),
             pins: Vec::new(),
             dirty: Vec::new(),
@@ -1024,6 +1027,7 @@ impl KvTable {
         }
         let mut keyed = Vec::new();
         if let Some(id) = model_id {
+            self.key_model = Some(id);
             for (s, _, _) in tx.seqs {
                 self.extend_chain(s, id, limit(s), &mut keyed);
             }
@@ -1424,6 +1428,31 @@ impl KvTable {
                     q.cells.len(),
                     q.front
                 ));
+            }
+            // Every chain key of a block the sequence still holds whole names exactly that
+            // block's tokens after the previous key (a clean run from position 0).
+            if let (true, false, Some(id)) = (q.chain_ok, q.tainted, self.key_model) {
+                let bs = self.bs;
+                for (k, &key) in q.chain.iter().enumerate() {
+                    if k * bs < q.front {
+                        continue;
+                    }
+                    let cells = &q.cells[k * bs - q.front..(k + 1) * bs - q.front];
+                    let b = cells[0].0;
+                    let plain = cells.iter().enumerate().all(|(j, &(cb, sl))| {
+                        cb == b
+                            && sl as usize == j
+                            && self.pos[self.idx(cb, sl)] == (k * bs + j) as Pos
+                    });
+                    let parent = if k == 0 { ROOT_KEY } else { q.chain[k - 1] };
+                    let i0 = self.idx(b, 0);
+                    let want = block_key(id, parent, &self.tokens[i0..i0 + bs]);
+                    if !plain || key != want {
+                        return Err(format!(
+                            "seq {s}: chain key {k} does not name its cells (plain run: {plain})"
+                        ));
+                    }
+                }
             }
         }
         let live = users.iter().filter(|&&u| u > 0).count();

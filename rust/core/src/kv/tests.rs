@@ -287,7 +287,10 @@ fn random_operations_match_the_model() {
                                     assert_eq!(after, before, "rollback changed the pool");
                                 }
                             } else {
-                                let _ = t.commit(tx, None);
+                                // Half the batches key their full clean blocks (the chain
+                                // invariants of `check` then apply).
+                                let id = (rng.below(2) == 0).then_some(0x1234_5678);
+                                let _ = t.commit(tx, id);
                                 synced = true;
                                 for k in 0..n {
                                     m.seqs.entry(seqs[k]).or_default().push((pos[k], ids[k]));
@@ -306,9 +309,16 @@ fn random_operations_match_the_model() {
                         Err(e) => panic!("unexpected error {e}"),
                     }
                 }
-                35..=46 => {
+                35..=42 => {
                     t.seq_rm(s, p0, p1);
                     m.rm(s, p0, p1);
+                }
+                43..=46 => {
+                    // A window group's pruning: the same cells go as with seq_rm(s, 0, p0).
+                    t.prune_front(sp, p0);
+                    if p0 > 0 {
+                        m.rm(sp, 0, p0); // (p1 = p0 <= 0 would mean "to the end" there)
+                    }
                 }
                 47..=58 => {
                     t.seq_cp(sp, s.max(0), p0, p1).unwrap();
