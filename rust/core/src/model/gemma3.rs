@@ -10,14 +10,16 @@
 //! composes them.
 
 use super::config::{Config, LayerKind};
-use super::llama::{group_kv, matrix, project, store_and_attend, vector, Acts, WeightRef};
+use super::llama::{
+    group_kv, matrix, project, store_and_attend, vector, PassBuffers, PassDims, PassViews,
+    WeightRef,
+};
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::gguf::GgufFile;
 use crate::kv::attention;
 use crate::ops;
-use crate::shared::SharedSlice;
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
@@ -111,35 +113,29 @@ pub(crate) fn forward(
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
 
-    let (mut h, mut q, mut k, mut v) = (
-        vec![0.0f32; n * d],
-        vec![0.0f32; n * qd],
-        vec![0.0f32; n * kvd],
-        vec![0.0f32; n * kvd],
-    );
-    let (mut attn, mut o) = (vec![0.0f32; n * qd], vec![0.0f32; n * d]);
-    let (mut gate, mut up, mut down) = (
-        vec![0.0f32; n * ff],
-        vec![0.0f32; n * ff],
-        vec![0.0f32; n * d],
-    );
-    let mut hs = vec![0.0f32; n_out * d];
-    let mut logits = vec![0.0f32; n_out * c.n_vocab];
-    let mut acts: [Acts; 1] = [Default::default()];
-
-    let x = SharedSlice::new(&mut x);
-    let h = SharedSlice::new(&mut h);
-    let q = SharedSlice::new(&mut q);
-    let k = SharedSlice::new(&mut k);
-    let v = SharedSlice::new(&mut v);
-    let attn = SharedSlice::new(&mut attn);
-    let o = SharedSlice::new(&mut o);
-    let gate = SharedSlice::new(&mut gate);
-    let up = SharedSlice::new(&mut up);
-    let down = SharedSlice::new(&mut down);
-    let hs = SharedSlice::new(&mut hs);
-    let out = SharedSlice::new(&mut logits);
-    let acts = SharedSlice::new(&mut acts);
+    let dims = PassDims {
+        d,
+        qd,
+        kvd,
+        ff,
+        n_vocab: c.n_vocab,
+    };
+    let mut bufs = PassBuffers::new(x, n, n_out, &dims);
+    let PassViews {
+        x,
+        h,
+        q,
+        k,
+        v,
+        attn,
+        o,
+        gate,
+        up,
+        down,
+        hs,
+        out,
+        acts,
+    } = bufs.views();
     let kv = group_kv(io);
     let eps = c.rms_eps;
 
@@ -282,7 +278,7 @@ pub(crate) fn forward(
         }
     });
     Ok(Logits {
-        data: logits,
+        data: bufs.into_logits(),
         n_rows: n_out,
         n_vocab: c.n_vocab,
     })

@@ -17,8 +17,8 @@
 
 use super::config::Config;
 use super::llama::{
-    group_kv, matrix, output_head, project, residual_swiglu_ffn, store_and_attend, vector, Acts,
-    FfnBuffers, WeightRef,
+    group_kv, matrix, output_head, project, residual_swiglu_ffn, store_and_attend, vector,
+    FfnBuffers, PassBuffers, PassDims, PassViews, WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -210,34 +210,32 @@ pub(crate) fn forward(
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
 
-    let mut h = vec![0.0f32; n * d];
-    let mut q = vec![0.0f32; n * d];
-    let (mut k, mut v) = (vec![0.0f32; n * kvd], vec![0.0f32; n * kvd]);
+    let dims = PassDims {
+        d,
+        qd: d,
+        kvd,
+        ff,
+        n_vocab: c.n_vocab,
+    };
+    let mut bufs = PassBuffers::new(x, n, n_out, &dims);
+    let PassViews {
+        x,
+        h,
+        q,
+        k,
+        v,
+        attn,
+        o,
+        gate,
+        up,
+        down,
+        hs,
+        out,
+        acts,
+    } = bufs.views();
+    // The short convolutions' input projection (B, C and x of every token).
     let mut bcx = vec![0.0f32; n * 3 * d];
-    let (mut attn, mut o) = (vec![0.0f32; n * d], vec![0.0f32; n * d]);
-    let (mut gate, mut up, mut down) = (
-        vec![0.0f32; n * ff],
-        vec![0.0f32; n * ff],
-        vec![0.0f32; n * d],
-    );
-    let mut hs = vec![0.0f32; n_out * d];
-    let mut logits = vec![0.0f32; n_out * c.n_vocab];
-    let mut acts: [Acts; 1] = [Default::default()];
-
-    let x = SharedSlice::new(&mut x);
-    let h = SharedSlice::new(&mut h);
-    let q = SharedSlice::new(&mut q);
-    let k = SharedSlice::new(&mut k);
-    let v = SharedSlice::new(&mut v);
     let bcx = SharedSlice::new(&mut bcx);
-    let attn = SharedSlice::new(&mut attn);
-    let o = SharedSlice::new(&mut o);
-    let gate = SharedSlice::new(&mut gate);
-    let up = SharedSlice::new(&mut up);
-    let down = SharedSlice::new(&mut down);
-    let hs = SharedSlice::new(&mut hs);
-    let out = SharedSlice::new(&mut logits);
-    let acts = SharedSlice::new(&mut acts);
     let states = SharedSlice::new(states);
     let ckpts = SharedSlice::new(ckpts);
     let kv = group_kv(io);
@@ -384,7 +382,7 @@ pub(crate) fn forward(
         };
     });
     Ok(Logits {
-        data: logits,
+        data: bufs.into_logits(),
         n_rows: n_out,
         n_vocab: c.n_vocab,
     })

@@ -207,6 +207,106 @@ fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: u
     }
 }
 
+/// The per-batch buffers of a forward pass (every architecture's pass takes the same set; a
+/// hybrid adds its own): `n` token rows of the residual stream `x` (already embedded), the
+/// normed input `h`, q/k/v, the attention output and its projection, the FFN's gate/up/down,
+/// and for the `n_out` rows that want logits their normed hidden state and logits.
+pub(super) struct PassBuffers {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    hs: Vec<f32>,
+    logits: Vec<f32>,
+    acts: [Acts; 1],
+}
+
+/// Widths of the [`PassBuffers`] rows: model width `d`, query width `qd`, K/V width `kvd`, FFN
+/// width `ff`, vocabulary `n_vocab`.
+pub(super) struct PassDims {
+    pub d: usize,
+    pub qd: usize,
+    pub kvd: usize,
+    pub ff: usize,
+    pub n_vocab: usize,
+}
+
+/// The [`PassBuffers`] as slices the team's tasks share (see `shared::SharedSlice`).
+pub(super) struct PassViews<'a> {
+    pub x: SharedSlice<'a, f32>,
+    pub h: SharedSlice<'a, f32>,
+    pub q: SharedSlice<'a, f32>,
+    pub k: SharedSlice<'a, f32>,
+    pub v: SharedSlice<'a, f32>,
+    pub attn: SharedSlice<'a, f32>,
+    pub o: SharedSlice<'a, f32>,
+    pub gate: SharedSlice<'a, f32>,
+    pub up: SharedSlice<'a, f32>,
+    pub down: SharedSlice<'a, f32>,
+    pub hs: SharedSlice<'a, f32>,
+    pub out: SharedSlice<'a, f32>,
+    pub acts: SharedSlice<'a, Acts>,
+}
+
+impl PassBuffers {
+    /// Buffers for `n` tokens whose embedded rows are `x` (`n * dims.d` values), `n_out` of
+    /// which want logits.
+    pub(super) fn new(x: Vec<f32>, n: usize, n_out: usize, dims: &PassDims) -> PassBuffers {
+        let PassDims {
+            d,
+            qd,
+            kvd,
+            ff,
+            n_vocab,
+        } = *dims;
+        debug_assert_eq!(x.len(), n * d);
+        PassBuffers {
+            x,
+            h: vec![0.0; n * d],
+            q: vec![0.0; n * qd],
+            k: vec![0.0; n * kvd],
+            v: vec![0.0; n * kvd],
+            attn: vec![0.0; n * qd],
+            o: vec![0.0; n * d],
+            gate: vec![0.0; n * ff],
+            up: vec![0.0; n * ff],
+            down: vec![0.0; n * d],
+            hs: vec![0.0; n_out * d],
+            logits: vec![0.0; n_out * n_vocab],
+            acts: [Default::default()],
+        }
+    }
+
+    pub(super) fn views(&mut self) -> PassViews<'_> {
+        PassViews {
+            x: SharedSlice::new(&mut self.x),
+            h: SharedSlice::new(&mut self.h),
+            q: SharedSlice::new(&mut self.q),
+            k: SharedSlice::new(&mut self.k),
+            v: SharedSlice::new(&mut self.v),
+            attn: SharedSlice::new(&mut self.attn),
+            o: SharedSlice::new(&mut self.o),
+            gate: SharedSlice::new(&mut self.gate),
+            up: SharedSlice::new(&mut self.up),
+            down: SharedSlice::new(&mut self.down),
+            hs: SharedSlice::new(&mut self.hs),
+            out: SharedSlice::new(&mut self.logits),
+            acts: SharedSlice::new(&mut self.acts),
+        }
+    }
+
+    /// The logits rows (after the pass).
+    pub(super) fn into_logits(self) -> Vec<f32> {
+        self.logits
+    }
+}
+
 /// `outs[i] = x W_i^T` for every weight in `ws` (same input width): one task quantizes `x` (`n`
 /// rows) once per activation format, then the team runs all the products as one set of tasks.
 ///
@@ -515,35 +615,29 @@ pub(crate) fn forward(
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
 
-    let (mut h, mut q, mut k, mut v) = (
-        vec![0.0f32; n * d],
-        vec![0.0f32; n * qd],
-        vec![0.0f32; n * kvd],
-        vec![0.0f32; n * kvd],
-    );
-    let (mut attn, mut o) = (vec![0.0f32; n * qd], vec![0.0f32; n * d]);
-    let (mut gate, mut up, mut down) = (
-        vec![0.0f32; n * ff],
-        vec![0.0f32; n * ff],
-        vec![0.0f32; n * d],
-    );
-    let mut hs = vec![0.0f32; n_out * d];
-    let mut logits = vec![0.0f32; n_out * c.n_vocab];
-    let mut acts: [Acts; 1] = [Default::default()];
-
-    let x = SharedSlice::new(&mut x);
-    let h = SharedSlice::new(&mut h);
-    let q = SharedSlice::new(&mut q);
-    let k = SharedSlice::new(&mut k);
-    let v = SharedSlice::new(&mut v);
-    let attn = SharedSlice::new(&mut attn);
-    let o = SharedSlice::new(&mut o);
-    let gate = SharedSlice::new(&mut gate);
-    let up = SharedSlice::new(&mut up);
-    let down = SharedSlice::new(&mut down);
-    let hs = SharedSlice::new(&mut hs);
-    let out = SharedSlice::new(&mut logits);
-    let acts = SharedSlice::new(&mut acts);
+    let dims = PassDims {
+        d,
+        qd,
+        kvd,
+        ff,
+        n_vocab: c.n_vocab,
+    };
+    let mut bufs = PassBuffers::new(x, n, n_out, &dims);
+    let PassViews {
+        x,
+        h,
+        q,
+        k,
+        v,
+        attn,
+        o,
+        gate,
+        up,
+        down,
+        hs,
+        out,
+        acts,
+    } = bufs.views();
     let kv = group_kv(io);
 
     let scale = c.attn_scale;
@@ -667,7 +761,7 @@ pub(crate) fn forward(
         };
     });
     Ok(Logits {
-        data: logits,
+        data: bufs.into_logits(),
         n_rows: n_out,
         n_vocab: c.n_vocab,
     })
