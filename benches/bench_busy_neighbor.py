@@ -135,7 +135,11 @@ def measure(args: argparse.Namespace, rounds: int, first_round: int) -> dict[str
         "busy": [],
         "duty": [],
         "foreign": [],
+        # Redone matmul tasks (`Model.redone_tasks`, absent in older builds) per decode run.
+        "redo_quiet": [],
+        "redo_busy": [],
     }
+    redone = lambda: getattr(model, "redone_tasks", 0)  # noqa: E731
     with BusyNeighbor(args.busy_ms / 1e3, args.period_ms / 1e3) as nb:
         for r in range(first_round, first_round + rounds):
             with ForeignLoad() as fl:
@@ -144,10 +148,12 @@ def measure(args: argparse.Namespace, rounds: int, first_round: int) -> dict[str
                     for busy in (False, True) if (r + i) % 2 == 0 else (True, False):
                         if busy:
                             nb.on()
+                        r0 = redone()
                         tg = _core.bench(model, 0, args.n, 1)["decode_tok_s"]
                         if busy:
                             nb.off()
                         out["busy" if busy else "quiet"].append(tg)
+                        out["redo_busy" if busy else "redo_quiet"].append(redone() - r0)
             out["foreign"].append(fl.cpus)
         out["duty"].append(nb.duty())
     return out
@@ -239,8 +245,8 @@ def main() -> int:
             time.sleep(args.settle)
             continue
         for label, res in round_res.items():
-            for k in ("pp", "quiet", "busy", "duty", "foreign"):
-                results[label].setdefault(k, []).extend(res[k])
+            for k in ("pp", "quiet", "busy", "duty", "foreign", "redo_quiet", "redo_busy"):
+                results[label].setdefault(k, []).extend(res.get(k, []))
         r += 1
     load_after = loadavg()
 
@@ -263,17 +269,26 @@ def main() -> int:
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
         f"- command: `{cmd}`",
         f"- each round: a quiet `_core.bench(model, {p}, 0, 1)`, then {args.pairs} pairs of "
-        f"`_core.bench(model, 0, {n}, 1)`, quiet and beside the busy thread (order alternating"
-        f"round{', builds interleaved' if len(builds) > 1 else ''}); medians of {args.rounds} "
-        f"rounds; {discarded} rounds repeated because other processes kept more than "
-        f"{args.max_foreign:g} CPUs busy",
+        f"`_core.bench(model, 0, {n}, 1)`, quiet and beside the busy thread (order"
+        f" alternating each round{', builds interleaved' if len(builds) > 1 else ''}); medians"
+        f" of {args.rounds} rounds; {discarded} rounds repeated because other processes kept"
+        f" more than {args.max_foreign:g} CPUs busy",
         "",
-        f"| build | pp{p} quiet tok/s | tg{n} quiet tok/s | tg{n} busy tok/s | busy / quiet |",
-        "|---|---:|---:|---:|---:|",
+        f"| build | pp{p} quiet tok/s | tg{n} quiet tok/s | tg{n} busy tok/s | busy / quiet "
+        "| redone tasks per 1k tokens, quiet / busy |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+
+    def per_1k(xs: list[float]) -> str:
+        # `Model.redone_tasks` is missing in builds without redoable steps.
+        return f"{1000 * sum(xs) / (n * len(xs)):.1f}" if xs and any(xs) else "0"
+
     for label, res in results.items():
         q, b = med(res["quiet"]), med(res["busy"])
-        lines.append(f"| {label} | {med(res['pp']):.1f} | {q:.1f} | {b:.1f} | {b / q:.2f}x |")
+        redo = f"{per_1k(res['redo_quiet'])} / {per_1k(res['redo_busy'])}"
+        lines.append(
+            f"| {label} | {med(res['pp']):.1f} | {q:.1f} | {b:.1f} | {b / q:.2f}x | {redo} |"
+        )
     lines.append("")
     for label, res in results.items():
         lines.append(

@@ -62,6 +62,11 @@ class Model:
         n_batch: int = 2048,
     ) -> Context: ...
     def metadata(self) -> dict[str, object]: ...
+    @property
+    def redone_tasks(self) -> int:
+        """Matmul tasks a waiting worker computed again and published (its partner was
+        descheduled mid-task) since the model was loaded: a thread-contention diagnostic."""
+
     def _inject_worker_panic(self, layer: int | None) -> None:
         """Testing hook: the next decode panics in one worker at ``layer`` (once)."""
 

@@ -2,7 +2,8 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Threads to use when the caller gives none: `KVSERVE_THREADS` if set and valid, else the
 /// number of physical cores (logical CPUs halved when SMT siblings are detected).
@@ -70,6 +71,13 @@ pub fn build_pool(n: Option<usize>) -> rayon::ThreadPool {
 /// the middle of a task still holds up the end of that step). A member that waits for a step
 /// spins briefly, then yields.
 ///
+/// A member preempted *inside* a task holds the step up until the OS runs it again (on 2 cores
+/// beside a busy event loop: for the other thread's whole time slice, ~2 ms). Steps whose tasks
+/// compute into member-private memory and publish only through a [`Commit`]
+/// (`Worker::for_tasks_redoable`) do not wait for it: a member that has run out of tasks and
+/// waited a while runs the straggler's task again itself, and whichever run finishes first
+/// publishes its result (the runs compute the same values; the other is discarded).
+///
 /// Only one closure runs on a team at a time (a mutex serializes callers).
 pub struct Team {
     pool: rayon::ThreadPool,
@@ -81,6 +89,18 @@ pub struct Team {
     /// `(step << 32) | tasks finished` of the step being worked on. Moves to the next step only
     /// once every task of this one has finished, so `step(done) > k` means step `k` is over.
     done: AtomicU64,
+    /// Per task index, for redoable steps: the epoch (`run << 32 | step`) of the last step in
+    /// which that task was committed. A run of task `i` of the step with epoch `e` wins its
+    /// commit iff it raises `marks[i]` from below `e` (`fetch_max`): exactly one run per step.
+    marks: Box<[AtomicU64]>,
+    /// Number of the current run (the high half of the epochs); starts at 1, so that the
+    /// zeroed marks are below every epoch.
+    run_no: AtomicU64,
+    /// One scratch buffer per member for redoable tasks' private results (see
+    /// [`Worker::scratch`]); a member locks only its own, so the locks are never contended.
+    scratch: Box<[Mutex<Vec<f32>>]>,
+    /// Tasks published by a redo (a member's second run of a task another member held).
+    redone: AtomicU64,
     lock: Mutex<()>,
 }
 
@@ -94,6 +114,45 @@ pub struct Worker<'a> {
     /// Number of `for_tasks` steps this member has entered in this run (the same sequence on
     /// every member, since every member calls `for_tasks` in the same order).
     step: Cell<u32>,
+    /// Calls of [`Worker::next_call`] so far in this run.
+    calls: Cell<usize>,
+}
+
+/// The most tasks a redoable step may have; a step with more runs as a plain one (each task
+/// once, no redos).
+const MAX_REDOABLE_TASKS: usize = 1024;
+
+/// How long a member that has run out of tasks waits for a step before it redoes a straggler's
+/// task — at least this long, and at least twice its own longest task of the step (so that a
+/// partner that is merely running a long task, rather than descheduled, is rarely duplicated).
+const REDO_PATIENCE: Duration = Duration::from_micros(60);
+
+/// Decides which run of a redoable task publishes its result (see
+/// [`Worker::for_tasks_redoable`]).
+pub struct Commit<'t> {
+    /// `None`: the step is not redoable, this run is the only one and always wins.
+    mark: Option<&'t AtomicU64>,
+    epoch: u64,
+    won: Cell<Option<bool>>,
+}
+
+impl Commit<'_> {
+    /// Whether this run publishes the task's result: true for exactly one run of each task (the
+    /// first to ask). Call it after computing the result privately and, if true, write the
+    /// result to shared memory before returning. Asking again gives the same answer.
+    pub fn win(&self) -> bool {
+        if let Some(w) = self.won.get() {
+            return w;
+        }
+        let w = match self.mark {
+            None => true,
+            // AcqRel: the winner's later writes are ordered after the decision; the losers
+            // publish nothing.
+            Some(m) => m.fetch_max(self.epoch, Ordering::AcqRel) < self.epoch,
+        };
+        self.won.set(Some(w));
+        w
+    }
 }
 
 const STEP_SHIFT: u32 = 32;
@@ -113,12 +172,22 @@ impl Team {
             poisoned: AtomicBool::new(false),
             claim: AtomicU64::new(0),
             done: AtomicU64::new(0),
+            marks: (0..MAX_REDOABLE_TASKS).map(|_| AtomicU64::new(0)).collect(),
+            run_no: AtomicU64::new(0),
+            scratch: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+            redone: AtomicU64::new(0),
             lock: Mutex::new(()),
         }
     }
 
     pub fn threads(&self) -> usize {
         self.n
+    }
+
+    /// How many tasks of redoable steps were published by a redo since the team was made (a
+    /// member ran the task of a partner that was taking too long, and finished first).
+    pub fn redone(&self) -> u64 {
+        self.redone.load(Ordering::Relaxed)
     }
 
     /// Runs `f` on every member at once and returns when all have finished. A panic in `f` is
@@ -132,12 +201,25 @@ impl Team {
         self.poisoned.store(false, Ordering::Relaxed);
         self.claim.store(0, Ordering::Relaxed);
         self.done.store(0, Ordering::Relaxed);
+        // A new run number keeps this run's epochs above every mark; after 2^32 - 1 runs the
+        // marks start over from zero (no member is running: the lock is held).
+        let run = self.run_no.load(Ordering::Relaxed) + 1;
+        if run > u64::from(u32::MAX) {
+            for m in self.marks.iter() {
+                m.store(0, Ordering::Relaxed);
+            }
+            self.run_no.store(1, Ordering::Relaxed);
+        } else {
+            self.run_no.store(run, Ordering::Relaxed);
+        }
+        // (The broadcast below publishes these stores to the members.)
         self.pool.broadcast(|ctx| {
             let w = Worker {
                 id: ctx.index(),
                 n: self.n,
                 team: self,
                 step: Cell::new(0),
+                calls: Cell::new(0),
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
             if let Err(payload) = r {
@@ -155,8 +237,9 @@ impl Team {
     }
 
     /// Waits until step `k` is over: spins for a while, then yields its core between checks.
-    /// (Sleeping instead — a condvar woken by whoever finishes the step — measured slower both
-    /// quiet and beside a busy thread: BENCHMARKS.md, "Decode beside a busy Python thread".)
+    /// (Sleeping instead — a condvar woken by whoever finishes the step, or parking after a
+    /// long wait — measured slower both quiet and beside a busy thread: BENCHMARKS.md, "Decode
+    /// beside a busy Python thread". What helps there is not waiting: redoable steps.)
     fn wait_done(&self, k: u32, n_tasks: usize) {
         let mut spins = 0u32;
         while !self.step_over(k, n_tasks) {
@@ -177,6 +260,136 @@ impl Team {
 const SPINS_BEFORE_YIELD: u32 = 20_000;
 
 impl Worker<'_> {
+    /// Numbers the calls of a routine that every member makes in the same order (0, 1, ... in
+    /// each run): e.g. which of a pass's buffers a call uses.
+    pub fn next_call(&self) -> usize {
+        let c = self.calls.get();
+        self.calls.set(c + 1);
+        c
+    }
+
+    /// This member's scratch buffer (kept across runs), for private task results.
+    pub fn scratch(&self) -> MutexGuard<'_, Vec<f32>> {
+        // Only this member locks it; a poisoned lock only means an earlier run panicked.
+        self.team.scratch[self.id]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Like [`Worker::for_tasks`], for tasks that may run more than once: `f(i, commit)`
+    /// computes task `i` into memory private to this member (writing nothing shared), then, if
+    /// `commit.win()`, publishes the result (writes its shared outputs). A member that has run
+    /// out of tasks and has waited [`REDO_PATIENCE`] (or twice its own longest task of the
+    /// step) for a task another member holds runs that task again; the first run to finish
+    /// publishes, exactly once per task, and the step is over when every task is published. A
+    /// member preempted inside a task thus holds nobody up.
+    ///
+    /// `f` may read shared data only if nothing writes it until the end of the run (a
+    /// descheduled member may finish its run of a task after the step is over), and must call
+    /// `commit.win()` exactly once per call (a call that never asks panics the run).
+    pub fn for_tasks_redoable(&self, n_tasks: usize, mut f: impl FnMut(usize, &Commit<'_>)) {
+        assert!(n_tasks as u64 <= LOW, "too many tasks in one step");
+        let team = self.team;
+        let k = self.step.get() + 1;
+        self.step.set(k);
+        let redoable = n_tasks <= MAX_REDOABLE_TASKS;
+        let epoch = (team.run_no.load(Ordering::Relaxed) << STEP_SHIFT) | u64::from(k);
+        let mut longest = Duration::ZERO;
+        let mut run = |i: usize, longest: &mut Duration, redo: bool| {
+            let t0 = Instant::now();
+            let commit = Commit {
+                mark: redoable.then(|| &team.marks[i]),
+                epoch,
+                won: Cell::new(None),
+            };
+            f(i, &commit);
+            match commit.won.get() {
+                // Release: the published result happens before anyone sees the step over.
+                Some(true) => {
+                    if redo {
+                        team.redone.fetch_add(1, Ordering::Relaxed);
+                    }
+                    team.done.fetch_add(1, Ordering::AcqRel);
+                }
+                Some(false) => {}
+                None => panic!("a redoable task returned without asking to commit"),
+            }
+            *longest = (*longest).max(t0.elapsed());
+        };
+        let mut c = team.claim.load(Ordering::Acquire);
+        loop {
+            let (step, next) = (step_of(c), (c & LOW) as usize);
+            if step < k {
+                self.open_step(k, c);
+                c = team.claim.load(Ordering::Acquire);
+                continue;
+            }
+            if step > k || next >= n_tasks {
+                break; // step k is handed out (or over)
+            }
+            match team
+                .claim
+                .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    run(next, &mut longest, false);
+                    c = team.claim.load(Ordering::Acquire);
+                }
+                Err(now) => c = now,
+            }
+        }
+        if !redoable {
+            team.wait_done(k, n_tasks);
+            return;
+        }
+        // Wait for the tasks others hold; redo one whose holder is taking too long.
+        let mut since = Instant::now();
+        let mut spins = 0u32;
+        while !team.step_over(k, n_tasks) {
+            if team.poisoned.load(Ordering::Acquire) {
+                panic!("another member of the thread team panicked");
+            }
+            if spins.is_multiple_of(64) && since.elapsed() >= REDO_PATIENCE.max(longest * 2) {
+                // Acquire: pairs with the winner's fetch_max (a published task is skipped).
+                let open = (0..n_tasks).find(|&i| team.marks[i].load(Ordering::Acquire) < epoch);
+                if let Some(i) = open {
+                    run(i, &mut longest, true);
+                }
+                since = Instant::now();
+                spins = 0;
+                continue;
+            }
+            if spins < SPINS_BEFORE_YIELD {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+            spins += 1;
+        }
+    }
+
+    /// Opens step `k` after step `k - 1` is over (this member waited for it, or `k = 1`):
+    /// first its completion count, then its task counter (`c`: the counter as last read).
+    /// Others may race to do the same; each exchange succeeds once.
+    fn open_step(&self, k: u32, c: u64) {
+        let team = self.team;
+        let d = team.done.load(Ordering::Acquire);
+        if step_of(d) < k {
+            let _ = team.done.compare_exchange(
+                d,
+                u64::from(k) << STEP_SHIFT,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        let _ = team.claim.compare_exchange(
+            c,
+            u64::from(k) << STEP_SHIFT,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
     /// Executes tasks `0..n_tasks`, each exactly once across the team, handed out dynamically
     /// (fast members take more), and returns once all of them are done — whoever ran them.
     ///
@@ -194,24 +407,7 @@ impl Worker<'_> {
         loop {
             let (step, next) = (step_of(c), (c & LOW) as usize);
             if step < k {
-                // Step k - 1 is over (this member waited for it, or k = 1): open step k,
-                // first its completion count, then its task counter. Others may race to do the
-                // same; each exchange succeeds once.
-                let d = team.done.load(Ordering::Acquire);
-                if step_of(d) < k {
-                    let _ = team.done.compare_exchange(
-                        d,
-                        u64::from(k) << STEP_SHIFT,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
-                }
-                let _ = team.claim.compare_exchange(
-                    c,
-                    u64::from(k) << STEP_SHIFT,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
+                self.open_step(k, c);
                 c = team.claim.load(Ordering::Acquire);
                 continue;
             }
@@ -469,6 +665,116 @@ mod tests {
             });
             assert_eq!(hits.load(Ordering::Relaxed), 137);
         });
+    }
+
+    #[test]
+    fn a_member_descheduled_inside_a_redoable_task_holds_nobody_up() {
+        // The first run of task 0 of step 3 stalls for 400 ms (as if its member had lost its
+        // core mid-task): another member must redo it and go on through every later step long
+        // before the stalled run ends, and every task's result is published exactly once, with
+        // the right value, by whichever run finished first.
+        for threads in [2, 3] {
+            within(Duration::from_secs(60), move || {
+                const STEPS: usize = 40;
+                const TASKS: usize = 6;
+                let team = Team::new(Some(threads));
+                let mut cells = vec![0usize; STEPS * TASKS];
+                let shared = SharedSlice::new(&mut cells);
+                let wins: Vec<AtomicUsize> =
+                    (0..STEPS * TASKS).map(|_| AtomicUsize::new(0)).collect();
+                let stalled = AtomicBool::new(false);
+                let first_done = std::sync::Mutex::new(None::<Duration>);
+                let t0 = Instant::now();
+                team.run(|w| {
+                    for step in 0..STEPS {
+                        w.for_tasks_redoable(TASKS, |i, commit| {
+                            if step == 3 && i == 0 && !stalled.swap(true, Ordering::Relaxed) {
+                                std::thread::sleep(Duration::from_millis(400));
+                            }
+                            let value = step * 1000 + i; // the task's "private result"
+                            if commit.win() {
+                                wins[step * TASKS + i].fetch_add(1, Ordering::Relaxed);
+                                // SAFETY: the winning run of (step, i) alone writes this cell.
+                                unsafe {
+                                    shared.slice_mut(step * TASKS + i..step * TASKS + i + 1)[0] =
+                                        value
+                                };
+                            }
+                        });
+                    }
+                    let mut first = first_done.lock().unwrap();
+                    if first.is_none() {
+                        *first = Some(t0.elapsed());
+                    }
+                });
+                let first = first_done.lock().unwrap().unwrap();
+                assert!(
+                    first < Duration::from_millis(300),
+                    "{threads} threads: the others waited for the stalled task: {first:?}"
+                );
+                assert!(team.redone() >= 1, "nobody redid the stalled task");
+                for step in 0..STEPS {
+                    for i in 0..TASKS {
+                        let j = step * TASKS + i;
+                        assert_eq!(wins[j].load(Ordering::Relaxed), 1, "step {step} task {i}");
+                        assert_eq!(cells[j], step * 1000 + i, "step {step} task {i}");
+                    }
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn redone_tasks_publish_once_and_steps_order_their_writes() {
+        // Tasks that now and then take longer than the redo patience get redone; each task must
+        // still publish once, and the next step must see every published value (a member
+        // reads all cells of the step before).
+        for threads in [2, 3] {
+            within(Duration::from_secs(120), move || {
+                const STEPS: usize = 300;
+                const TASKS: usize = 8;
+                let team = Team::new(Some(threads));
+                let mut cells = vec![0usize; TASKS];
+                let shared = SharedSlice::new(&mut cells);
+                let (runs, wins, stale) = (
+                    AtomicUsize::new(0),
+                    AtomicUsize::new(0),
+                    AtomicUsize::new(0),
+                );
+                let slow: Vec<AtomicBool> =
+                    (0..STEPS * TASKS).map(|_| AtomicBool::new(false)).collect();
+                team.run(|w| {
+                    for step in 1..=STEPS {
+                        w.for_tasks(1, |_| {
+                            // SAFETY: nobody writes the cells during this step.
+                            let all = unsafe { shared.all() };
+                            if all.iter().any(|&v| v != step - 1) {
+                                stale.fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                        w.for_tasks_redoable(TASKS, |i, commit| {
+                            runs.fetch_add(1, Ordering::Relaxed);
+                            // The first run of every 23rd task dawdles (a redo need not).
+                            let j = (step - 1) * TASKS + i;
+                            if j.is_multiple_of(23) && !slow[j].swap(true, Ordering::Relaxed) {
+                                std::thread::sleep(SPIN_LIMIT * 2);
+                            }
+                            if commit.win() {
+                                wins.fetch_add(1, Ordering::Relaxed);
+                                // SAFETY: the winning run of task i alone writes cell i.
+                                unsafe { shared.slice_mut(i..i + 1)[0] = step };
+                            }
+                        });
+                    }
+                });
+                assert_eq!(wins.load(Ordering::Relaxed), STEPS * TASKS);
+                assert!(
+                    runs.load(Ordering::Relaxed) > STEPS * TASKS && team.redone() > 0,
+                    "{threads} threads: no task was redone, the test proves nothing"
+                );
+                assert_eq!(stale.load(Ordering::Relaxed), 0, "{threads} threads");
+            });
+        }
     }
 
     #[test]

@@ -218,6 +218,14 @@ impl Model {
         Ok(Context::new(ctx))
     }
 
+    /// Tasks of redoable matmul steps that a waiting worker computed again and published (its
+    /// partner was taking too long: usually descheduled by the OS) since the model was loaded;
+    /// a diagnostic of thread contention.
+    #[getter]
+    fn redone_tasks(&self) -> u64 {
+        self.inner.redone_tasks()
+    }
+
     /// Testing hook: the next decode on this model panics in one worker thread at `layer`
     /// (once); `None` disarms it. The decode then raises `kvserve.EngineError` and rolls back.
     #[pyo3(signature = (layer))]

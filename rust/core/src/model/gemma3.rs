@@ -119,6 +119,8 @@ pub(crate) fn forward(
         kvd,
         ff,
         n_vocab: c.n_vocab,
+        // Two projections for the mixer, two for the FFN, per layer; then the output head.
+        projections: 4 * c.n_layer + 1,
     };
     let mut bufs = PassBuffers::new(x, n, n_out, &dims);
     let PassViews {

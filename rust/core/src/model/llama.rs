@@ -224,17 +224,19 @@ pub(super) struct PassBuffers {
     down: Vec<f32>,
     hs: Vec<f32>,
     logits: Vec<f32>,
-    acts: [Acts; 1],
+    acts: Vec<Acts>,
 }
 
 /// Widths of the [`PassBuffers`] rows: model width `d`, query width `qd`, K/V width `kvd`, FFN
-/// width `ff`, vocabulary `n_vocab`.
+/// width `ff`, vocabulary `n_vocab`; and `projections`, how many [`project`] calls the pass
+/// makes (one activation buffer each for small batches, see [`REDO_MAX_TOKENS`]).
 pub(super) struct PassDims {
     pub d: usize,
     pub qd: usize,
     pub kvd: usize,
     pub ff: usize,
     pub n_vocab: usize,
+    pub projections: usize,
 }
 
 /// The [`PassBuffers`] as slices the team's tasks share (see `shared::SharedSlice`).
@@ -264,7 +266,9 @@ impl PassBuffers {
             kvd,
             ff,
             n_vocab,
+            projections,
         } = *dims;
+        let slots = if n <= REDO_MAX_TOKENS { projections } else { 1 };
         debug_assert_eq!(x.len(), n * d);
         PassBuffers {
             x,
@@ -279,7 +283,7 @@ impl PassBuffers {
             down: vec![0.0; n * d],
             hs: vec![0.0; n_out * d],
             logits: vec![0.0; n_out * n_vocab],
-            acts: [Default::default()],
+            acts: (0..slots.max(1)).map(|_| Default::default()).collect(),
         }
     }
 
@@ -307,8 +311,24 @@ impl PassBuffers {
     }
 }
 
+/// Batches of at most this many tokens quantize each projection's activations into a buffer of
+/// their own (not reused within the pass), which makes the projections redoable team steps
+/// (see [`matmuls`]); larger batches reuse one buffer (their activations are big, and a pass of
+/// long tasks gains less from redos).
+pub(super) const REDO_MAX_TOKENS: usize = 16;
+
+/// A redoable matmul step needs a private copy of its outputs in every member's scratch (kept
+/// for the model's lifetime): steps with more output values than this (the output head of a
+/// large-vocabulary model over many rows) run as plain steps, so that a member's scratch stays
+/// within 4 MiB.
+const REDO_MAX_OUTPUTS: usize = 1 << 20;
+
 /// `outs[i] = x W_i^T` for every weight in `ws` (same input width): one task quantizes `x` (`n`
 /// rows) once per activation format, then the team runs all the products as one set of tasks.
+///
+/// `acts` holds one activation buffer per `project` call of the pass (each call takes the next,
+/// `Worker::next_call`) or a single one that every call reuses. With one per call, nothing
+/// rewrites a call's activations during the pass, so its matmul step is redoable.
 ///
 /// # Safety
 /// Every member calls this at the same step; nobody writes `x` during the call and `acts` is
@@ -322,22 +342,46 @@ pub(super) unsafe fn project(
     ws: &[&WeightRef],
     outs: &[&SharedSlice<f32>],
 ) {
+    let call = w.next_call();
+    let slot = if acts.len() == 1 { 0 } else { call };
+    assert!(
+        slot < acts.len(),
+        "a pass made more projections than it has activation buffers"
+    );
     w.single(|| {
-        // SAFETY: one task alone writes `acts`, in a step of its own; `x` is read-only (contract).
-        unsafe { quantize_for(&mut acts.slice_mut(0..1)[0], ws, x.all(), n, ws[0].cols) };
+        // SAFETY: one task alone writes `acts[slot]`, in a step of its own (and with one buffer
+        // per call, no earlier call's task still reads it); `x` is read-only (contract).
+        unsafe {
+            quantize_for(
+                &mut acts.slice_mut(slot..slot + 1)[0],
+                ws,
+                x.all(),
+                n,
+                ws[0].cols,
+            )
+        };
     });
-    matmuls(model, w, ws, acts, n, outs);
+    matmuls(model, w, ws, acts, slot, acts.len() > 1, n, outs);
 }
 
-/// Runs `out_i = W_i a` for several weights (`n` tokens of activations in `acts`) as one set of
-/// team tasks (one step). The task count is planned from the shapes alone; the activations are
-/// read only inside the tasks, since a member that reaches this step late (after the team has
-/// finished it) must not touch them: by then a later step may be rewriting them.
+/// Runs `out_i = W_i a` for several weights (`n` tokens of activations in `acts[slot]`) as one
+/// set of team tasks (one step). The task count is planned from the shapes alone; the
+/// activations are read only inside the tasks, since a member that reaches this step late
+/// (after the team has finished it) must not touch them: by then a later step may be rewriting
+/// them.
+///
+/// `redo`: nothing writes `acts[slot]` again before the end of the team's run, so the step runs
+/// (unless its outputs exceed `REDO_MAX_OUTPUTS` values) as redoable tasks (`Worker::for_tasks_redoable`): each task computes into its member's
+/// scratch, and the run that wins the commit copies its rows into `outs`. A member preempted in
+/// the middle of a task then holds up nobody; a waiting member computes the task again.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn matmuls(
     model: &Model,
     w: &Worker<'_>,
     ws: &[&WeightRef],
     acts: &SharedSlice<Acts>,
+    slot: usize,
+    redo: bool,
     n: usize,
     outs: &[&SharedSlice<f32>],
 ) {
@@ -347,34 +391,108 @@ pub(super) fn matmuls(
         *c = MatmulJob::planned_tasks(&model.mat(wr), n, w.n);
     }
     let counts = &counts[..ws.len()];
-    let mut jobs: Option<Vec<MatmulJob<'_, '_>>> = None;
-    w.for_tasks(counts.iter().sum(), |mut i| {
-        let jobs = jobs.get_or_insert_with(|| {
-            // SAFETY: inside a task of this step: the previous step wrote `acts`, and nobody
-            // writes them again before this step is over, which waits for this task.
-            let a = unsafe { &acts.slice(0..1)[0] };
-            let jobs: Vec<MatmulJob<'_, '_>> = ws
-                .iter()
-                .zip(outs)
-                .map(|(wr, out)| {
-                    MatmulJob::new(model.mat(wr), &a[quant::act_format_index(wr.ty)], out, w.n)
-                        .expect("weight shapes and types were validated at load")
-                })
-                .collect();
-            let planned: Vec<usize> = jobs.iter().map(|j| j.n_tasks()).collect();
-            assert_eq!(planned, counts, "matmul plan differs from its task count");
-            jobs
+    let n_tasks = counts.iter().sum();
+    // The jobs of this step are built by the first task this member runs (the activations may
+    // be read only inside tasks), writing into `outs` or, for a redoable step, into `privs`.
+    // SAFETY (of every `acts.slice` below): inside a task of this step: the previous step wrote
+    // `acts[slot]`, and nobody writes it again before this step is over (which waits for this
+    // task) — or, for a redoable step, before the run is over.
+    let total: usize = outs.iter().map(|o| o.len()).sum();
+    if !redo || total > REDO_MAX_OUTPUTS {
+        let mut jobs = None;
+        w.for_tasks(n_tasks, |mut i| {
+            let jobs = jobs.get_or_insert_with(|| {
+                // SAFETY: see above.
+                let a = unsafe { &acts.slice(slot..slot + 1)[0] };
+                build_jobs(model, ws, a, outs, w.n, counts)
+            });
+            for j in jobs.iter() {
+                if i < j.n_tasks() {
+                    // SAFETY: `for_tasks` hands out each index once; the outputs are written
+                    // only by these tasks until the step is over.
+                    unsafe { j.run_task(i) };
+                    return;
+                }
+                i -= j.n_tasks();
+            }
         });
-        for j in jobs.iter() {
-            if i < j.n_tasks() {
-                // SAFETY: `for_tasks` hands out each index once; the outputs are written only by
-                // these tasks until the step is over.
-                unsafe { j.run_task(i) };
+        return;
+    }
+    // This member's private copies of the outputs (one region of its scratch each).
+    let mut scratch = w.scratch();
+    let sizes: Vec<usize> = outs.iter().map(|o| o.len()).collect();
+    if scratch.len() < total {
+        scratch.resize(total, 0.0);
+    }
+    let mut privs = Vec::with_capacity(sizes.len());
+    let mut rest = &mut scratch[..total];
+    for &len in &sizes {
+        let (head, tail) = rest.split_at_mut(len);
+        privs.push(SharedSlice::new(head));
+        rest = tail;
+    }
+    let privs: Vec<&SharedSlice<'_, f32>> = privs.iter().collect();
+    let mut jobs = None;
+    w.for_tasks_redoable(n_tasks, |mut i, commit| {
+        let jobs = jobs.get_or_insert_with(|| {
+            // SAFETY: see above.
+            let a = unsafe { &acts.slice(slot..slot + 1)[0] };
+            build_jobs(model, ws, a, &privs, w.n, counts)
+        });
+        for (j, job) in jobs.iter().enumerate() {
+            if i < job.n_tasks() {
+                if i == 0 && j == 0 {
+                    model.stall_at(slot);
+                }
+                // SAFETY: this member runs one task at a time, into its own scratch.
+                unsafe { job.run_task(i) };
+                if commit.win() {
+                    let rows = ws[j].rows;
+                    let (rr, tr) = job.task_region(i);
+                    for t in tr {
+                        let at = t * rows + rr.start..t * rows + rr.end;
+                        // SAFETY: the winning run of task i alone writes its region of the
+                        // output, once, before the step is over; the private copy is this
+                        // member's.
+                        unsafe {
+                            outs[j]
+                                .slice_mut(at.clone())
+                                .copy_from_slice(privs[j].slice(at))
+                        };
+                    }
+                }
                 return;
             }
-            i -= j.n_tasks();
+            i -= job.n_tasks();
         }
     });
+}
+
+/// The matmul jobs `dsts[i] = W_i a` of one step, checked against the planned task counts.
+fn build_jobs<'a, 'o>(
+    model: &'a Model,
+    ws: &[&WeightRef],
+    a: &'a Acts,
+    dsts: &[&'a SharedSlice<'o, f32>],
+    threads: usize,
+    counts: &[usize],
+) -> Vec<MatmulJob<'a, 'o>> {
+    let jobs: Vec<MatmulJob<'a, 'o>> = ws
+        .iter()
+        .zip(dsts)
+        .map(|(wr, out)| {
+            MatmulJob::new(
+                model.mat(wr),
+                &a[quant::act_format_index(wr.ty)],
+                out,
+                threads,
+            )
+            .expect("weight shapes and types were validated at load")
+        })
+        .collect();
+    let planned: Vec<usize> = jobs.iter().map(|j| j.n_tasks()).collect();
+    assert_eq!(planned, counts, "matmul plan differs from its task count");
+    jobs
 }
 
 /// One layer group's K/V for the pass: its storage, the batch's cells in it, the sequences'
@@ -621,6 +739,8 @@ pub(crate) fn forward(
         kvd,
         ff,
         n_vocab: c.n_vocab,
+        // q/k/v, o, gate/up and down per layer, then the output head.
+        projections: 4 * c.n_layer + 1,
     };
     let mut bufs = PassBuffers::new(x, n, n_out, &dims);
     let PassViews {

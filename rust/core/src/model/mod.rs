@@ -69,6 +69,10 @@ pub struct Model {
     /// Test hook: a decode panics in one worker at this layer (-1: never). See
     /// [`Model::inject_worker_panic`].
     fault_layer: AtomicI64,
+    /// Test hook: the first run of task 0 of this projection (`project` call of a pass, -1:
+    /// none) sleeps `stall_us` first. See [`Model::inject_task_stall`].
+    stall_call: AtomicI64,
+    stall_us: std::sync::atomic::AtomicU64,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -132,6 +136,8 @@ impl Model {
             id,
             kv: Mutex::new(Vec::new()),
             fault_layer: AtomicI64::new(-1),
+            stall_call: AtomicI64::new(-1),
+            stall_us: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -282,6 +288,36 @@ impl Model {
     pub fn inject_worker_panic(&self, layer: Option<usize>) {
         let v = layer.map_or(-1, |l| l as i64);
         self.fault_layer.store(v, Ordering::Relaxed);
+    }
+
+    /// Testing hook: in the next pass that makes projection `call` (the `call`-th matmul step of
+    /// the pass) a redoable step, the first run of its task 0 sleeps `stall` first, as if its
+    /// member had lost its core mid-task (once). `None` disarms it.
+    pub fn inject_task_stall(&self, at: Option<(usize, std::time::Duration)>) {
+        if let Some((_, d)) = at {
+            self.stall_us.store(d.as_micros() as u64, Ordering::Relaxed);
+        }
+        self.stall_call
+            .store(at.map_or(-1, |(c, _)| c as i64), Ordering::Relaxed);
+    }
+
+    /// Sleeps if the armed stall is for projection `call` (then it is disarmed).
+    pub(crate) fn stall_at(&self, call: usize) {
+        if self.stall_call.load(Ordering::Relaxed) == call as i64
+            && self
+                .stall_call
+                .compare_exchange(call as i64, -1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let us = self.stall_us.load(Ordering::Relaxed);
+            std::thread::sleep(std::time::Duration::from_micros(us));
+        }
+    }
+
+    /// Tasks of redoable matmul steps that a waiting member computed again and published
+    /// (its partner was taking too long: descheduled, usually), since the model was loaded.
+    pub fn redone_tasks(&self) -> u64 {
+        self.team.redone()
     }
 
     /// Whether the armed fault fires at `layer` (then it is disarmed).
@@ -1064,6 +1100,60 @@ mod tests {
             b[at] ^= 0x01;
             let g2 = GgufFile::from_bytes(b).unwrap();
             assert_ne!(model_identity(&g2), id, "{what}");
+        }
+    }
+
+    /// A member stalled inside a matmul task (the test hook sleeps in the first run of task 0)
+    /// is redone by its partner, and the published logits are bit-identical to those of the
+    /// same tokens computed in one large batch (more than `REDO_MAX_TOKENS` tokens: plain
+    /// steps, each task writing its outputs in place; token outputs do not depend on the
+    /// batch), whichever projection stalls (first layer, a middle one, the output head), for
+    /// one-token and several-token batches.
+    #[test]
+    fn a_stalled_matmul_task_is_redone_with_identical_results() {
+        let path = std::env::var("KVSERVE_TEST_MODEL")
+            .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
+        let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+        let text = "The quick brown fox jumps over the lazy dog while the capital of France, \
+                    which is Paris, sleeps under a grey autumn sky and the rivers run slowly \
+                    towards the sea";
+        let toks = m.tokenizer.encode(text, true, false);
+        assert!(toks.len() >= 32, "prompt of {} tokens", toks.len());
+        let toks = &toks[..32];
+        let o = KvOptions {
+            n_ctx: 256,
+            ..KvOptions::default()
+        };
+        // Reference: all 32 tokens in one batch, logits for every row.
+        let mut b = Context::with_options(Arc::clone(&m), &o).unwrap();
+        let all = Batch {
+            logits: vec![true; toks.len()],
+            ..Batch::prompt(toks, 0, 0)
+        };
+        let want = b.decode(&all).unwrap();
+        let v = m.n_vocab();
+        let mut a = Context::with_options(Arc::clone(&m), &o).unwrap();
+        a.decode(&Batch::prompt(&toks[..20], 0, 0)).unwrap();
+        let calls = 4 * m.config.n_layer + 1;
+        let mut pos = 20usize;
+        for (call, len) in [(0, 1), (9, 5), (calls - 1, 1), (2, 5)] {
+            assert!(len <= llama::REDO_MAX_TOKENS);
+            let before = m.redone_tasks();
+            m.inject_task_stall(Some((call, std::time::Duration::from_millis(30))));
+            let batch = Batch {
+                logits: vec![true; len],
+                ..Batch::prompt(&toks[pos..pos + len], pos as i32, 0)
+            };
+            let got = a.decode(&batch).unwrap();
+            assert!(
+                got.data[..] == want.data[pos * v..(pos + len) * v],
+                "projection {call}: logits differ from the one-batch pass"
+            );
+            assert!(
+                m.redone_tasks() > before,
+                "projection {call}: the stalled task was not redone"
+            );
+            pos += len;
         }
     }
 

@@ -269,6 +269,28 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
         self.n_tasks
     }
 
+    /// The output elements task `i` writes: rows `.0` of tokens `.1` (element `t * rows + r`).
+    pub fn task_region(&self, i: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (rows, n) = (self.w.rows, self.a.n_tokens);
+        match self.plan {
+            Plan::PerRow { chunk } => ((i * chunk).min(rows)..((i + 1) * chunk).min(rows), 0..n),
+            #[cfg(target_arch = "x86_64")]
+            Plan::Narrow { chunk } => ((i * chunk).min(rows)..((i + 1) * chunk).min(rows), 0..n),
+            #[cfg(target_arch = "x86_64")]
+            Plan::Tiled {
+                row_chunk,
+                group_chunk,
+                tok_chunks,
+            } => {
+                let (rc, tc) = (i / tok_chunks, i % tok_chunks);
+                let r0 = (rc * row_chunk).min(rows);
+                let t0 = (tc * group_chunk * q8::GROUP).min(n);
+                let t1 = ((tc + 1) * group_chunk * q8::GROUP).min(n);
+                (r0..(r0 + row_chunk).min(rows), t0..t1)
+            }
+        }
+    }
+
     /// Computes task `i` (`i < n_tasks()`).
     ///
     /// # Safety
@@ -749,6 +771,69 @@ mod tests {
         GgmlType::Q5_1,
         GgmlType::Q8_0,
     ];
+
+    /// `task_region(i)` names exactly the output elements task `i` writes, for every plan (per
+    /// row, narrow and wide tiles): the regions partition the output (redoable team steps copy
+    /// a task's region from a private buffer, so a wrong region would lose or clobber values).
+    #[test]
+    fn task_regions_are_what_each_task_writes() {
+        let mut rng = Rng(7);
+        let (rows, cols) = (75, 64);
+        let ty = GgmlType::Q4_1;
+        let data = random_weights(ty, rows, cols, &mut rng);
+        let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+        let mut plans = std::collections::HashSet::new();
+        for n in [1usize, 3, 8, 17, 40] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+            for pack in [Pack::None, Pack::Narrow4, Pack::Narrow8, Pack::Wide] {
+                let mut a = QuantizedActs::new();
+                quantize_acts_impl(&mut a, &x, n, cols, ty, pack).unwrap();
+                for level in [SimdLevel::Scalar, simd::detect()] {
+                    for threads in [1, 2, 3] {
+                        let mut out = vec![f32::NAN; n * rows];
+                        let shared = SharedSlice::new(&mut out);
+                        let job = MatmulJob::with_level(w, &a, &shared, threads, level).unwrap();
+                        plans.insert(std::mem::discriminant(&job.plan));
+                        let mut owner = vec![usize::MAX; n * rows];
+                        for i in 0..job.n_tasks() {
+                            // SAFETY: one task at a time; nothing else touches `out`.
+                            unsafe { shared.slice_mut(0..n * rows).fill(f32::NAN) };
+                            // SAFETY: as above.
+                            unsafe { job.run_task(i) };
+                            // SAFETY: as above.
+                            let got = unsafe { shared.all() };
+                            let (rr, tr) = job.task_region(i);
+                            for (e, v) in got.iter().enumerate() {
+                                let (t, r) = (e / rows, e % rows);
+                                let inside = rr.contains(&r) && tr.contains(&t);
+                                assert_eq!(
+                                    !v.is_nan(),
+                                    inside,
+                                    "n={n} {pack:?} {} t={threads} task {i}: element (t{t}, r{r})",
+                                    level.name()
+                                );
+                                if inside {
+                                    assert_eq!(owner[e], usize::MAX, "two tasks own element {e}");
+                                    owner[e] = i;
+                                }
+                            }
+                        }
+                        assert!(
+                            owner.iter().all(|&o| o != usize::MAX),
+                            "an element no task owns"
+                        );
+                    }
+                }
+            }
+        }
+        // Per row everywhere; the narrow and wide tiles where the CPU has AVX-512 VNNI.
+        let want = if simd::detect() >= SimdLevel::Avx512Vnni {
+            3
+        } else {
+            1
+        };
+        assert_eq!(plans.len(), want, "plans exercised");
+    }
 
     #[test]
     fn matmul_matches_dequantized_f32() {
