@@ -123,7 +123,7 @@ pub struct Worker<'a> {
 const MAX_REDOABLE_TASKS: usize = 1024;
 
 /// How long a member that has run out of tasks waits for a step before it redoes a straggler's
-/// task — at least this long, and at least twice its own longest task of the step (so that a
+/// task — at least this long, and at least twice its own mean task of the step (so that a
 /// partner that is merely running a long task, rather than descheduled, is rarely duplicated).
 const REDO_PATIENCE: Duration = Duration::from_micros(60);
 
@@ -279,8 +279,8 @@ impl Worker<'_> {
     /// Like [`Worker::for_tasks`], for tasks that may run more than once: `f(i, commit)`
     /// computes task `i` into memory private to this member (writing nothing shared), then, if
     /// `commit.win()`, publishes the result (writes its shared outputs). A member that has run
-    /// out of tasks and has waited [`REDO_PATIENCE`] (or twice its own longest task of the
-    /// step) for a task another member holds runs that task again; the first run to finish
+    /// out of tasks and has waited [`REDO_PATIENCE`] (or twice its own mean task of the step)
+    /// for a task another member holds runs that task again; the first run to finish
     /// publishes, exactly once per task, and the step is over when every task is published. A
     /// member preempted inside a task thus holds nobody up.
     ///
@@ -294,9 +294,7 @@ impl Worker<'_> {
         self.step.set(k);
         let redoable = n_tasks <= MAX_REDOABLE_TASKS;
         let epoch = (team.run_no.load(Ordering::Relaxed) << STEP_SHIFT) | u64::from(k);
-        let mut longest = Duration::ZERO;
-        let mut run = |i: usize, longest: &mut Duration, redo: bool| {
-            let t0 = Instant::now();
+        let mut run = |i: usize, redo: bool| {
             let commit = Commit {
                 mark: redoable.then(|| &team.marks[i]),
                 epoch,
@@ -304,7 +302,9 @@ impl Worker<'_> {
             };
             f(i, &commit);
             match commit.won.get() {
-                // Release: the published result happens before anyone sees the step over.
+                // Counted at once (not per member at the end, as `for_tasks` does): a member
+                // preempted after publishing must not hold the step up. Release: the published
+                // result happens before anyone sees the step over.
                 Some(true) => {
                     if redo {
                         team.redone.fetch_add(1, Ordering::Relaxed);
@@ -314,8 +314,9 @@ impl Worker<'_> {
                 Some(false) => {}
                 None => panic!("a redoable task returned without asking to commit"),
             }
-            *longest = (*longest).max(t0.elapsed());
         };
+        let started = Instant::now();
+        let mut ran = 0u32;
         let mut c = team.claim.load(Ordering::Acquire);
         loop {
             let (step, next) = (step_of(c), (c & LOW) as usize);
@@ -332,7 +333,8 @@ impl Worker<'_> {
                 .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    run(next, &mut longest, false);
+                    run(next, false);
+                    ran += 1;
                     c = team.claim.load(Ordering::Acquire);
                 }
                 Err(now) => c = now,
@@ -342,18 +344,24 @@ impl Worker<'_> {
             team.wait_done(k, n_tasks);
             return;
         }
-        // Wait for the tasks others hold; redo one whose holder is taking too long.
+        // Wait for the tasks others hold; redo one whose holder is taking too long: longer
+        // than the patience, or than twice this member's mean task of the step.
         let mut since = Instant::now();
+        let patience = if ran > 0 {
+            REDO_PATIENCE.max((since - started) * 2 / ran)
+        } else {
+            REDO_PATIENCE
+        };
         let mut spins = 0u32;
         while !team.step_over(k, n_tasks) {
             if team.poisoned.load(Ordering::Acquire) {
                 panic!("another member of the thread team panicked");
             }
-            if spins.is_multiple_of(64) && since.elapsed() >= REDO_PATIENCE.max(longest * 2) {
+            if spins.is_multiple_of(64) && since.elapsed() >= patience {
                 // Acquire: pairs with the winner's fetch_max (a published task is skipped).
                 let open = (0..n_tasks).find(|&i| team.marks[i].load(Ordering::Acquire) < epoch);
                 if let Some(i) = open {
-                    run(i, &mut longest, true);
+                    run(i, true);
                 }
                 since = Instant::now();
                 spins = 0;

@@ -122,7 +122,7 @@ pub(crate) fn forward(
         // Two projections for the mixer, two for the FFN, per layer; then the output head.
         projections: 4 * c.n_layer + 1,
     };
-    let mut bufs = PassBuffers::new(x, n, n_out, &dims);
+    let mut bufs = PassBuffers::new(model, x, n, n_out, &dims);
     let PassViews {
         x,
         h,
@@ -280,7 +280,7 @@ pub(crate) fn forward(
         }
     });
     Ok(Logits {
-        data: bufs.into_logits(),
+        data: bufs.into_logits(model),
         n_rows: n_out,
         n_vocab: c.n_vocab,
     })

@@ -224,7 +224,10 @@ pub(super) struct PassBuffers {
     down: Vec<f32>,
     hs: Vec<f32>,
     logits: Vec<f32>,
+    /// Activation buffers (the model's pool; at least `slots`), of which the pass uses the
+    /// first `slots`: one per projection, or one for all (see [`project`]).
     acts: Vec<Acts>,
+    slots: usize,
 }
 
 /// Widths of the [`PassBuffers`] rows: model width `d`, query width `qd`, K/V width `kvd`, FFN
@@ -259,7 +262,13 @@ pub(super) struct PassViews<'a> {
 impl PassBuffers {
     /// Buffers for `n` tokens whose embedded rows are `x` (`n * dims.d` values), `n_out` of
     /// which want logits.
-    pub(super) fn new(x: Vec<f32>, n: usize, n_out: usize, dims: &PassDims) -> PassBuffers {
+    pub(super) fn new(
+        model: &Model,
+        x: Vec<f32>,
+        n: usize,
+        n_out: usize,
+        dims: &PassDims,
+    ) -> PassBuffers {
         let PassDims {
             d,
             qd,
@@ -268,7 +277,11 @@ impl PassBuffers {
             n_vocab,
             projections,
         } = *dims;
-        let slots = if n <= REDO_MAX_TOKENS { projections } else { 1 };
+        let slots = if n <= REDO_MAX_TOKENS {
+            projections.max(1)
+        } else {
+            1
+        };
         debug_assert_eq!(x.len(), n * d);
         PassBuffers {
             x,
@@ -283,7 +296,16 @@ impl PassBuffers {
             down: vec![0.0; n * d],
             hs: vec![0.0; n_out * d],
             logits: vec![0.0; n_out * n_vocab],
-            acts: (0..slots.max(1)).map(|_| Default::default()).collect(),
+            acts: {
+                // The model's activation buffers from earlier passes (their allocations kept).
+                let mut acts =
+                    std::mem::take(&mut *model.acts_pool.lock().unwrap_or_else(|p| p.into_inner()));
+                if acts.len() < slots {
+                    acts.resize_with(slots, Default::default);
+                }
+                acts
+            },
+            slots,
         }
     }
 
@@ -301,12 +323,16 @@ impl PassBuffers {
             down: SharedSlice::new(&mut self.down),
             hs: SharedSlice::new(&mut self.hs),
             out: SharedSlice::new(&mut self.logits),
-            acts: SharedSlice::new(&mut self.acts),
+            acts: SharedSlice::new(&mut self.acts[..self.slots]),
         }
     }
 
-    /// The logits rows (after the pass).
-    pub(super) fn into_logits(self) -> Vec<f32> {
+    /// The logits rows (after the pass); the activation buffers go back to `model`'s pool.
+    pub(super) fn into_logits(self, model: &Model) -> Vec<f32> {
+        let mut pool = model.acts_pool.lock().unwrap_or_else(|p| p.into_inner());
+        if self.acts.len() > pool.len() {
+            *pool = self.acts;
+        }
         self.logits
     }
 }
@@ -742,7 +768,7 @@ pub(crate) fn forward(
         // q/k/v, o, gate/up and down per layer, then the output head.
         projections: 4 * c.n_layer + 1,
     };
-    let mut bufs = PassBuffers::new(x, n, n_out, &dims);
+    let mut bufs = PassBuffers::new(model, x, n, n_out, &dims);
     let PassViews {
         x,
         h,
@@ -881,7 +907,7 @@ pub(crate) fn forward(
         };
     });
     Ok(Logits {
-        data: bufs.into_logits(),
+        data: bufs.into_logits(model),
         n_rows: n_out,
         n_vocab: c.n_vocab,
     })

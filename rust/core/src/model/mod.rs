@@ -73,6 +73,9 @@ pub struct Model {
     /// none) sleeps `stall_us` first. See [`Model::inject_task_stall`].
     stall_call: AtomicI64,
     stall_us: std::sync::atomic::AtomicU64,
+    /// Activation buffers of the forward pass, kept between passes so that a decode step does
+    /// not allocate one per projection (`llama::PassBuffers`).
+    pub(crate) acts_pool: Mutex<Vec<llama::Acts>>,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -138,6 +141,7 @@ impl Model {
             fault_layer: AtomicI64::new(-1),
             stall_call: AtomicI64::new(-1),
             stall_us: std::sync::atomic::AtomicU64::new(0),
+            acts_pool: Mutex::new(Vec::new()),
         })
     }
 
