@@ -316,30 +316,7 @@ impl Worker<'_> {
             }
         };
         let started = Instant::now();
-        let mut ran = 0u32;
-        let mut c = team.claim.load(Ordering::Acquire);
-        loop {
-            let (step, next) = (step_of(c), (c & LOW) as usize);
-            if step < k {
-                self.open_step(k, c);
-                c = team.claim.load(Ordering::Acquire);
-                continue;
-            }
-            if step > k || next >= n_tasks {
-                break; // step k is handed out (or over)
-            }
-            match team
-                .claim
-                .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    run(next, false);
-                    ran += 1;
-                    c = team.claim.load(Ordering::Acquire);
-                }
-                Err(now) => c = now,
-            }
-        }
+        let ran = self.claim_tasks(k, n_tasks, |i| run(i, false)) as u32;
         if !redoable {
             team.wait_done(k, n_tasks);
             return;
@@ -373,6 +350,36 @@ impl Worker<'_> {
                 std::thread::yield_now();
             }
             spins += 1;
+        }
+    }
+
+    /// Claims tasks of step `k` (opening the step if this member is the first there) and runs
+    /// each with `run` until every task is handed out; returns how many this member ran.
+    fn claim_tasks(&self, k: u32, n_tasks: usize, mut run: impl FnMut(usize)) -> u64 {
+        let team = self.team;
+        let mut mine = 0u64;
+        let mut c = team.claim.load(Ordering::Acquire);
+        loop {
+            let (step, next) = (step_of(c), (c & LOW) as usize);
+            if step < k {
+                self.open_step(k, c);
+                c = team.claim.load(Ordering::Acquire);
+                continue;
+            }
+            if step > k || next >= n_tasks {
+                return mine; // step k is handed out (or over)
+            }
+            match team
+                .claim
+                .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    run(next);
+                    mine += 1;
+                    c = team.claim.load(Ordering::Acquire);
+                }
+                Err(now) => c = now,
+            }
         }
     }
 
@@ -410,30 +417,7 @@ impl Worker<'_> {
         let team = self.team;
         let k = self.step.get() + 1;
         self.step.set(k);
-        let mut mine = 0u64;
-        let mut c = team.claim.load(Ordering::Acquire);
-        loop {
-            let (step, next) = (step_of(c), (c & LOW) as usize);
-            if step < k {
-                self.open_step(k, c);
-                c = team.claim.load(Ordering::Acquire);
-                continue;
-            }
-            if step > k || next >= n_tasks {
-                break; // step k is handed out (or over)
-            }
-            match team
-                .claim
-                .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    f(next);
-                    mine += 1;
-                    c = team.claim.load(Ordering::Acquire);
-                }
-                Err(now) => c = now,
-            }
-        }
+        let mine = self.claim_tasks(k, n_tasks, &mut f);
         if mine > 0 {
             // Release: this member's task writes happen before anyone sees the step over.
             let before = team.done.fetch_add(mine, Ordering::AcqRel);
