@@ -11,8 +11,7 @@
 
 use super::config::{Config, LayerKind};
 use super::llama::{
-    group_kv, matrix, project, store_and_attend, vector, PassBuffers, PassDims, PassViews,
-    WeightRef,
+    group_kv, matrix, project, store_and_attend, vector, PassBuffers, PassViews, WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -113,16 +112,7 @@ pub(crate) fn forward(
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
 
-    let dims = PassDims {
-        d,
-        qd,
-        kvd,
-        ff,
-        n_vocab: c.n_vocab,
-        // Two projections for the mixer, two for the FFN, per layer; then the output head.
-        projections: 4 * c.n_layer + 1,
-    };
-    let mut bufs = PassBuffers::new(model, x, n, n_out, &dims);
+    let mut bufs = PassBuffers::new(model, x, n, n_out, qd);
     let PassViews {
         x,
         h,

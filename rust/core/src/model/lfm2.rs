@@ -18,7 +18,7 @@
 use super::config::Config;
 use super::llama::{
     group_kv, matrix, output_head, project, residual_swiglu_ffn, store_and_attend, vector,
-    FfnBuffers, PassBuffers, PassDims, PassViews, WeightRef,
+    FfnBuffers, PassBuffers, PassViews, WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -181,7 +181,7 @@ pub(crate) fn forward(
     } = conv_states;
     let c = &model.config;
     let n = batch.len();
-    let (d, kvd, hd, ff) = (c.n_embd, c.kv_dim(), c.head_dim, c.n_ff);
+    let (d, kvd, hd) = (c.n_embd, c.kv_dim(), c.head_dim);
     let l_cache = c.shortconv.as_ref().map_or(2, |s| s.l_cache);
     let dc = l_cache - 1;
     let per_layer = state_floats_per_layer(c);
@@ -210,16 +210,7 @@ pub(crate) fn forward(
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
 
-    let dims = PassDims {
-        d,
-        qd: d,
-        kvd,
-        ff,
-        n_vocab: c.n_vocab,
-        // Two projections for the mixer, two for the FFN, per layer; then the output head.
-        projections: 4 * c.n_layer + 1,
-    };
-    let mut bufs = PassBuffers::new(model, x, n, n_out, &dims);
+    let mut bufs = PassBuffers::new(model, x, n, n_out, d);
     let PassViews {
         x,
         h,

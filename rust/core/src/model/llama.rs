@@ -230,18 +230,6 @@ pub(super) struct PassBuffers {
     slots: usize,
 }
 
-/// Widths of the [`PassBuffers`] rows: model width `d`, query width `qd`, K/V width `kvd`, FFN
-/// width `ff`, vocabulary `n_vocab`; and `projections`, how many [`project`] calls the pass
-/// makes (one activation buffer each for small batches, see [`REDO_MAX_TOKENS`]).
-pub(super) struct PassDims {
-    pub d: usize,
-    pub qd: usize,
-    pub kvd: usize,
-    pub ff: usize,
-    pub n_vocab: usize,
-    pub projections: usize,
-}
-
 /// The [`PassBuffers`] as slices the team's tasks share (see `shared::SharedSlice`).
 pub(super) struct PassViews<'a> {
     pub x: SharedSlice<'a, f32>,
@@ -260,23 +248,14 @@ pub(super) struct PassViews<'a> {
 }
 
 impl PassBuffers {
-    /// Buffers for `n` tokens whose embedded rows are `x` (`n * dims.d` values), `n_out` of
-    /// which want logits.
-    pub(super) fn new(
-        model: &Model,
-        x: Vec<f32>,
-        n: usize,
-        n_out: usize,
-        dims: &PassDims,
-    ) -> PassBuffers {
-        let PassDims {
-            d,
-            qd,
-            kvd,
-            ff,
-            n_vocab,
-            projections,
-        } = *dims;
+    /// Buffers for `n` tokens whose embedded rows are `x` (`n * n_embd` values), `n_out` of
+    /// which want logits, with query rows of `qd` values; the other widths come from `model`'s
+    /// config. Every architecture's pass makes 4 projections a layer (two for the mixer, two
+    /// for the FFN) and then the output head: that many activation buffers for small batches.
+    pub(super) fn new(model: &Model, x: Vec<f32>, n: usize, n_out: usize, qd: usize) -> Self {
+        let c = &model.config;
+        let (d, kvd, ff, n_vocab) = (c.n_embd, c.kv_dim(), c.n_ff, c.n_vocab);
+        let projections = 4 * c.n_layer + 1;
         let slots = if n <= REDO_MAX_TOKENS {
             projections.max(1)
         } else {
@@ -743,7 +722,7 @@ pub(crate) fn forward(
 ) -> Result<Logits> {
     let c = &model.config;
     let n = batch.len();
-    let (d, qd, kvd, hd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim, c.n_ff);
+    let (d, qd, kvd, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim);
 
     // Token embeddings and RoPE angles (cheap, serial).
     let mut x = vec![0.0f32; n * d];
@@ -759,16 +738,7 @@ pub(crate) fn forward(
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
 
-    let dims = PassDims {
-        d,
-        qd,
-        kvd,
-        ff,
-        n_vocab: c.n_vocab,
-        // q/k/v, o, gate/up and down per layer, then the output head.
-        projections: 4 * c.n_layer + 1,
-    };
-    let mut bufs = PassBuffers::new(model, x, n, n_out, &dims);
+    let mut bufs = PassBuffers::new(model, x, n, n_out, qd);
     let PassViews {
         x,
         h,
