@@ -271,11 +271,25 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
 
     /// The output elements task `i` writes: rows `.0` of tokens `.1` (element `t * rows + r`).
     pub fn task_region(&self, i: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-        let (rows, n) = (self.w.rows, self.a.n_tokens);
+        let (rows, groups) = self.task_tile(i);
+        let n = self.a.n_tokens;
+        let tokens = (groups.start * q8::GROUP).min(n)..(groups.end * q8::GROUP).min(n);
+        (rows, tokens)
+    }
+
+    /// Rows and 16-token groups of task `i` (per-row and narrow plans: every group).
+    fn task_tile(&self, i: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (rows, groups) = (self.w.rows, self.a.n_tokens.div_ceil(q8::GROUP));
         match self.plan {
-            Plan::PerRow { chunk } => ((i * chunk).min(rows)..((i + 1) * chunk).min(rows), 0..n),
+            Plan::PerRow { chunk } => (
+                (i * chunk).min(rows)..((i + 1) * chunk).min(rows),
+                0..groups,
+            ),
             #[cfg(target_arch = "x86_64")]
-            Plan::Narrow { chunk } => ((i * chunk).min(rows)..((i + 1) * chunk).min(rows), 0..n),
+            Plan::Narrow { chunk } => (
+                (i * chunk).min(rows)..((i + 1) * chunk).min(rows),
+                0..groups,
+            ),
             #[cfg(target_arch = "x86_64")]
             Plan::Tiled {
                 row_chunk,
@@ -283,10 +297,11 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 tok_chunks,
             } => {
                 let (rc, tc) = (i / tok_chunks, i % tok_chunks);
-                let r0 = (rc * row_chunk).min(rows);
-                let t0 = (tc * group_chunk * q8::GROUP).min(n);
-                let t1 = ((tc + 1) * group_chunk * q8::GROUP).min(n);
-                (r0..(r0 + row_chunk).min(rows), t0..t1)
+                let (r0, g0) = ((rc * row_chunk).min(rows), (tc * group_chunk).min(groups));
+                (
+                    r0..(r0 + row_chunk).min(rows),
+                    g0..(g0 + group_chunk).min(groups),
+                )
             }
         }
     }
@@ -323,24 +338,16 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 }
             }
             #[cfg(target_arch = "x86_64")]
-            Plan::Narrow { chunk } => {
-                let r0 = i * chunk;
-                let r1 = (r0 + chunk).min(w.rows);
+            Plan::Narrow { .. } => {
+                let (r, _) = self.task_tile(i);
+                let (r0, r1) = (r.start, r.end);
                 // SAFETY: forwarded contract; this task owns rows r0..r1 (all tokens).
                 unsafe { narrow::range(w, a, self.out, r0, r1) };
             }
             #[cfg(target_arch = "x86_64")]
-            Plan::Tiled {
-                row_chunk,
-                group_chunk,
-                tok_chunks,
-            } => {
-                let groups = a.n_tokens.div_ceil(q8::GROUP);
-                let (rc, tc) = (i / tok_chunks, i % tok_chunks);
-                let r0 = rc * row_chunk;
-                let r1 = (r0 + row_chunk).min(w.rows);
-                let g0 = tc * group_chunk;
-                let g1 = (g0 + group_chunk).min(groups);
+            Plan::Tiled { .. } => {
+                let (r, g) = self.task_tile(i);
+                let (r0, r1, g0, g1) = (r.start, r.end, g.start, g.end);
                 // SAFETY: forwarded contract; this task owns rows r0..r1 x groups g0..g1; the
                 // activations were packed wide for `w`'s type (`serves`, checked when planning).
                 unsafe {
