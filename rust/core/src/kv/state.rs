@@ -655,6 +655,20 @@ impl LayerGroups {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// `data` with the little-endian u32 at `at` set to `v` (a corrupted state, for tests).
+    fn with_u32(data: &[u8], at: usize, v: u32) -> Vec<u8> {
+        let mut d = data.to_vec();
+        d[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        d
+    }
+
+    /// `data` with the lowest bit of byte `at` flipped.
+    fn with_bit_flipped(data: &[u8], at: usize) -> Vec<u8> {
+        let mut d = data.to_vec();
+        d[at] ^= 1;
+        d
+    }
     use crate::kv::memory::Memory;
     use crate::kv::pool::{BlockId, NO_KEY};
     use crate::kv::prefix::Key;
@@ -871,16 +885,8 @@ mod tests {
         decode(&mut b, 1, &tokens(9, 70), 0);
         decode(&mut b, 2, &tokens(8, 90), 0);
         b.table_mut().seq_rm(2, -1, -1); // two cached blocks
-        let set = |at: usize, v: u32| {
-            let mut d = data.clone();
-            d[at..at + 4].copy_from_slice(&v.to_le_bytes());
-            d
-        };
-        let flip = |at: usize| {
-            let mut d = data.clone();
-            d[at] ^= 1;
-            d
-        };
+        let set = |at: usize, v: u32| with_u32(&data, at, v);
+        let flip = |at: usize| with_bit_flipped(&data, at);
         let mut longer = data.clone();
         longer.push(0);
         let mut swapped = data.clone();
@@ -1122,16 +1128,8 @@ mod tests {
         decode_groups(&mut b, 1, &tokens(9, 70), 0);
         decode_groups(&mut b, 2, &tokens(8, 90), 0);
         b.seq_rm(2, -1, -1).unwrap(); // cached blocks
-        let set = |at: usize, v: u32| {
-            let mut d = data.clone();
-            d[at..at + 4].copy_from_slice(&v.to_le_bytes());
-            d
-        };
-        let flip = |at: usize| {
-            let mut d = data.clone();
-            d[at] ^= 1;
-            d
-        };
+        let set = |at: usize, v: u32| with_u32(&data, at, v);
+        let flip = |at: usize| with_bit_flipped(&data, at);
         let mut longer = data.clone();
         longer.push(0);
         // The window section one byte shorter and the full one one byte longer.
