@@ -9,7 +9,9 @@ measured too, to check that a barrier change does not cost anything when nothing
 
 Each round measures quiet (``_core.bench(model, P, N, reps)``: ppP and tgN) and busy
 (``_core.bench(model, 0, N, reps)`` with the neighbour running); the order flips each round.
-Medians over ``--rounds`` rounds; the ratio is median busy tgN / median quiet tgN.
+Medians over ``--rounds`` rounds; the ratio is median busy tgN / median quiet tgN, and beside
+it the median over pairs of busy tgN / quiet tgN of the same pair (adjacent in time, so the
+host's slow swings cancel).
 
 ``--build LABEL=DIR`` (repeatable) compares builds: DIR is a directory holding a ``kvserve``
 package (e.g. a copy of an installed one) put first on PYTHONPATH; an empty DIR means the
@@ -275,8 +277,8 @@ def main() -> int:
         f" more than {args.max_foreign:g} CPUs busy",
         "",
         f"| build | pp{p} quiet tok/s | tg{n} quiet tok/s | tg{n} busy tok/s | busy / quiet "
-        "| redone tasks per 1k tokens, quiet / busy |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| busy / quiet, median of pairs | redone tasks per 1k tokens, quiet / busy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
 
     def per_1k(xs: list[float]) -> str:
@@ -285,9 +287,13 @@ def main() -> int:
 
     for label, res in results.items():
         q, b = med(res["quiet"]), med(res["busy"])
+        # Each busy run sits next to a quiet one in time: the ratio within a pair cancels the
+        # host's slow swings, which the ratio of the two medians does not.
+        pairs = med([y / x for x, y in zip(res["quiet"], res["busy"])])
         redo = f"{per_1k(res['redo_quiet'])} / {per_1k(res['redo_busy'])}"
         lines.append(
-            f"| {label} | {med(res['pp']):.1f} | {q:.1f} | {b:.1f} | {b / q:.2f}x | {redo} |"
+            f"| {label} | {med(res['pp']):.1f} | {q:.1f} | {b:.1f} | {b / q:.2f}x | "
+            f"{pairs:.2f}x | {redo} |"
         )
     lines.append("")
     for label, res in results.items():
