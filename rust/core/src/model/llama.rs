@@ -771,8 +771,10 @@ fn prepare_qkv(c: &Config, layer: &Layer, [q, k, v]: [&mut [f32]; 3], angles: &[
     c.rope.apply(k, c.head_dim, angles);
 }
 
-/// Batches of at most this many tokens take the replicated pass ([`forward_small`]).
-pub(super) const SMALL_MAX_TOKENS: usize = 4;
+/// Batches of at most this many tokens take the replicated pass ([`forward_small`]). Every
+/// member repeats the batch's per-token work there, which costs more than the steps it saves
+/// from about 4 tokens on (decode A/B on 2 cores: B = 2 1.10x, B = 4 0.97x of the plain pass).
+pub(super) const SMALL_MAX_TOKENS: usize = 2;
 
 /// The outputs of one layer's team steps in a [`forward_small`] pass (token-major rows), each
 /// written once per pass.

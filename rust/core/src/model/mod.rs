@@ -1164,7 +1164,7 @@ mod tests {
             (Stall::Projection(calls - 1), 1, ms(30), true),
             (Stall::Projection(2), 5, ms(30), true),
             (Stall::Attention(0), 1, ms(30), true),
-            (Stall::Attention(last), 3, ms(30), true),
+            (Stall::Attention(last), 2, ms(30), true),
             (Stall::Member(1), 1, ms(2), false),
             (Stall::Member(5), 2, ms(30), false),
         ];
