@@ -87,6 +87,31 @@ def test_a_worker_panic_rolls_the_batch_back_and_poisons_nothing(
     ctx.audit()
 
 
+def test_a_worker_panic_in_a_decode_step_rolls_it_back(core: _core.Model, model_path: Path) -> None:
+    """The same for a decode step of two sequences (one token each: the replicated
+    small-batch pass, `llama::forward_small`), failing at layer 5 after the first layers stored
+    their keys and values: the step leaves nothing behind, and recomputing it gives what a
+    fresh model computes."""
+    toks = core.tokenize(PROMPT * 2, add_special=True)
+    ctx = core.new_context(512)
+    _prefill(ctx, toks[:20], seq=0)
+    _prefill(ctx, toks[8:24], seq=1)
+    before = _snapshot(ctx, range(3))
+    ctx.audit()
+    step = ([toks[20], toks[24]], [20, 16], [0, 1], [True, True])
+    core._inject_worker_panic(5)
+    with pytest.raises(kvserve.EngineError, match="rolled back"):
+        ctx.decode(*step)
+    assert _snapshot(ctx, range(3)) == before
+    ctx.audit()
+    got = _rows(ctx.decode(*step))
+    fresh = _core.Model(model_path, threads=2).new_context(512)
+    _prefill(fresh, toks[:20], seq=0)
+    _prefill(fresh, toks[8:24], seq=1)
+    np.testing.assert_array_equal(got, _rows(fresh.decode(*step)))
+    ctx.audit()
+
+
 @pytest.mark.parametrize(
     ("positions", "seqs", "what"),
     [

@@ -1060,7 +1060,7 @@ pub(crate) fn forward(
     }
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
-    if n <= SMALL_MAX_TOKENS {
+    if n <= SMALL_MAX_TOKENS && model.small_pass.load(std::sync::atomic::Ordering::Relaxed) {
         return forward_small(model, wts, io, batch, &x, &cs, &out_rows);
     }
 

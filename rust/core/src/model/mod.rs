@@ -98,6 +98,9 @@ pub struct Model {
     /// [`Model::inject_task_stall`].
     stall_call: AtomicI64,
     stall_us: std::sync::atomic::AtomicU64,
+    /// Whether small llama batches take `llama::forward_small` (a benchmark switch; on by
+    /// default). See [`Model::set_small_pass`].
+    pub(crate) small_pass: std::sync::atomic::AtomicBool,
     /// Activation buffers of the forward pass, kept between passes so that a decode step does
     /// not allocate one per projection (`llama::PassBuffers`).
     pub(crate) acts_pool: Mutex<Vec<llama::Acts>>,
@@ -169,6 +172,7 @@ impl Model {
             fault_layer: AtomicI64::new(-1),
             stall_call: AtomicI64::new(-1),
             stall_us: std::sync::atomic::AtomicU64::new(0),
+            small_pass: std::sync::atomic::AtomicBool::new(true),
             acts_pool: Mutex::new(Vec::new()),
             small_pool: Mutex::new(Vec::new()),
         })
@@ -331,6 +335,12 @@ impl Model {
         }
         self.stall_call
             .store(at.map_or(-1, |(s, _)| s.code()), Ordering::Relaxed);
+    }
+
+    /// Benchmark switch: whether batches of up to `llama::SMALL_MAX_TOKENS` tokens of a llama
+    /// model take the replicated pass (default) or the plain one (same logits).
+    pub fn set_small_pass(&self, on: bool) {
+        self.small_pass.store(on, Ordering::Relaxed);
     }
 
     /// Sleeps if the armed stall is `at` (then it is disarmed).
