@@ -18,12 +18,7 @@ package (e.g. a copy of an installed one) put first on PYTHONPATH; an empty DIR 
 installed ``kvserve``. Each round then runs one child process per build (the order flips each
 round), so builds are interleaved and each build's quiet and busy runs share a process.
 
-``--switch`` compares the two forward passes of one-token decode (the replicated and the plain
-one, ``Model._set_small_pass``) in one process, run by run: on a noisy host, builds measured
-in separate processes differ by ±10% from one process to the next.
-
   python benches/bench_busy_neighbor.py --rounds 5
-  python benches/bench_busy_neighbor.py --switch --rounds 20 --pairs 3 -n 64 --write
   python benches/bench_busy_neighbor.py --build before=/tmp/kvserve-before --build after= \\
       --rounds 7 --write                    # and append the table to BENCHMARKS.md
 """
@@ -166,45 +161,6 @@ def measure(args: argparse.Namespace, rounds: int, first_round: int) -> dict[str
     return out
 
 
-def measure_switch(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """``--switch``: both forward passes of small llama batches in one process (the installed
-    kvserve, ``Model._set_small_pass``), interleaved run by run: per round and pass, one quiet
-    and one busy decode run, in an order that changes every round. Builds measured in separate
-    processes differ by ±10% on a noisy host; runs seconds apart in one process do not."""
-    from kvserve import _core
-
-    model = _core.Model(args.model, threads=args.threads)
-    passes = {"replicated": True, "plain": False}
-    keys = ("pp", "quiet", "busy", "duty", "foreign", "redo_quiet", "redo_busy")
-    out: dict[str, dict[str, Any]] = {label: {k: [] for k in keys} for label in passes}
-    redone = lambda: getattr(model, "redone_tasks", 0)  # noqa: E731
-    runs = [(label, busy) for label in passes for busy in (False, True)]
-    with BusyNeighbor(args.busy_ms / 1e3, args.period_ms / 1e3) as nb:
-        for r in range(args.rounds):
-            with ForeignLoad() as fl:
-                pp = _core.bench(model, args.p, 0, 1)["prefill_tok_s"]
-                for i in range(args.pairs):
-                    k = (r * args.pairs + i) % len(runs)
-                    for label, busy in runs[k:] + runs[:k]:
-                        model._set_small_pass(passes[label])
-                        if busy:
-                            nb.on()
-                        r0 = redone()
-                        tg = _core.bench(model, 0, args.n, 1)["decode_tok_s"]
-                        if busy:
-                            nb.off()
-                        out[label]["busy" if busy else "quiet"].append(tg)
-                        out[label]["redo_busy" if busy else "redo_quiet"].append(redone() - r0)
-            for label in passes:
-                out[label]["pp"].append(pp)
-                out[label]["foreign"].append(fl.cpus)
-            print(f"round {r + 1}: other processes {fl.cpus:.2f} CPUs", file=sys.stderr)
-    for label in passes:
-        out[label]["duty"].append(nb.duty())
-    model._set_small_pass(True)
-    return out
-
-
 def run_child(args: argparse.Namespace, path: str, round_index: int) -> dict[str, Any]:
     env = dict(os.environ)
     if path:
@@ -252,11 +208,6 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=20, help="seconds to wait after a discard")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per child process")
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
-    ap.add_argument(
-        "--switch",
-        action="store_true",
-        help="compare the replicated and the plain pass of small batches in one process",
-    )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -278,8 +229,6 @@ def main() -> int:
     load_before = loadavg()
     results: dict[str, dict[str, Any]] = {label: {} for label, _ in builds}
     r = discarded = 0
-    if args.switch:
-        results, r = measure_switch(args), args.rounds
     while r < args.rounds:
         round_res = {}
         for label, path in builds if r % 2 == 0 else builds[::-1]:
@@ -310,7 +259,6 @@ def main() -> int:
         + ["--threads", str(args.threads), "-p", str(p), "-n", str(n), "--pairs", str(args.pairs)]
         + ["--rounds", str(args.rounds), "--busy-ms", str(args.busy_ms)]
         + ["--period-ms", str(args.period_ms), "--max-foreign", str(args.max_foreign)]
-        + (["--switch"] if args.switch else [])
     )
     lines = [
         f"### {now}: {os.path.basename(args.model)}, {args.threads} threads, "
@@ -322,18 +270,11 @@ def main() -> int:
     lines += [
         f"- machine: {machine_desc()}; load average before {load_before}, after {load_after}",
         f"- command: `{cmd}`",
-        (
-            f"- one process; each round: a quiet `_core.bench(model, {p}, 0, 1)`, then "
-            f"{args.pairs} times a quiet and a busy `_core.bench(model, 0, {n}, 1)` with each "
-            "pass (`Model._set_small_pass`), the four runs in an order rotating run by run; "
-            f"medians of {args.rounds} rounds; rounds are not repeated"
-            if args.switch
-            else f"- each round: a quiet `_core.bench(model, {p}, 0, 1)`, then {args.pairs} pairs"
-            f" of `_core.bench(model, 0, {n}, 1)`, quiet and beside the busy thread (order"
-            f" alternating each round{', builds interleaved' if len(builds) > 1 else ''});"
-            f" medians of {args.rounds} rounds; {discarded} rounds repeated because other"
-            f" processes kept more than {args.max_foreign:g} CPUs busy"
-        ),
+        f"- each round: a quiet `_core.bench(model, {p}, 0, 1)`, then {args.pairs} pairs of "
+        f"`_core.bench(model, 0, {n}, 1)`, quiet and beside the busy thread (order"
+        f" alternating each round{', builds interleaved' if len(builds) > 1 else ''}); medians"
+        f" of {args.rounds} rounds; {discarded} rounds repeated because other processes kept"
+        f" more than {args.max_foreign:g} CPUs busy",
         "",
         f"| build | pp{p} quiet tok/s | tg{n} quiet tok/s | tg{n} busy tok/s | busy / quiet "
         "| busy / quiet, median of pairs | redone tasks per 1k tokens, quiet / busy |",

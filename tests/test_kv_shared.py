@@ -88,10 +88,10 @@ def test_a_worker_panic_rolls_the_batch_back_and_poisons_nothing(
 
 
 def test_a_worker_panic_in_a_decode_step_rolls_it_back(core: _core.Model, model_path: Path) -> None:
-    """The same for a decode step of two sequences (one token each: the replicated
-    small-batch pass, `llama::forward_small`), failing at layer 5 after the first layers stored
-    their keys and values: the step leaves nothing behind, and recomputing it gives what a
-    fresh model computes."""
+    """The same for a decode step of two sequences (one token each: the redoable matmul
+    steps of small batches), failing at layer 5 after the first layers stored their keys and
+    values: the step leaves nothing behind, and recomputing it gives what a fresh model
+    computes."""
     toks = core.tokenize(PROMPT * 2, add_special=True)
     ctx = core.new_context(512)
     _prefill(ctx, toks[:20], seq=0)

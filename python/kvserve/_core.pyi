@@ -67,7 +67,6 @@ class Model:
         """Matmul tasks a waiting worker computed again and published (its partner was
         descheduled mid-task) since the model was loaded: a thread-contention diagnostic."""
 
-    def _set_small_pass(self, on: bool) -> None: ...
     def _inject_worker_panic(self, layer: int | None) -> None:
         """Testing hook: the next decode panics in one worker at ``layer`` (once)."""
 

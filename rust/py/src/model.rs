@@ -233,13 +233,6 @@ impl Model {
         self.inner.inject_worker_panic(layer);
     }
 
-    /// Benchmark hook: whether batches of up to 2 llama tokens take the replicated pass
-    /// (the default) or the plain one, so that one process can compare both.
-    #[pyo3(signature = (on))]
-    fn _set_small_pass(&self, on: bool) {
-        self.inner.set_small_pass(on);
-    }
-
     /// GGUF metadata as a dict; arrays longer than 64 items are summarized by their length.
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);

@@ -567,34 +567,6 @@ impl PagedCache {
         }
     }
 
-    /// [`PagedCache::write`] through a shared reference to the storage (see
-    /// [`KvStorage::write_shared`]).
-    ///
-    /// # Safety
-    /// While this runs, no other thread accesses `layer`'s rows of `slots`.
-    pub unsafe fn write_shared(
-        storage: &KvStorage,
-        layer: usize,
-        slots: &[(BlockId, u16)],
-        k: &[f32],
-        v: &[f32],
-    ) {
-        let d = storage.kv_dim();
-        for (t, &(b, sl)) in slots.iter().enumerate() {
-            // SAFETY: forwarded contract.
-            unsafe {
-                storage.write_shared(
-                    layer,
-                    b,
-                    sl as usize,
-                    &k[t * d..(t + 1) * d],
-                    &v[t * d..(t + 1) * d],
-                )
-            }
-            .expect("slots come from this cache's own plan");
-        }
-    }
-
     /// Blocks and slot positions of `seq`, for attention (cached per sequence).
     pub fn view(&mut self, seq: SeqId) -> SeqView {
         self.table.view(seq)

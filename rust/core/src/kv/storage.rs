@@ -33,7 +33,6 @@
 //! Complexity: `write`/`read_*`/`rotate_k` are O(kv_dim); `copy_block` is O(n_layers * n_slots *
 //! row_bytes).
 
-use std::cell::UnsafeCell;
 use std::ops::Range;
 
 use half::f16;
@@ -155,15 +154,8 @@ pub struct KvStorage {
     n_blocks: usize,
     row_bytes: usize,
     block_bytes: usize,
-    /// The blocks' bytes. In cells, so that a forward pass may store one layer's rows
-    /// ([`KvStorage::write_shared`]) while other threads read other layers' rows through `&self`
-    /// (see `model::llama::forward_small`); every other write takes `&mut self`.
-    data: Box<[UnsafeCell<u8>]>,
+    data: Vec<u8>,
 }
-
-// SAFETY: shared access reads the bytes, except `write_shared`, whose contract (no concurrent
-// access to the rows it writes) keeps every byte free of data races; the rest is plain data.
-unsafe impl Sync for KvStorage {}
 
 impl std::fmt::Debug for KvStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -197,38 +189,7 @@ fn zeroed_bytes(n: usize) -> Result<Vec<u8>> {
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
-/// The bytes of `v` as cells (same allocation).
-fn into_cells(v: Vec<u8>) -> Box<[UnsafeCell<u8>]> {
-    let b: *mut [u8] = Box::into_raw(v.into_boxed_slice());
-    // SAFETY: `UnsafeCell<u8>` has the layout of `u8` (repr(transparent)), so the slice pointer
-    // describes the same allocation with the same layout; the new box owns it.
-    unsafe { Box::from_raw(b as *mut [UnsafeCell<u8>]) }
-}
-
 impl KvStorage {
-    /// Bytes `r` of the buffer, read-only.
-    #[inline]
-    fn bytes(&self, r: Range<usize>) -> &[u8] {
-        assert!(r.start <= r.end && r.end <= self.data.len());
-        // SAFETY: in bounds (checked); the cells are only written through `&mut self` (then no
-        // `&self` borrow lives) or by `write_shared`, whose caller guarantees that nobody reads
-        // those rows meanwhile, so these bytes do not change while the slice lives.
-        unsafe {
-            std::slice::from_raw_parts(
-                UnsafeCell::raw_get(self.data.as_ptr().add(r.start)),
-                r.len(),
-            )
-        }
-    }
-
-    /// The whole buffer, writable (exclusive access).
-    #[inline]
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        let cells: &mut [UnsafeCell<u8>] = &mut self.data;
-        // SAFETY: same layout (see `into_cells`); `&mut self` excludes every other access.
-        unsafe { &mut *(cells as *mut [UnsafeCell<u8>] as *mut [u8]) }
-    }
-
     /// Allocates `n_blocks` zeroed blocks.
     pub fn new(layout: KvLayout, n_blocks: usize) -> Result<KvStorage> {
         layout.validate()?;
@@ -245,7 +206,7 @@ impl KvStorage {
             n_blocks,
             row_bytes: layout.row_bytes(),
             block_bytes,
-            data: into_cells(zeroed_bytes(total)?),
+            data: zeroed_bytes(total)?,
         })
     }
 
@@ -298,14 +259,13 @@ impl KvStorage {
     /// (`kv/recurrent.rs`) stores its values there instead of K/V rows.
     pub fn block_raw(&self, block: u32) -> Result<&[u8]> {
         let b = self.check_block(block)?;
-        Ok(self.bytes(b * self.block_bytes..(b + 1) * self.block_bytes))
+        Ok(&self.data[b * self.block_bytes..(b + 1) * self.block_bytes])
     }
 
     /// Mutable [`KvStorage::block_raw`].
     pub fn block_raw_mut(&mut self, block: u32) -> Result<&mut [u8]> {
         let b = self.check_block(block)?;
-        let bb = self.block_bytes;
-        Ok(&mut self.bytes_mut()[b * bb..(b + 1) * bb])
+        Ok(&mut self.data[b * self.block_bytes..(b + 1) * self.block_bytes])
     }
 
     fn check_block(&self, block: u32) -> Result<usize> {
@@ -379,44 +339,9 @@ impl KvStorage {
         self.check_row(v_row.len(), "value")?;
         let ty = self.layout.ty;
         let rk = self.row_range(layer, b, slot, false);
-        encode_row(ty, k_row, &mut self.bytes_mut()[rk]);
+        encode_row(ty, k_row, &mut self.data[rk]);
         let rv = self.row_range(layer, b, slot, true);
-        encode_row(ty, v_row, &mut self.bytes_mut()[rv]);
-        Ok(())
-    }
-
-    /// [`KvStorage::write`] through a shared reference, for a forward pass in which other
-    /// threads read other rows of the storage meanwhile.
-    ///
-    /// # Safety
-    /// While this runs, no other thread reads or writes the two rows it writes (this layer's
-    /// K and V rows of `block`/`slot`).
-    pub unsafe fn write_shared(
-        &self,
-        layer: usize,
-        block: u32,
-        slot: usize,
-        k_row: &[f32],
-        v_row: &[f32],
-    ) -> Result<()> {
-        self.check_layer(layer)?;
-        let b = self.check_block(block)?;
-        self.check_slots(&(slot..slot + 1))?;
-        self.check_row(k_row.len(), "key")?;
-        self.check_row(v_row.len(), "value")?;
-        let ty = self.layout.ty;
-        for (row, v) in [(k_row, false), (v_row, true)] {
-            let r = self.row_range(layer, b, slot, v);
-            // SAFETY: in bounds (the row range of checked indices); the cells make writing
-            // through `&self` allowed, and the caller guarantees nobody else accesses the row.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(
-                    UnsafeCell::raw_get(self.data.as_ptr().add(r.start)),
-                    r.len(),
-                )
-            };
-            encode_row(ty, row, dst);
-        }
+        encode_row(ty, v_row, &mut self.data[rv]);
         Ok(())
     }
 
@@ -432,15 +357,14 @@ impl KvStorage {
         let n = n_slots * self.row_bytes;
         if n_slots == self.layout.block_size {
             let (so, dof) = (s * self.block_bytes, d * self.block_bytes);
-            let bb = self.block_bytes;
-            self.bytes_mut().copy_within(so..so + bb, dof);
+            self.data.copy_within(so..so + self.block_bytes, dof);
             return Ok(());
         }
         for layer in 0..self.layout.n_layers {
             for v in [false, true] {
                 let so = self.region(layer, s, v);
                 let dof = self.region(layer, d, v);
-                self.bytes_mut().copy_within(so..so + n, dof);
+                self.data.copy_within(so..so + n, dof);
             }
         }
         Ok(())
@@ -453,7 +377,7 @@ impl KvStorage {
         self.check_row(out.len(), "output")?;
         decode_row(
             self.layout.ty,
-            self.bytes(self.row_range(layer, b, slot, v)),
+            &self.data[self.row_range(layer, b, slot, v)],
             out,
         );
         Ok(())
@@ -557,9 +481,9 @@ impl KvStorage {
         for layer in layers {
             for &(b, sl) in cells {
                 let r = self.row_range(layer, b as usize, sl as usize, false);
-                decode_row(ty, self.bytes(r.clone()), &mut row);
+                decode_row(ty, &self.data[r.clone()], &mut row);
                 rope.apply(&mut row, head_dim, &cs);
-                encode_row(ty, &row, &mut self.bytes_mut()[r]);
+                encode_row(ty, &row, &mut self.data[r]);
             }
         }
         Ok(())
@@ -571,7 +495,7 @@ impl KvStorage {
         self.check_layer(layer)?;
         let b = self.check_block(block)?;
         self.check_slots(&(slot..slot + 1))?;
-        Ok(self.bytes(self.row_range(layer, b, slot, v)))
+        Ok(&self.data[self.row_range(layer, b, slot, v)])
     }
 
     /// Stores `bytes` (one row in the storage type, as [`KvStorage::row_raw`] returns it) as the
@@ -595,7 +519,7 @@ impl KvStorage {
             )));
         }
         let r = self.row_range(layer, b, slot, v);
-        self.bytes_mut()[r].copy_from_slice(bytes);
+        self.data[r].copy_from_slice(bytes);
         Ok(())
     }
 
@@ -604,7 +528,7 @@ impl KvStorage {
     #[inline]
     pub(crate) fn rows(&self, layer: usize, block: usize, v: bool) -> &[u8] {
         let start = self.region(layer, block, v);
-        self.bytes(start..start + self.layout.block_size * self.row_bytes)
+        &self.data[start..start + self.layout.block_size * self.row_bytes]
     }
 }
 

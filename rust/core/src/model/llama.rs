@@ -6,7 +6,7 @@
 //! position is not after the token's (the causal mask by position, as llama.cpp applies it).
 
 use super::config::{Arch, Config, LayerKind};
-use super::{KvIo, Logits, Model, Stall};
+use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
 use crate::error::{model_err, Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
@@ -366,7 +366,7 @@ pub(super) unsafe fn project(
             )
         };
     });
-    matmuls(model, w, ws, acts, slot, call, acts.len() > 1, n, outs);
+    matmuls(model, w, ws, acts, slot, acts.len() > 1, n, outs);
 }
 
 /// Runs `out_i = W_i a` for several weights (`n` tokens of activations in `acts[slot]`) as one
@@ -386,7 +386,6 @@ pub(super) fn matmuls(
     ws: &[&WeightRef],
     acts: &SharedSlice<Acts>,
     slot: usize,
-    call: usize,
     redo: bool,
     n: usize,
     outs: &[&SharedSlice<f32>],
@@ -448,7 +447,7 @@ pub(super) fn matmuls(
         for (j, job) in jobs.iter().enumerate() {
             if i < job.n_tasks() {
                 if i == 0 && j == 0 {
-                    model.stall_at(Stall::Projection(call));
+                    model.stall_at(slot);
                 }
                 // SAFETY: this member runs one task at a time, into its own scratch.
                 unsafe { job.run_task(i) };
@@ -555,93 +554,52 @@ pub(super) unsafe fn store_and_attend(
         cells,
         views,
     } = &kv[gi];
+    let (qd, hd) = (c.q_dim(), c.head_dim);
+    let group = c.n_head / c.n_head_kv;
     let n = batch.len();
     w.single(|| {
         // SAFETY: only this task touches the storage in this step; k and v are read-only.
         unsafe { PagedCache::write(&mut storage.slice_mut(0..1)[0], kl, cells, k.all(), v.all()) };
     });
-    let window = layer_window(c, li);
+    let window = match c.layer_kinds[li] {
+        LayerKind::Window(n) => Some(n.min(i32::MAX as usize) as i32),
+        LayerKind::Full | LayerKind::Recurrent => None,
+    };
     w.for_tasks(n * c.n_head_kv, |job| {
         // SAFETY: the storage and q are read-only in this step (taken inside the task: a late
         // member must not hold them while a later step writes them).
         let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-        let cols = attention_cols(c, job);
+        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+        let view = &views[&batch.seq_ids[t]];
+        let cols = t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
+        let (positions, qpos) = (&view.positions[..], batch.positions[t]);
+        let query = Query {
+            layer: kl,
+            kv_head: kvh,
+            head_dim: hd,
+            q: &q_r[cols.clone()],
+            scale,
+            mask: match window {
+                None => Mask::Causal { positions, qpos },
+                Some(window) => Mask::Window {
+                    positions,
+                    qpos,
+                    window,
+                },
+            },
+        };
         // SAFETY: this (token, head group) slice of attn belongs to this task only.
         let out = unsafe { attn.slice_mut(cols) };
-        attend_task(
-            c,
+        attention::attend(
             store,
-            views,
-            batch,
-            (kl, window),
-            q_r,
-            job,
-            scale,
+            &view.blocks,
+            view.positions.len(),
+            &query,
             out,
             scratch,
-        );
+        )
+        .expect("query shapes were validated at load");
     });
-}
-
-/// The mask window of layer `li` (`None`: full causal attention).
-fn layer_window(c: &Config, li: usize) -> Option<i32> {
-    match c.layer_kinds[li] {
-        LayerKind::Window(n) => Some(n.min(i32::MAX as usize) as i32),
-        LayerKind::Full | LayerKind::Recurrent => None,
-    }
-}
-
-/// The columns of the query and attention-output rows that attention task `job` (token
-/// `job / n_head_kv`, KV head `job % n_head_kv`) covers: the query heads of one GQA group.
-fn attention_cols(c: &Config, job: usize) -> std::ops::Range<usize> {
-    let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
-    let w = c.n_head / c.n_head_kv * c.head_dim;
-    t * c.q_dim() + kvh * w..t * c.q_dim() + (kvh + 1) * w
-}
-
-/// Attention task `job` of a layer (`kl`: the layer within its group's storage, `window`: its
-/// mask window): the query heads of one GQA group of one token (`q`: all query rows) over the
-/// token's own sequence, into `out` (the group's `attention_cols`).
-#[allow(clippy::too_many_arguments)]
-fn attend_task(
-    c: &Config,
-    store: &KvStorage,
-    views: &HashMap<SeqId, SeqView>,
-    batch: &Batch,
-    (kl, window): (usize, Option<i32>),
-    q: &[f32],
-    job: usize,
-    scale: f32,
-    out: &mut [f32],
-    scratch: &mut attention::Scratch,
-) {
-    let t = job / c.n_head_kv;
-    let view = &views[&batch.seq_ids[t]];
-    let (positions, qpos) = (&view.positions[..], batch.positions[t]);
-    let query = Query {
-        layer: kl,
-        kv_head: job % c.n_head_kv,
-        head_dim: c.head_dim,
-        q: &q[attention_cols(c, job)],
-        scale,
-        mask: match window {
-            None => Mask::Causal { positions, qpos },
-            Some(window) => Mask::Window {
-                positions,
-                qpos,
-                window,
-            },
-        },
-    };
-    attention::attend(
-        store,
-        &view.blocks,
-        view.positions.len(),
-        &query,
-        out,
-        scratch,
-    )
-    .expect("query shapes were validated at load");
 }
 
 /// The buffers of a llama-style FFN block (token-major rows: `x`, `o`, `h`, `down` of `n_embd`
@@ -749,287 +707,6 @@ pub(super) unsafe fn output_head(
     unsafe { project(model, w, acts, hs, out_rows.len(), &[output], &[out]) };
 }
 
-/// Step 3 of a layer for one token: biases, q/k norms and RoPE (`angles`: the token's) applied
-/// in place to its rows of `[q, k, v]`.
-fn prepare_qkv(c: &Config, layer: &Layer, [q, k, v]: [&mut [f32]; 3], angles: &[(f32, f32)]) {
-    if let Some(b) = &layer.bq {
-        ops::add_assign(q, b);
-    }
-    if let Some(b) = &layer.bk {
-        ops::add_assign(k, b);
-    }
-    if let Some(b) = &layer.bv {
-        ops::add_assign(v, b);
-    }
-    if let Some(qn) = &layer.q_norm {
-        ops::rms_norm_rows(q, c.head_dim, qn, c.rms_eps);
-    }
-    if let Some(kn) = &layer.k_norm {
-        ops::rms_norm_rows(k, c.head_dim, kn, c.rms_eps);
-    }
-    c.rope.apply(q, c.head_dim, angles);
-    c.rope.apply(k, c.head_dim, angles);
-}
-
-/// Batches of at most this many tokens take the replicated pass ([`forward_small`]). Every
-/// member repeats the batch's per-token work there, which costs more than the steps it saves
-/// from about 4 tokens on (decode A/B on 2 cores: B = 2 1.10x, B = 4 0.97x of the plain pass).
-pub(super) const SMALL_MAX_TOKENS: usize = 2;
-
-/// The outputs of one layer's team steps in a [`forward_small`] pass (token-major rows), each
-/// written once per pass.
-struct LayerOuts<'a> {
-    q: SharedSlice<'a, f32>,
-    k: SharedSlice<'a, f32>,
-    v: SharedSlice<'a, f32>,
-    attn: SharedSlice<'a, f32>,
-    o: SharedSlice<'a, f32>,
-    gate: SharedSlice<'a, f32>,
-    up: SharedSlice<'a, f32>,
-    down: SharedSlice<'a, f32>,
-}
-
-/// [`forward`] for a batch of at most [`SMALL_MAX_TOKENS`] tokens (decode): only the matmuls,
-/// the K/V write and attention are team steps; the cheap per-token work between them (norms,
-/// activation quantization, biases and RoPE, SwiGLU, residual adds) runs on every member at
-/// once, each on its own copy of the residual stream, so a layer is 6 team steps instead of
-/// ~15, and no member waits while another normalizes or quantizes.
-///
-/// Every team step writes a buffer of its own for the pass (`LayerOuts`, one per layer: about
-/// 23 KB a token a layer for SmolLM2, kept by the model between passes), and every member's
-/// private work reads only those and its own memory. So a member that the OS descheduled
-/// catches up by itself (it skips the steps the team finished and redoes only the private work
-/// from their outputs), and every matmul step is redoable: its tasks read only the weights and
-/// the running member's own quantized activations, which no other member touches.
-fn forward_small(
-    model: &Model,
-    wts: &Weights,
-    io: &mut [KvIo<'_>],
-    batch: &Batch,
-    x0: &[f32],
-    cs: &[(f32, f32)],
-    out_rows: &[usize],
-) -> Result<Logits> {
-    let c = &model.config;
-    let n = batch.len();
-    let (d, qd, kvd, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff);
-    let half = c.rope.n_rot / 2;
-    let n_out = out_rows.len();
-    let per_layer = n * (2 * qd + 2 * kvd + 2 * d + 2 * ff);
-
-    // The layers' step outputs: the model's buffer from earlier passes, grown if needed (its
-    // contents are written before they are read).
-    let mut outs_buf =
-        std::mem::take(&mut *model.small_pool.lock().unwrap_or_else(|p| p.into_inner()));
-    if outs_buf.len() < per_layer * wts.layers.len() {
-        outs_buf.resize(per_layer * wts.layers.len(), 0.0);
-    }
-    let mut logits = vec![0.0f32; n_out * c.n_vocab];
-    // One activation buffer per member, from the model's pool.
-    let n_members = model.team.threads();
-    let mut acts_buf =
-        std::mem::take(&mut *model.acts_pool.lock().unwrap_or_else(|p| p.into_inner()));
-    if acts_buf.len() < n_members {
-        acts_buf.resize_with(n_members, Default::default);
-    }
-    let layers: Vec<LayerOuts<'_>> = outs_buf
-        .chunks_exact_mut(per_layer)
-        .map(|chunk| {
-            let (q, rest) = chunk.split_at_mut(n * qd);
-            let (k, rest) = rest.split_at_mut(n * kvd);
-            let (v, rest) = rest.split_at_mut(n * kvd);
-            let (attn, rest) = rest.split_at_mut(n * qd);
-            let (o, rest) = rest.split_at_mut(n * d);
-            let (gate, rest) = rest.split_at_mut(n * ff);
-            let (up, down) = rest.split_at_mut(n * ff);
-            LayerOuts {
-                q: SharedSlice::new(q),
-                k: SharedSlice::new(k),
-                v: SharedSlice::new(v),
-                attn: SharedSlice::new(attn),
-                o: SharedSlice::new(o),
-                gate: SharedSlice::new(gate),
-                up: SharedSlice::new(up),
-                down: SharedSlice::new(down),
-            }
-        })
-        .collect();
-    let out = SharedSlice::new(&mut logits);
-    let acts = SharedSlice::new(&mut acts_buf[..n_members]);
-    let kv = group_kv(io);
-    let scale = c.attn_scale;
-
-    // Safety pattern: a team step's tasks write only their rows of that step's `LayerOuts`
-    // buffer (or, in a redoable step, only the winning run copies them there), which nothing
-    // writes again in this pass; private work runs after the step it reads is over (`for_tasks`
-    // and `for_tasks_redoable` return only then), so it reads finished buffers.
-    model.team.run(|w| {
-        // SAFETY: member `w.id` alone uses activation buffer `w.id`.
-        let my_acts = unsafe { acts.slice_mut(w.id..w.id + 1) };
-        let my_acts = SharedSlice::new(my_acts);
-        let mut x = x0.to_vec();
-        let mut h = vec![0.0f32; n * d];
-        let (mut q, mut k, mut v) = (
-            vec![0.0f32; n * qd],
-            vec![0.0f32; n * kvd],
-            vec![0.0f32; n * kvd],
-        );
-        let mut act = vec![0.0f32; n * ff];
-        // This member's run of one attention task (one GQA group's heads).
-        let mut att = vec![0.0f32; c.n_head / c.n_head_kv * c.head_dim];
-        let mut scratch = attention::Scratch::default();
-        // Quantizes `src` into this member's activations, then runs the matmuls as one
-        // redoable team step.
-        let project = |src: &[f32], ws: &[&WeightRef], outs: &[&SharedSlice<f32>]| {
-            let call = w.next_call();
-            // SAFETY: this member's own buffer; its tasks (the only readers) run on this
-            // thread, after this write.
-            unsafe {
-                quantize_for(&mut my_acts.slice_mut(0..1)[0], ws, src, n, ws[0].cols);
-            }
-            matmuls(model, w, ws, &my_acts, 0, call, true, n, outs);
-        };
-        let norm_rows = |x: &[f32], norm: &[f32], h: &mut [f32]| {
-            for (xr, hr) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
-                ops::rms_norm(xr, norm, c.rms_eps, hr);
-            }
-        };
-        for (li, (layer, lo)) in wts.layers.iter().zip(&layers).enumerate() {
-            if model.fault_at(li) {
-                panic!("injected worker panic at layer {li} (test hook)");
-            }
-            if w.id + 1 == w.n {
-                model.stall_at(Stall::Member(li));
-            }
-            norm_rows(&x, &layer.attn_norm, &mut h);
-            project(
-                &h,
-                &[&layer.wq, &layer.wk, &layer.wv],
-                &[&lo.q, &lo.k, &lo.v],
-            );
-            // SAFETY: the step that wrote q, k, v is over (and so for every read of `lo`
-            // below: each follows the step that wrote it); nothing writes them again.
-            unsafe {
-                q.copy_from_slice(lo.q.all());
-                k.copy_from_slice(lo.k.all());
-                v.copy_from_slice(lo.v.all());
-            }
-            for t in 0..n {
-                prepare_qkv(
-                    c,
-                    layer,
-                    [
-                        &mut q[t * qd..(t + 1) * qd],
-                        &mut k[t * kvd..(t + 1) * kvd],
-                        &mut v[t * kvd..(t + 1) * kvd],
-                    ],
-                    &cs[t * half..(t + 1) * half],
-                );
-            }
-            // The batch's keys and values of this layer, then attention as a redoable step.
-            let (gi, kl) = model.kv_slot(li);
-            let g = &kv[gi];
-            let store = || {
-                // SAFETY: in this pass the storage is reached only through shared references
-                // (no `slice_mut`); its rows change only through `write_shared`.
-                unsafe { &g.storage.slice(0..1)[0] }
-            };
-            w.single(|| {
-                // SAFETY: nobody else touches this layer's rows of the batch's cells meanwhile:
-                // this layer's attention comes after this step, and a stale attention run of
-                // an earlier layer reads only its own layer's rows.
-                unsafe { PagedCache::write_shared(store(), kl, g.cells, &k, &v) };
-            });
-            let window = layer_window(c, li);
-            w.for_tasks_redoable(n * c.n_head_kv, |job, commit| {
-                if job == 0 {
-                    model.stall_at(Stall::Attention(li));
-                }
-                let cols = attention_cols(c, job);
-                let mine = &mut att[..cols.len()];
-                // Reads this layer's rows, which nothing writes again in this pass, and this
-                // member's own query rows.
-                attend_task(
-                    c,
-                    store(),
-                    g.views,
-                    batch,
-                    (kl, window),
-                    &q,
-                    job,
-                    scale,
-                    mine,
-                    &mut scratch,
-                );
-                if commit.win() {
-                    // SAFETY: the winning run of this task alone writes these columns, once.
-                    unsafe { lo.attn.slice_mut(cols) }.copy_from_slice(mine);
-                }
-            });
-            // SAFETY: the attention step is over.
-            project(unsafe { lo.attn.all() }, &[&layer.wo], &[&lo.o]);
-            // SAFETY: the output projection is over.
-            ops::add_assign(&mut x, unsafe { lo.o.all() });
-            norm_rows(&x, &layer.ffn_norm, &mut h);
-            project(&h, &[&layer.w_gate, &layer.w_up], &[&lo.gate, &lo.up]);
-            // SAFETY: the gate/up step is over.
-            unsafe {
-                act.copy_from_slice(lo.gate.all());
-                ops::swiglu(&mut act, lo.up.all());
-            }
-            project(&act, &[&layer.w_down], &[&lo.down]);
-            // SAFETY: the down projection is over.
-            ops::add_assign(&mut x, unsafe { lo.down.all() });
-        }
-        if n_out > 0 {
-            let mut hs = vec![0.0f32; n_out * d];
-            for (r, &t) in out_rows.iter().enumerate() {
-                ops::rms_norm(
-                    &x[t * d..(t + 1) * d],
-                    &wts.output_norm,
-                    c.rms_eps,
-                    &mut hs[r * d..(r + 1) * d],
-                );
-            }
-            let call = w.next_call();
-            // SAFETY: as in `project` above.
-            unsafe {
-                quantize_for(
-                    &mut my_acts.slice_mut(0..1)[0],
-                    &[&wts.output],
-                    &hs,
-                    n_out,
-                    d,
-                );
-            }
-            matmuls(
-                model,
-                w,
-                &[&wts.output],
-                &my_acts,
-                0,
-                call,
-                true,
-                n_out,
-                &[&out],
-            );
-        }
-    });
-    drop(layers);
-    *model.small_pool.lock().unwrap_or_else(|p| p.into_inner()) = outs_buf;
-    {
-        let mut pool = model.acts_pool.lock().unwrap_or_else(|p| p.into_inner());
-        if acts_buf.len() > pool.len() {
-            *pool = acts_buf;
-        }
-    }
-    Ok(Logits {
-        data: logits,
-        n_rows: n_out,
-        n_vocab: c.n_vocab,
-    })
-}
-
 /// Runs one batch through the model, storing its keys and values at the cells each layer group
 /// planned (`io`: per group its storage, the cells, and each batch sequence's blocks and
 /// positions, including the new cells).
@@ -1045,7 +722,7 @@ pub(crate) fn forward(
 ) -> Result<Logits> {
     let c = &model.config;
     let n = batch.len();
-    let (d, qd, kvd) = (c.n_embd, c.q_dim(), c.kv_dim());
+    let (d, qd, kvd, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim);
 
     // Token embeddings and RoPE angles (cheap, serial).
     let mut x = vec![0.0f32; n * d];
@@ -1060,9 +737,6 @@ pub(crate) fn forward(
     }
     let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
     let n_out = out_rows.len();
-    if n <= SMALL_MAX_TOKENS && model.small_pass.load(std::sync::atomic::Ordering::Relaxed) {
-        return forward_small(model, wts, io, batch, &x, &cs, &out_rows);
-    }
 
     let mut bufs = PassBuffers::new(model, x, n, n_out, qd);
     let PassViews {
@@ -1129,7 +803,7 @@ pub(crate) fn forward(
             };
             // 3. Biases, q/k norms, RoPE per token.
             w.for_rows(n, |t| {
-                // SAFETY: token rows t of q, k and v belong to this task.
+                // SAFETY: token rows t of q and k belong to this task.
                 let (qr, kr, vr) = unsafe {
                     (
                         q.slice_mut(t * qd..(t + 1) * qd),
@@ -1137,7 +811,24 @@ pub(crate) fn forward(
                         v.slice_mut(t * kvd..(t + 1) * kvd),
                     )
                 };
-                prepare_qkv(c, layer, [qr, kr, vr], &cs[t * half..(t + 1) * half]);
+                if let Some(b) = &layer.bq {
+                    ops::add_assign(qr, b);
+                }
+                if let Some(b) = &layer.bk {
+                    ops::add_assign(kr, b);
+                }
+                if let Some(b) = &layer.bv {
+                    ops::add_assign(vr, b);
+                }
+                if let Some(qn) = &layer.q_norm {
+                    ops::rms_norm_rows(qr, hd, qn, c.rms_eps);
+                }
+                if let Some(kn) = &layer.k_norm {
+                    ops::rms_norm_rows(kr, hd, kn, c.rms_eps);
+                }
+                let angles = &cs[t * half..(t + 1) * half];
+                c.rope.apply(qr, hd, angles);
+                c.rope.apply(kr, hd, angles);
             });
             // 4-5. Store K and V, attention.
             // SAFETY: every member calls this in step; q, k, v are not written during it.

@@ -50,31 +50,6 @@ struct RecBatch {
 }
 
 /// A loaded model: configuration, weight locations in the mmapped file, tokenizer, thread pool.
-/// Where a test stalls a forward pass ([`Model::inject_task_stall`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stall {
-    /// The first run of task 0 of the `n`-th projection (matmul step) of a pass that makes it a
-    /// redoable step.
-    Projection(usize),
-    /// The first run of attention task 0 of layer `n` in a small-batch llama pass (a redoable
-    /// step there).
-    Attention(usize),
-    /// The team's last member, at the start of layer `n` of a small-batch llama pass, outside
-    /// any task.
-    Member(usize),
-}
-
-impl Stall {
-    fn code(self) -> i64 {
-        let (kind, n) = match self {
-            Stall::Projection(n) => (0, n),
-            Stall::Attention(n) => (1, n),
-            Stall::Member(n) => (2, n),
-        };
-        (kind << 32) | (n as i64 & 0xffff_ffff)
-    }
-}
-
 pub struct Model {
     pub config: Config,
     pub tokenizer: Tokenizer,
@@ -94,19 +69,13 @@ pub struct Model {
     /// Test hook: a decode panics in one worker at this layer (-1: never). See
     /// [`Model::inject_worker_panic`].
     fault_layer: AtomicI64,
-    /// Test hook: where a pass sleeps `stall_us` (`Stall::code`, -1: nowhere). See
-    /// [`Model::inject_task_stall`].
+    /// Test hook: the first run of task 0 of this projection (`project` call of a pass, -1:
+    /// none) sleeps `stall_us` first. See [`Model::inject_task_stall`].
     stall_call: AtomicI64,
     stall_us: std::sync::atomic::AtomicU64,
-    /// Whether small llama batches take `llama::forward_small` (a benchmark switch; on by
-    /// default). See [`Model::set_small_pass`].
-    pub(crate) small_pass: std::sync::atomic::AtomicBool,
     /// Activation buffers of the forward pass, kept between passes so that a decode step does
     /// not allocate one per projection (`llama::PassBuffers`).
     pub(crate) acts_pool: Mutex<Vec<llama::Acts>>,
-    /// The step outputs of small-batch llama passes (`llama::forward_small`), kept between
-    /// passes.
-    pub(crate) small_pool: Mutex<Vec<f32>>,
 }
 
 /// Logits of the batch tokens that asked for them: `n_rows` rows of `n_vocab` floats.
@@ -172,9 +141,7 @@ impl Model {
             fault_layer: AtomicI64::new(-1),
             stall_call: AtomicI64::new(-1),
             stall_us: std::sync::atomic::AtomicU64::new(0),
-            small_pass: std::sync::atomic::AtomicBool::new(true),
             acts_pool: Mutex::new(Vec::new()),
-            small_pool: Mutex::new(Vec::new()),
         })
     }
 
@@ -327,29 +294,23 @@ impl Model {
         self.fault_layer.store(v, Ordering::Relaxed);
     }
 
-    /// Testing hook: the next pass that reaches `at` sleeps `stall` there, as if a member had
-    /// lost its core (once). `None` disarms it.
-    pub fn inject_task_stall(&self, at: Option<(Stall, std::time::Duration)>) {
+    /// Testing hook: in the next pass that makes projection `call` (the `call`-th matmul step of
+    /// the pass) a redoable step, the first run of its task 0 sleeps `stall` first, as if its
+    /// member had lost its core mid-task (once). `None` disarms it.
+    pub fn inject_task_stall(&self, at: Option<(usize, std::time::Duration)>) {
         if let Some((_, d)) = at {
             self.stall_us.store(d.as_micros() as u64, Ordering::Relaxed);
         }
         self.stall_call
-            .store(at.map_or(-1, |(s, _)| s.code()), Ordering::Relaxed);
+            .store(at.map_or(-1, |(c, _)| c as i64), Ordering::Relaxed);
     }
 
-    /// Benchmark switch: whether batches of up to `llama::SMALL_MAX_TOKENS` tokens of a llama
-    /// model take the replicated pass (default) or the plain one (same logits).
-    pub fn set_small_pass(&self, on: bool) {
-        self.small_pass.store(on, Ordering::Relaxed);
-    }
-
-    /// Sleeps if the armed stall is `at` (then it is disarmed).
-    pub(crate) fn stall_at(&self, at: Stall) {
-        let code = at.code();
-        if self.stall_call.load(Ordering::Relaxed) == code
+    /// Sleeps if the armed stall is for projection `call` (then it is disarmed).
+    pub(crate) fn stall_at(&self, call: usize) {
+        if self.stall_call.load(Ordering::Relaxed) == call as i64
             && self
                 .stall_call
-                .compare_exchange(code, -1, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(call as i64, -1, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
             let us = self.stall_us.load(Ordering::Relaxed);
@@ -1151,10 +1112,7 @@ mod tests {
     /// same tokens computed in one large batch (more than `REDO_MAX_TOKENS` tokens: plain
     /// steps, each task writing its outputs in place; token outputs do not depend on the
     /// batch), whichever projection stalls (first layer, a middle one, the output head), for
-    /// one-token batches (`llama::forward_small`) and several-token ones. In small batches an
-    /// attention task stalled the same way is redone too, and a member stalled outside any
-    /// task (briefly: it catches up in the middle of the pass; or for longer than the pass)
-    /// changes nothing either.
+    /// one-token and several-token batches.
     #[test]
     fn a_stalled_matmul_task_is_redone_with_identical_results() {
         let path = std::env::var("KVSERVE_TEST_MODEL")
@@ -1162,30 +1120,15 @@ mod tests {
         let m = Arc::new(Model::load(&path, Some(2)).unwrap());
         let text = "The quick brown fox jumps over the lazy dog while the capital of France, \
                     which is Paris, sleeps under a grey autumn sky and the rivers run slowly \
-                    towards the sea, past the old mills and the quiet villages of the north, \
-                    where nobody has hurried since the war";
+                    towards the sea";
         let toks = m.tokenizer.encode(text, true, false);
-        let calls = 4 * m.config.n_layer + 1;
-        let last = m.config.n_layer - 1;
-        let ms = std::time::Duration::from_millis;
-        let cases = [
-            (Stall::Projection(0), 1, ms(30), true),
-            (Stall::Projection(9), 5, ms(30), true),
-            (Stall::Projection(calls - 1), 1, ms(30), true),
-            (Stall::Projection(2), 5, ms(30), true),
-            (Stall::Attention(0), 1, ms(30), true),
-            (Stall::Attention(last), 2, ms(30), true),
-            (Stall::Member(1), 1, ms(2), false),
-            (Stall::Member(5), 2, ms(30), false),
-        ];
-        let n_toks = 20 + cases.iter().map(|c| c.1).sum::<usize>();
-        assert!(toks.len() >= n_toks, "prompt of {} tokens", toks.len());
-        let toks = &toks[..n_toks];
+        assert!(toks.len() >= 32, "prompt of {} tokens", toks.len());
+        let toks = &toks[..32];
         let o = KvOptions {
             n_ctx: 256,
             ..KvOptions::default()
         };
-        // Reference: all tokens in one batch, logits for every row.
+        // Reference: all 32 tokens in one batch, logits for every row.
         let mut b = Context::with_options(Arc::clone(&m), &o).unwrap();
         let all = Batch {
             logits: vec![true; toks.len()],
@@ -1195,34 +1138,25 @@ mod tests {
         let v = m.n_vocab();
         let mut a = Context::with_options(Arc::clone(&m), &o).unwrap();
         a.decode(&Batch::prompt(&toks[..20], 0, 0)).unwrap();
+        let calls = 4 * m.config.n_layer + 1;
         let mut pos = 20usize;
-        for (at, len, stall, redone) in cases {
+        for (call, len) in [(0, 1), (9, 5), (calls - 1, 1), (2, 5)] {
             assert!(len <= llama::REDO_MAX_TOKENS);
-            if !matches!(at, Stall::Projection(_)) {
-                assert!(len <= llama::SMALL_MAX_TOKENS);
-            }
             let before = m.redone_tasks();
-            m.inject_task_stall(Some((at, stall)));
+            m.inject_task_stall(Some((call, std::time::Duration::from_millis(30))));
             let batch = Batch {
                 logits: vec![true; len],
                 ..Batch::prompt(&toks[pos..pos + len], pos as i32, 0)
             };
             let got = a.decode(&batch).unwrap();
-            assert_eq!(
-                m.stall_call.load(Ordering::Relaxed),
-                -1,
-                "{at:?}: the pass never reached the stall"
-            );
             assert!(
                 got.data[..] == want.data[pos * v..(pos + len) * v],
-                "{at:?}: logits differ from the one-batch pass"
+                "projection {call}: logits differ from the one-batch pass"
             );
-            if redone {
-                assert!(
-                    m.redone_tasks() > before,
-                    "{at:?}: the stalled task was not redone"
-                );
-            }
+            assert!(
+                m.redone_tasks() > before,
+                "projection {call}: the stalled task was not redone"
+            );
             pos += len;
         }
     }
