@@ -74,8 +74,10 @@ PROMPT_BATCH = 2048
 class GenerateResult:
     """Generated text and token ids (the prompt is not included); ``prompt_tokens`` counts the
     prompt's tokens and ``cached_tokens`` those whose K/V was reused from the model's prefix
-    cache instead of computed. ``logprobs`` (when the ``logprobs`` option asked for them, else
-    None): one :class:`kvserve.sampling.TokenLogprob` per generated token, in order."""
+    cache instead of computed (``session_cached_tokens`` of them: held by the request's
+    resident session in :class:`kvserve.Engine`; the rest came from the prefix index).
+    ``logprobs`` (when the ``logprobs`` option asked for them, else None): one
+    :class:`kvserve.sampling.TokenLogprob` per generated token, in order."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
@@ -83,6 +85,7 @@ class GenerateResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    session_cached_tokens: int = 0
 
 
 def _check_simd_env() -> None:

@@ -312,6 +312,7 @@ class _Request:
         self.seq = -1  # sequence id in the context while running
         self.n_done = 0  # ids[:n_done] have their K/V in the context
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
+        self.session_cached = 0  # of those, held by its resident session (the rest: prefix index)
         self.text = TextStream(stops)
         self.pieces: list[str] = []
         # Context shift: the sequence holds ids[:keep] + ids[keep + shift:] at positions 0, 1,
@@ -481,8 +482,11 @@ class Engine:
     Sessions (module docs): ``kv_high_watermark`` / ``kv_low_watermark`` (0 < low <= high <= 1):
     idle sessions are evicted when the pool's usage passes the high mark, down to the low mark;
     ``session_ttl``: seconds an idle session is kept (None: no limit); ``max_sessions``: most
-    sessions held at once (None: no limit). The engine's context may use the whole K/V pool, so
-    idle sessions can hold whatever the running requests leave; the reclaim rules keep it so.
+    sessions held at once (None: no limit). ``max_tokens_limit``: the most tokens one request
+    may ask to generate (``max_tokens`` above it is a ``ValueError``; None: no limit), so that
+    neither ``ignore_eos`` nor ``context_shift`` holds a slot without end. The engine's context
+    may use the whole K/V pool, so idle sessions can hold whatever the running requests leave;
+    the reclaim rules keep it so.
     """
 
     def __init__(
@@ -501,6 +505,7 @@ class Engine:
         kv_low_watermark: float = 0.7,
         session_ttl: float | None = None,
         max_sessions: int | None = None,
+        max_tokens_limit: int | None = None,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -518,6 +523,8 @@ class Engine:
             raise ValueError(f"session_ttl must be > 0 seconds or None, got {session_ttl}")
         if max_sessions is not None and max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1 or None, got {max_sessions}")
+        if max_tokens_limit is not None and max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1 or None, got {max_tokens_limit}")
         kv_bytes = None if kv_memory is None else parse_size(kv_memory)
         self.model = _load_model(model, threads)
         # The context may use the whole pool (its token limit is the pool): idle sessions are
@@ -547,6 +554,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.context_shift = bool(context_shift)
         self.ctx_size = ctx_size
+        self.max_tokens_limit = max_tokens_limit
         # The longest sequence that can exist: ctx_size, unless the pool holds less.
         self._seq_limit = min(ctx_size, self._ctx.n_ctx, pool_tokens)
         self._limit_name = (
@@ -557,6 +565,8 @@ class Engine:
 
         self._cond = threading.Condition()
         self._closed = False
+        self._fatal: str | None = None  # why the engine thread stopped, if it did unasked
+        self._waiting_prio: dict[int, int] = {}  # waiting sequences by priority (for metrics)
         self._inbox: list[_Request] = []  # submitted, not yet seen by the engine thread
         self._cancels: list[_Request] = []
         self._arrival = itertools.count()
@@ -580,6 +590,9 @@ class Engine:
         self._preemptions = 0
         self._evictions = 0
         self._session_misses = 0
+        self._session_cached_tokens = 0
+        # (time, prompt tokens, cached tokens) of recent admissions: the recent hit rate.
+        self._recent_prompts: deque[tuple[float, int, int]] = deque()
         self._recent: deque[tuple[float, int, float]] = deque()  # (end, tokens, seconds)
         self._is_eog = self.model.is_eog
         self._piece = self.model.token_to_piece
@@ -610,6 +623,10 @@ class Engine:
         text or the token ids to feed as they are."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if self.max_tokens_limit is not None and max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"max_tokens must be <= max_tokens_limit={self.max_tokens_limit}, got {max_tokens}"
+            )
         # TypeError / ValueError naming the argument
         opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
         ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else self._ids(prompt)
@@ -926,6 +943,20 @@ class Engine:
         return self._on_engine(lambda: self._restore(sid, header, kv, path))
 
     # -- stats ---------------------------------------------------------------------------------
+    def health(self) -> str | None:
+        """None while the engine serves; else why it does not (closed, or its thread stopped
+        on an internal error: every request then fails at once)."""
+        if self._fatal is not None:
+            return self._fatal
+        if self._closed or not self._thread.is_alive():
+            return "the engine is closed"
+        return None
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        """Sequences waiting for the engine thread to admit them, by priority (any thread)."""
+        with self._cond:
+            return dict(self._waiting_prio)
+
     def stats(self) -> dict[str, float | int]:
         """Counters for monitoring; cheap and safe from any thread (never waits for a step).
 
@@ -941,7 +972,13 @@ class Engine:
         cached blocks the pool evicted for new content (all users of the model's pool, since
         it was made). ``kv_<kind>_*`` (``kind``: ``full``, ``window``) describe each layer
         group's pool: a model with sliding-window layers (Gemma 3) has both, and its
-        ``kv_window_blocks_used`` stays bounded by the window, not the context."""
+        ``kv_window_blocks_used`` stays bounded by the window, not the context.
+        ``prefix_hit_rate_recent``: the hit rate of requests admitted in the last 60 s;
+        ``cached_prompt_tokens_session`` / ``_prefix``: the cached prompt tokens held by a
+        resident session / mapped from the prefix index; ``prefix_lookups``,
+        ``prefix_hit_tokens``: the core's prefix lookups and the tokens they mapped (this
+        engine's context); ``prefix_blocks_shared``: pool blocks referenced by more than one
+        sequence; ``prefix_blocks_indexed``: blocks in the prefix index."""
         st = self._ctx.stats()
         total = int(st["blocks_total"])
         used = int(st["blocks_referenced"])
@@ -953,6 +990,9 @@ class Engine:
             running = len(self._running)
         prompt = self._prompt_tokens
         cached = self._cached_prompt_tokens
+        recent_prompts = [(p, c) for t, p, c in list(self._recent_prompts) if now - t <= 60.0]
+        recent_prompt = sum(p for p, _ in recent_prompts)
+        recent_cached = sum(c for _, c in recent_prompts)
         return {
             "kv_blocks_total": total,
             "kv_blocks_used": used,
@@ -962,6 +1002,13 @@ class Engine:
             "prompt_tokens": prompt,
             "cached_prompt_tokens": cached,
             "prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "prefix_hit_rate_recent": recent_cached / recent_prompt if recent_prompt else 0.0,
+            "cached_prompt_tokens_session": self._session_cached_tokens,
+            "cached_prompt_tokens_prefix": cached - self._session_cached_tokens,
+            "prefix_lookups": int(st["prefix_lookups"]),
+            "prefix_hit_tokens": int(st["prefix_hit_tokens"]),
+            "prefix_blocks_shared": int(st["blocks_shared"]),
+            "prefix_blocks_indexed": int(st["prefix_indexed"]),
             "generated_tokens": self._generated_tokens,
             "computed_tokens": self._computed_tokens,
             "evictions": self._evictions,
@@ -1001,7 +1048,8 @@ class Engine:
                         req.state = _WAITING
                         for child in req.children:
                             child.state = _WAITING
-                    self._n_waiting += sum(1 + len(req.children) for req in inbox)
+                    for req in inbox:
+                        self._waiting_changed(req, 1 + len(req.children))
                 self._expire_sessions()
                 for req in inbox:
                     self._accept(req)
@@ -1014,6 +1062,10 @@ class Engine:
                 except Exception as e:  # a failed decode (EngineError) or a bug: fail the batch
                     for req in list(self._running.values()):
                         self._finish(req, error=e)
+        except BaseException as e:
+            if not self._closed:
+                self._fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
+            raise
         finally:
             self._shutdown()
 
@@ -1024,6 +1076,7 @@ class Engine:
             pending = self._inbox + [r for _, r in self._waiting] + list(self._running.values())
             calls, self._calls = self._calls, []
             self._inbox, self._waiting, self._n_waiting = [], [], 0
+            self._waiting_prio.clear()
         for s in self._sessions.values():
             for item in s.pending:
                 if isinstance(item, _Call):
@@ -1058,16 +1111,25 @@ class Engine:
         if s.busy is None:
             self._session_next(s)
 
+    def _waiting_changed(self, req: _Request, d: int) -> None:
+        """``d`` more sequences of ``req``'s priority wait (call holding ``_cond``)."""
+        self._n_waiting += d
+        n = self._waiting_prio.get(req.priority, 0) + d
+        if n:
+            self._waiting_prio[req.priority] = n
+        else:
+            del self._waiting_prio[req.priority]
+
     def _fail_waiting(self, req: _Request, error: BaseException) -> None:
         with self._cond:
-            self._n_waiting -= 1
+            self._waiting_changed(req, -1)
         self._finish(req, error=error)
 
     def _drop(self, req: _Request) -> None:
         """A cancelled request leaves: its sequence is removed (full blocks stay cached)."""
         if req.state == _WAITING:
             with self._cond:
-                self._n_waiting -= 1  # its heap entry is skipped when it reaches the head
+                self._waiting_changed(req, -1)  # its heap entry is skipped at the head
         if req.state != _DONE:
             self._finish(req, error=asyncio.CancelledError())
 
@@ -1119,6 +1181,7 @@ class Engine:
                 prompt_tokens=req.n_prompt,
                 cached_tokens=max(req.cached_tokens, 0),
                 logprobs=req.logprobs,
+                session_cached_tokens=req.session_cached if req.cached_tokens >= 0 else 0,
             ),
             req.unsent_logprobs(),
         )
@@ -1129,7 +1192,7 @@ class Engine:
         for child in children:
             if child.state == _WAITING:
                 with self._cond:
-                    self._n_waiting -= 1
+                    self._waiting_changed(child, -1)
             if child.state != _DONE:
                 self._finish(child, error=error)
 
@@ -1150,7 +1213,7 @@ class Engine:
             child.cached_tokens = parent.cached_tokens
             child.state = _RUNNING
             with self._cond:
-                self._n_waiting -= 1
+                self._waiting_changed(child, -1)
                 self._running[child.seq] = child
             tok = int(np.argmax(row)) if child.argmax_only else child.sampler(row, child.ids)
             if child.n_logprobs is not None:
@@ -1173,7 +1236,7 @@ class Engine:
         req.n_done = 0
         heapq.heappush(self._waiting, (req.key, req))
         with self._cond:
-            self._n_waiting += 1
+            self._waiting_changed(req, 1)
 
     # -- sessions on the engine thread ----------------------------------------------------------
     def _session(self, session_id: str) -> Session:
@@ -1325,6 +1388,8 @@ class Engine:
             req.seq = s.seq
             if n == 0 and self.prefix_cache:
                 return self._ctx.match_prefix(req.seq, context)
+            if req.cached_tokens < 0:
+                req.session_cached = n
             return n
         s.seq = req.seq = self._alloc_seq()
         if req.cached_tokens < 0 and s.evicted:
@@ -1577,14 +1642,20 @@ class Engine:
         else:
             matched = self._attach(req)
         with self._cond:
-            self._n_waiting -= 1
+            self._waiting_changed(req, -1)
             self._running[req.seq] = req
         req.state = _RUNNING
         req.n_done = matched
         if req.cached_tokens < 0:  # first admission (not a resume after preemption)
             req.cached_tokens = min(matched, req.n_prompt)
+            req.session_cached = min(req.session_cached, req.cached_tokens)
             self._prompt_tokens += req.n_prompt
             self._cached_prompt_tokens += req.cached_tokens
+            self._session_cached_tokens += req.session_cached
+            now = time.monotonic()
+            self._recent_prompts.append((now, req.n_prompt, req.cached_tokens))
+            while self._recent_prompts and now - self._recent_prompts[0][0] > 60.0:
+                self._recent_prompts.popleft()
         return matched
 
     def _computing_shared_prefix(self, req: _Request) -> bool:
