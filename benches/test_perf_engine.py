@@ -73,8 +73,8 @@ def busy_engine(model_path: Path) -> Iterator[tuple[Engine, _InstantDecode]]:
     engine = Engine(model_path, parallel=RUNNING, ctx_size=1024, kv_memory="64MiB")
     n_vocab = engine.model.core.n_vocab
     rows = np.random.default_rng(0).normal(size=(RUNNING, n_vocab)).astype(np.float32)
-    clock = _InstantDecode(engine._ctx, rows)
-    engine._ctx = clock  # the engine thread is idle: it reads _ctx at its next step
+    clock = _InstantDecode(engine._loop.kv.ctx, rows)
+    engine._loop.kv.ctx = clock  # type: ignore[assignment]  # read at the engine's next step
     stop = threading.Event()
 
     def client(i: int) -> None:

@@ -43,6 +43,16 @@ STATS_KEYS = {
     "session_misses",
     "kv_blocks_evicted",
     "decode_tok_s",
+    "prefix_hit_rate_recent",
+    "cached_prompt_tokens_session",
+    "cached_prompt_tokens_prefix",
+    "prefix_lookups",
+    "prefix_hit_tokens",
+    "prefix_blocks_shared",
+    "prefix_blocks_indexed",
+    "failed_requests",
+    "decode_retries",
+    "context_resets",
 }
 
 SUBJECTS = ["cats", "rivers", "bread", "winter", "trains", "music", "gardens", "the moon"]
@@ -415,26 +425,35 @@ def test_a_prompt_being_prefilled_is_not_computed_twice(served: Model, oracle: M
     assert [g.tokens for g in got] == [sequential(oracle, u, 3).tokens for u in users]
 
 
-def test_priority_orders_admission(served: Model) -> None:
+def test_priority_orders_admission_and_preempts(served: Model) -> None:
+    """With one slot busy, a waiting request of higher priority preempts the running one (which
+    resumes later and finishes with the text an unloaded run gives) and goes before an earlier
+    waiting request of the running one's priority."""
     with Engine(served, parallel=1, ctx_size=256) as eng:
+        alone = eng.generate("Tell me a story", max_tokens=48, ignore_eos=True)
         done: list[str] = []
+        texts: dict[str, str] = {}
 
         async def run(name: str, prompt: str, n: int, priority: int) -> None:
-            await eng.agenerate(prompt, max_tokens=n, ignore_eos=True, priority=priority)
+            r = await eng.agenerate(prompt, max_tokens=n, ignore_eos=True, priority=priority)
+            texts[name] = r.text
             done.append(name)
 
         async def main() -> None:
-            first = asyncio.ensure_future(run("first", "Tell me a story", 12, 0))
-            while eng.stats()["running"] == 0:
-                await asyncio.sleep(0.005)
+            first = asyncio.ensure_future(run("first", "Tell me a story", 48, 0))
+            deadline = time.monotonic() + 60
+            while eng.stats()["generated_tokens"] < alone_tokens + 1:
+                assert time.monotonic() < deadline, "the first request never started"
+                await asyncio.sleep(0.002)
             low = asyncio.ensure_future(run("low", "Low priority", 2, 0))
             high = asyncio.ensure_future(run("high", "High priority", 2, 5))
-            while eng.stats()["waiting"] < 2:
-                await asyncio.sleep(0.001)
             await asyncio.gather(first, low, high)
 
+        alone_tokens = eng.stats()["generated_tokens"]
         asyncio.run(main())
-    assert done == ["first", "high", "low"]
+        assert eng.stats()["preemptions"] >= 1
+    assert done == ["high", "first", "low"]
+    assert texts["first"] == alone.text
 
 
 def test_the_event_loop_keeps_ticking_during_a_long_prefill(served: Model) -> None:

@@ -54,14 +54,13 @@ def spy_rows(engine: Engine) -> list[np.ndarray]:
     """Records the logits row of every sampled token (engines here run one request at a
     time)."""
     rows: list[np.ndarray] = []
-    sample = engine._sample
+    pick = engine._loop.pick
 
-    def spy(reqs: list[Any], batch: np.ndarray) -> list[int]:
-        assert len(reqs) == 1
-        rows.append(batch[0].astype(np.float64))
-        return sample(reqs, batch)
+    def spy(model: Any, req: Any, row: np.ndarray, greedy: int | None) -> int:
+        rows.append(np.asarray(row, dtype=np.float64))
+        return pick(model, req, row, greedy)
 
-    engine._sample = spy  # type: ignore[method-assign,assignment]
+    engine._loop.pick = spy  # type: ignore[method-assign]
     return rows
 
 
@@ -213,7 +212,7 @@ class _Recorder:
         out = self._ctx.decode(tokens, positions, seqs, flags)
         per: dict[int, tuple[list[int], list[int], int, int]] = {}
         for s in set(seqs):
-            req = self._engine._running[s]
+            req = self._engine._loop.sched.running[s]
             idx = [i for i, x in enumerate(seqs) if x == s]
             per[s] = ([tokens[i] for i in idx], [positions[i] for i in idx], id(req), len(req.ids))
         self.calls.append(per)
@@ -236,8 +235,8 @@ def test_a_preempted_shifted_request_resumes_from_its_shifted_context(
     per_block = int(oracle.new_context(16).stats()["bytes_per_block"])
     served = Model.load(model_path, threads=2)  # a fresh model: its pool is made this small
     eng = Engine(served, parallel=2, ctx_size=LIMIT, kv_memory=6 * per_block, context_shift=True)
-    rec = _Recorder(eng._ctx, eng)
-    eng._ctx = rec  # type: ignore[assignment]
+    rec = _Recorder(eng._loop.kv.ctx, eng)
+    eng._loop.kv.ctx = rec  # type: ignore[assignment]
     results: dict[str, Any] = {}
     try:
 
@@ -246,7 +245,7 @@ def test_a_preempted_shifted_request_resumes_from_its_shifted_context(
 
         ta = threading.Thread(target=run_a)
         ta.start()
-        wait_until(lambda: any(r.shift > 0 for r in list(eng._running.values())))
+        wait_until(lambda: any(r.shift > 0 for r in list(eng._loop.sched.running.values())))
         b_prompt = "A list of the planets, one per line, with a short fact about each:"
         results["b"] = eng.generate(b_prompt, max_tokens=40, ignore_eos=True, priority=1)
         ta.join()

@@ -589,11 +589,11 @@ def test_a_gemma_session_past_the_window_saves_loads_and_continues_as_in_place(
                 base["kv_blocks_used"],
                 base["kv_blocks_cached"],
             ), name
-            b._on_engine(b._ctx.audit)
+            b._on_engine(b._loop.kv.ctx.audit)
         assert b.load_session(path) == "g"
         assert b.sessions()[0].tokens == stored
         assert b.stats()["prompt_tokens"] == 0  # loading computed nothing
         loaded = b.generate(p2, max_tokens=12, session_id="g")
-        b._on_engine(b._ctx.audit)
+        b._on_engine(b._loop.kv.ctx.audit)
     assert (loaded.tokens, loaded.text) == (in_place.tokens, in_place.text)
     assert loaded.cached_tokens == stored

@@ -1,0 +1,84 @@
+"""kvserve.Engine: one model shared by many callers through continuous batching.
+
+One engine thread owns one decoding context over the model's shared K/V memory and runs
+*steps*; callers (sync calls from any thread, async calls from any task) only queue requests
+and receive results. The thread sleeps on a condition while there is nothing to do.
+
+One step:
+1. take new requests and cancellations queued since the last step (cancelled sequences are
+   removed with ``seq_rm``; their full blocks stay cached for prefix reuse);
+2. admit waiting requests, highest ``priority`` first and FCFS within a priority, while fewer
+   than ``parallel`` run and the pool has room for the prompt (plus a block to grow) beside
+   what the running sequences still need; an admitted request first maps the longest cached
+   prefix of its tokens (``match_prefix``), so only the rest is computed. A request whose
+   prompt starts with whole blocks that a running request is prefilling right now waits
+   (keeping its place) until they are computed and cached, instead of computing them again.
+   While the step's prompt budget is taken, a request of the head's priority that needs at
+   most a few blocks of prompt computed (the rest cached: a shared document, a session's next
+   turn) is admitted out of turn if memory and a slot (leaving one for the head) allow;
+3. build ONE batch: one token for every sequence that is generating, then chunks of the
+   prompts still being prefilled (short remainders first, then highest priority, earliest
+   first) up to ``batch_tokens``
+   tokens in all (chunked prefill: a long prompt never stalls the running streams for more
+   than one chunk);
+4. ``decode`` it (the GIL is released). If the pool cannot hold the batch (``KvCacheFull``),
+   the lowest-priority, latest-arrived sequence is *preempted* (its blocks released; it goes
+   back to the waiting queue with its place and is later resumed by recomputing its prompt and
+   generated tokens, with prefix reuse), and the batch is rebuilt and retried. Only a request
+   that cannot fit when it runs alone fails (``KvCacheFull``);
+5. sample every row at once (greedy rows without logit bias or penalties with one argmax over
+   the batch; the others with each request's own sampler: bias and penalties over its tokens,
+   then argmax or its own seeded generator, so a seeded request gives the same tokens whatever
+   else is in the batch), deliver the text (and the token's logprobs when asked), check
+   end-of-generation, stop strings, max_tokens and ``ctx_size``, and retire finished sequences.
+
+Per-step cost: O(R + T + W_admitted) Python work plus the argmax/sampling over R rows of
+``n_vocab`` logits, where R is the number of running sequences (at most ``parallel``), T the
+batch's tokens (at most ``batch_tokens`` plus R) and W_admitted the requests admitted in the
+step (each O(log W) out of a heap of W waiting requests); a step whose prompt budget is full
+also peeks at the cached prefix of the first 2 x parallel waiting requests (the fast lane:
+O(min(W, 2P) x prompt blocks) hash lookups). Otherwise nothing scans all requests: cancelled
+waiting requests are dropped lazily when they reach the head of the queue; only a preemption
+scans the R running sequences for its victim.
+
+Generation follows :meth:`kvserve.Model.generate` exactly (same tokenization, stop rules,
+``finish_reason`` and text assembly), so a greedy request gives the tokens that model's own
+generation gives for the same prompt.
+
+Sessions (``session_id=``; the bookkeeping lives in :mod:`kvserve.sessions`):
+- A session is a named conversation: its tokens (every prompt and output so far) and, while it
+  is *resident*, a sequence of the context that holds their K/V between requests (a *parked*
+  sequence: sequence ids are not limited to ``parallel``; at most ``parallel`` sequences run).
+  A request on a session continues it: its prompt is tokenized without BOS and appended to the
+  session's tokens, and the request starts from the parked sequence, so only the new tokens are
+  computed (``cached_tokens`` counts the rest). A finished turn (``stop``/``length``) decodes
+  its last output token too before it parks (one more row in the next step, no logits), so the
+  next turn computes only its own tokens. A turn that fails or is cancelled leaves the session
+  as it was. An unknown id starts a new session (the prompt as usual, with BOS).
+- One request at a time per session: a second request on a busy session waits until the
+  first has finished (FIFO per session; the waiting time counts as ``waiting``), and so do
+  ``save_session``/``drop_session`` called on a busy session.
+- Reclaim: after every step, when the pool's usage (referenced blocks / total) is above
+  ``kv_high_watermark``, idle resident sessions are *evicted* — lowest priority (of their last
+  request) first, least recently used first within a priority — until usage is at most
+  ``kv_low_watermark``. When the pool is short for running requests (admission or a decode),
+  idle sessions are evicted first, then the K/V of sessions whose next request is still
+  waiting, and only then is a running request preempted. Evicting releases the sequence (its
+  full blocks stay in the prefix index as cached blocks) and keeps the tokens: the session's
+  next turn recomputes its K/V, mapping what is still cached (``session_misses`` counts such
+  turns). A session idle for ``session_ttl`` seconds is dropped (tokens too); with
+  ``max_sessions`` set, creating or loading one more drops the least recently used idle
+  session (an error if every session is busy).
+- ``save_session`` writes a session (tokens, random generator state, and the K/V of its cells
+  as stored; with sliding-window layers, what each layer group holds) to a checksummed file
+  atomically; ``load_session`` restores it without recomputation. Session operations run on
+  the engine thread between steps.
+"""
+
+from __future__ import annotations
+
+from ..sessions import SessionFileError, SessionInfo
+from .api import Engine
+from .requests import Delta, parse_size
+
+__all__ = ["Delta", "Engine", "SessionFileError", "SessionInfo", "parse_size"]

@@ -1,0 +1,605 @@
+"""The front end: :class:`Engine`'s public API. It validates arguments, builds requests and
+their sinks, and hands them to the engine thread (:mod:`kvserve.engine.loop`); everything else
+happens there."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
+
+from typing_extensions import Unpack
+
+from .. import models
+from .._model import GenerateResult, Model, StrPath, prompt_ids
+from ..options import RequestOptions, resolve
+from ..sessions import SessionInfo, Turn, check_header, read_session_file, write_session_file
+from ..testing import Faults
+from .kv import KvManager
+from .loop import HIT_WINDOW_S, RATE_WINDOW_S, EngineLoop
+from .requests import (
+    Call,
+    ChoiceSink,
+    Delta,
+    End,
+    FutureSink,
+    LoopSink,
+    Request,
+    parse_size,
+)
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ..chat import Message
+
+__all__ = ["Engine"]
+
+T = TypeVar("T")
+
+
+def _load_model(model: Model | StrPath | None, threads: int | None) -> Model:
+    if isinstance(model, Model):
+        if threads is not None:
+            raise ValueError("threads applies only when the engine loads the model; got a Model")
+        return model
+    if model is None:
+        return Model.load(None, threads)
+    if isinstance(model, str) and model in models.REGISTRY and not Path(model).exists():
+        return Model(models.pull(model, quiet=True), threads)
+    return Model(model, threads)
+
+
+def _group_stats(st: dict[str, Any]) -> dict[str, float | int]:
+    """``kv_<kind>_*`` counters of each layer group in a context's ``stats()``."""
+    out: dict[str, float | int] = {}
+    for g in st.get("groups", []):
+        k = str(g["kind"])
+        total, used = int(g["blocks_total"]), int(g["blocks_referenced"])
+        out[f"kv_{k}_layers"] = int(g["layers"])
+        out[f"kv_{k}_blocks_total"] = total
+        out[f"kv_{k}_blocks_used"] = used
+        out[f"kv_{k}_blocks_cached"] = int(g["blocks_cached"])
+        out[f"kv_{k}_bytes_used"] = int(g["bytes_referenced"])
+        out[f"kv_{k}_bytes_total"] = int(g["bytes_total"])
+        out[f"kv_{k}_usage"] = used / total if total else 0.0
+    return out
+
+
+class Engine:
+    """Serves one model to many callers at once; see the module docs.
+
+    ``model``: a :class:`Model`, a GGUF path or a registered model name; None = the default
+    model. ``threads``: worker threads when the engine loads the model. ``parallel``: the most
+    sequences decoded together. ``ctx_size``: the most tokens (prompt + output) of one
+    sequence. ``kv_memory``: the K/V pool in bytes (an int or a size string such as
+    ``"2GiB"``); None sizes it for ``parallel x ctx_size`` tokens. The pool is the model's
+    (shared with its other contexts of the same ``kv_type``); if it exists already and is in
+    use, it is shared as it is. ``batch_tokens``: tokens per step for prompts (chunked prefill;
+    generating sequences always get their one token). ``prefix_cache``: reuse and publish
+    cached prompt prefixes. ``context_shift``: the default of the per-request option (a
+    sequence that reaches ``ctx_size`` drops the older half of its context after ``n_keep``
+    tokens and goes on, as llama.cpp's ``--context-shift``; off: it finishes with
+    ``finish_reason="context"``).
+
+    Sessions (module docs): ``kv_high_watermark`` / ``kv_low_watermark`` (0 < low <= high <= 1):
+    idle sessions are evicted when the pool's usage passes the high mark, down to the low mark;
+    ``session_ttl``: seconds an idle session is kept (None: no limit); ``max_sessions``: most
+    sessions held at once (None: no limit). ``max_tokens_limit``: the most tokens one request
+    may ask to generate (``max_tokens`` above it is a ``ValueError``; None: no limit), so that
+    neither ``ignore_eos`` nor ``context_shift`` holds a slot without end.
+    ``priority_aging_s``: a request that has waited this long is admitted before every request
+    that has not, whatever their priorities (None: never), so low priority is never starved.
+    The engine's context may use the whole K/V pool, so idle sessions can hold whatever the
+    running requests leave; the reclaim rules keep it so.
+    """
+
+    def __init__(
+        self,
+        model: Model | StrPath | None = None,
+        *,
+        threads: int | None = None,
+        parallel: int = 16,
+        ctx_size: int = 4096,
+        kv_memory: int | str | None = None,
+        kv_type: str = "f16",
+        batch_tokens: int = 512,
+        prefix_cache: bool = True,
+        context_shift: bool = False,
+        kv_high_watermark: float = 0.9,
+        kv_low_watermark: float = 0.7,
+        session_ttl: float | None = None,
+        max_sessions: int | None = None,
+        max_tokens_limit: int | None = None,
+        priority_aging_s: float | None = 30.0,
+    ) -> None:
+        for name, value in (
+            ("parallel", parallel),
+            ("ctx_size", ctx_size),
+            ("batch_tokens", batch_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < kv_low_watermark <= kv_high_watermark <= 1.0:
+            raise ValueError(
+                "watermarks must satisfy 0 < kv_low_watermark <= kv_high_watermark <= 1, got"
+                f" {kv_low_watermark} and {kv_high_watermark}"
+            )
+        if session_ttl is not None and not session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 seconds or None, got {session_ttl}")
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1 or None, got {max_sessions}")
+        if max_tokens_limit is not None and max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1 or None, got {max_tokens_limit}")
+        kv_bytes = None if kv_memory is None else parse_size(kv_memory)
+        if priority_aging_s is not None and not priority_aging_s > 0:
+            raise ValueError(
+                f"priority_aging_s must be > 0 seconds or None, got {priority_aging_s}"
+            )
+        self.model = _load_model(model, threads)
+        # The context may use the whole pool (its token limit is the pool): idle sessions are
+        # parked beside the running sequences, and the reclaim policy, not the context's
+        # n_ctx, decides how much they keep. The pool is sized for parallel x ctx_size tokens
+        # unless kv_memory says otherwise.
+        kv = KvManager(
+            self.model,
+            n_ctx=parallel * ctx_size,
+            kv_type=kv_type,
+            kv_memory=kv_bytes,
+            prefix_cache=prefix_cache,
+            memory_tokens=None if kv_bytes is not None else parallel * ctx_size,
+            parallel=parallel,
+            # prompt chunks of batch_tokens plus one token per running sequence
+            n_batch=batch_tokens + parallel,
+        )
+        self.kv_type = kv.kv_type
+        self.parallel = parallel
+        self.batch_tokens = batch_tokens
+        self.prefix_cache = prefix_cache
+        self.context_shift = bool(context_shift)
+        self.ctx_size = ctx_size
+        self.max_tokens_limit = max_tokens_limit
+        self.priority_aging_s = priority_aging_s
+        # The longest sequence that can exist: ctx_size, unless the pool holds less.
+        self._seq_limit = min(ctx_size, kv.n_ctx, kv.pool_tokens)
+        self._limit_name = (
+            f"ctx_size={ctx_size}"
+            if self._seq_limit == ctx_size
+            else f"the KV pool's {self._seq_limit} tokens (kv_memory)"
+        )
+        self._arrival = itertools.count()
+        sched = Scheduler(
+            parallel=parallel,
+            batch_tokens=batch_tokens,
+            block_size=kv.block,
+            prefix_cache=prefix_cache,
+            aging_s=priority_aging_s,
+        )
+        self._loop = EngineLoop(
+            self.model,
+            kv,
+            sched,
+            seq_limit=self._seq_limit,
+            limit_name=self._limit_name,
+            kv_high_watermark=kv_high_watermark,
+            kv_low_watermark=kv_low_watermark,
+            session_ttl=session_ttl,
+            max_sessions=max_sessions,
+        )
+        self._sessions = self._loop.sessions
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine thread; requests still queued or running fail with RuntimeError."""
+        self._loop.close()
+
+    @property
+    def faults(self) -> Faults:
+        """Fault injection for tests (:mod:`kvserve.testing`)."""
+        return self._loop.faults
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests ------------------------------------------------------------------------------
+    def _request(
+        self, prompt: str | Sequence[int], max_tokens: int, options: RequestOptions
+    ) -> Request:
+        """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
+        text or the token ids to feed as they are."""
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if self.max_tokens_limit is not None and max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"max_tokens must be <= max_tokens_limit={self.max_tokens_limit}, got {max_tokens}"
+            )
+        # TypeError / ValueError naming the argument
+        opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
+        ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else self._ids(prompt)
+        turn = None
+        n = len(ids)
+        if opts.session_id is not None:
+            # Text continues the session (no second BOS); token ids (a chat) give the whole
+            # conversation, which reuses the longest prefix the session holds.
+            cont = (
+                self.model.tokenize(prompt, add_special=False, parse_special=True)
+                if isinstance(prompt, str)
+                else None
+            )
+            turn = Turn(opts.session_id, ids, cont)
+            s = self._sessions.table.get(opts.session_id)  # a snapshot: the length, early
+            if s is not None and s.ids and cont is not None:
+                n = len(s.ids) + len(cont)
+        if n > self._seq_limit:
+            what = "the prompt" if n == len(ids) else "the session with this prompt"
+            raise ValueError(f"{what} has {n} tokens, more than {self._limit_name} allows")
+        req = Request(
+            ids,
+            max_tokens,
+            opts.sampler,
+            opts.stops,
+            opts.ignore_eos,
+            opts.priority,
+            logprobs=opts.logprobs,
+        )
+        req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
+        req.keep = self._keep(opts.n_keep)
+        req.turn = turn
+        return req
+
+    def _keep(self, n_keep: int) -> int:
+        """Tokens a context shift keeps at the start (llama.cpp's server rule: ``n_keep``, plus
+        the BOS when the model adds one, at most the limit less 4)."""
+        if n_keep >= self._seq_limit:
+            raise ValueError(f"n_keep must be < {self._limit_name}, got {n_keep}")
+        return max(0, min(self._seq_limit - 4, n_keep + int(self.model.add_bos)))
+
+    def _ids(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` checked as a prompt of token ids (a ``ValueError`` naming the bad one)."""
+        ids = list(tokens)
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        n_vocab = self.model.n_vocab
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, not a token id in [0, {n_vocab})")
+        return ids
+
+    def _submit(self, req: Request) -> None:
+        self._loop.submit(req, lambda: next(self._arrival))
+
+    def _cancel(self, *reqs: Request) -> None:
+        """Ask the engine thread to drop ``reqs`` at its next step."""
+        self._loop.cancel(*reqs)
+
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """Complete ``prompt`` (blocking; any thread). ``options``: see
+        :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``,
+        ``session_id``: continue that session, see the module docs)."""
+        return self._wait(self._request(prompt, max_tokens, options))
+
+    def _wait(self, req: Request) -> GenerateResult:
+        sink = FutureSink()
+        req.sink = sink
+        self._submit(req)
+        try:
+            return sink.future.result()
+        except BaseException:
+            self._cancel(req)
+            raise
+
+    async def agenerate(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """:meth:`generate` for asyncio; cancelling the task cancels the request."""
+        return await self._await(self._request(prompt, max_tokens, options))
+
+    async def _await(self, req: Request) -> GenerateResult:
+        sink = LoopSink(asyncio.get_running_loop(), stream=False)
+        req.sink = sink
+        self._submit(req)
+        try:
+            return await sink.result
+        finally:
+            self._cancel(req)  # no-op once the request is done
+
+    def stream(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str, None]:
+        """``async for piece in engine.stream(...)``: text pieces (whole characters) as they
+        come; they join to :meth:`generate`'s text. Arguments are checked at the call; the
+        request is queued when iteration starts. Closing the iterator early (``break``,
+        ``aclose()``) or cancelling its task cancels the request."""
+        req = self._request(prompt, max_tokens, options)
+        return cast("AsyncGenerator[str, None]", self._stream(req))  # only str without results
+
+    def events(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str | GenerateResult, None]:
+        """:meth:`stream` that ends with the request's :class:`GenerateResult` (finish reason,
+        token counts, tokens): text pieces (``str``) as they come, then the result as the last
+        item. ``prompt`` is text, or token ids fed as they are (no BOS added; each checked
+        against the vocabulary). This is what a server needs to stream and then report usage."""
+        req = self._request(prompt, max_tokens, options)
+        return self._stream(req, with_result=True)
+
+    def choices(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        n: int = 1,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[Delta, None]:
+        """``n`` completions of one prompt, streamed as :class:`Delta` items (each choice's
+        deltas in order, the choices interleaved as they come; each choice ends with a delta
+        that carries its result). ``prompt`` is text or token ids, as for :meth:`events`.
+
+        The prompt is computed once: the request runs as one sequence until its prompt is
+        computed, then the other ``n - 1`` choices fork from it (``seq_cp``: they share its
+        K/V blocks; a partial last block is copied when a choice first writes into it), each
+        picks its first token from the same logits and goes on as a sequence of its own. The
+        choices are admitted together (they need ``n`` of the ``parallel`` slots), so
+        ``1 <= n <= parallel``. Choice ``j`` samples with its own generator: with ``seed``,
+        seeded ``seed + j`` (choice 0 is what the same request with ``n=1`` gives); without,
+        each draws fresh entropy. Greedy choices are all the one greedy completion. The
+        engine's ``prompt_tokens`` counts the prompt once. With ``session_id``, ``n`` must be 1.
+        Arguments are checked at the call; closing the iterator early or cancelling its task
+        cancels every choice; the first failed choice raises its error (and cancels the rest).
+        """
+        reqs = self._group(prompt, max_tokens, n, options)
+        return self._stream_choices(reqs)
+
+    def _group(
+        self, prompt: str | Sequence[int], max_tokens: int, n: int, options: RequestOptions
+    ) -> list[Request]:
+        """The requests of :meth:`choices`: the first, which holds the others as its
+        ``children`` until they fork."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.parallel:
+            raise ValueError(f"n must be an integer in [1, parallel={self.parallel}], got {n!r}")
+        req = self._request(prompt, max_tokens, options)
+        if n > 1 and req.turn is not None:
+            raise ValueError("n must be 1 with session_id (a session continues one conversation)")
+        seed = options.get("seed")
+        for j in range(1, n):
+            opts = resolve(
+                options if seed is None else {**options, "seed": seed + j},
+                n_vocab=self.model.n_vocab,
+                engine=True,
+            )
+            child = Request(
+                list(req.ids),
+                max_tokens,
+                opts.sampler,
+                opts.stops,
+                opts.ignore_eos,
+                opts.priority,
+                logprobs=opts.logprobs,
+            )
+            child.context_shift, child.keep = req.context_shift, req.keep
+            req.children.append(child)
+        return [req, *req.children]
+
+    async def _stream_choices(self, reqs: list[Request]) -> AsyncGenerator[Delta, None]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta | End] = asyncio.Queue()
+        for i, req in enumerate(reqs):
+            req.sink = ChoiceSink(loop, queue, i)
+        self._submit(reqs[0])
+        try:
+            left = len(reqs)
+            while left:
+                item = await queue.get()
+                if isinstance(item, End):
+                    raise item.error or RuntimeError("a choice ended without a result")
+                if item.result is not None:
+                    left -= 1
+                yield item
+        finally:
+            self._cancel(*reqs)
+
+    async def _stream(
+        self, req: Request, with_result: bool = False
+    ) -> AsyncGenerator[str | GenerateResult, None]:
+        sink = LoopSink(asyncio.get_running_loop(), stream=True)
+        assert sink.queue is not None
+        req.sink = sink
+        self._submit(req)
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, End):
+                    if item.error is not None:
+                        raise item.error
+                    if with_result and item.result is not None:
+                        yield item.result
+                    break
+                yield item
+        finally:
+            self._cancel(req)
+
+    # -- chat --------------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """Reply to ``messages`` (blocking; any thread): the model's chat template with the
+        generation prompt (:meth:`Model.tokenize_chat`), then as :meth:`generate`. Bad messages
+        and template errors raise ``ValueError`` at the call, before anything is queued. With
+        ``session_id``, ``messages`` is the whole conversation: the turn reuses the longest
+        prefix of its tokens that the session holds and computes the rest."""
+        return self._wait(self._request(self.model.tokenize_chat(messages), max_tokens, options))
+
+    async def achat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> GenerateResult:
+        """:meth:`chat` for asyncio; cancelling the task cancels the request."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return await self._await(req)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int = 128,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerator[str, None]:
+        """:meth:`stream` for a chat: the reply's text pieces; arguments and messages are
+        checked at the call."""
+        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
+        return cast("AsyncGenerator[str, None]", self._stream(req))
+
+    # -- sessions ------------------------------------------------------------------------------
+    def _on_engine(self, fn: Callable[[], T], session_id: str | None = None) -> T:
+        """Runs ``fn`` on the engine thread between steps (after the requests queued on
+        ``session_id`` before it) and returns its result or raises its error."""
+        call = Call(fn, session_id)
+        self._loop.call(call)
+        result: T = call.future.result()
+        return result
+
+    def sessions(self) -> list[SessionInfo]:
+        """Every session held: id, token count, last use (wall time), whether its K/V is
+        resident, whether it is busy."""
+        return self._on_engine(lambda: [s.info() for s in self._sessions.table.values()])
+
+    def drop_session(self, session_id: str) -> None:
+        """Forgets a session (after the requests already queued on it): its tokens and its
+        K/V (full blocks stay cached for prefix reuse). ``KeyError`` for an unknown id."""
+        self._on_engine(lambda: self._sessions.drop(self._sessions.get(session_id)), session_id)
+
+    def save_session(self, session_id: str, path: StrPath) -> None:
+        """Writes the session (after the requests already queued on it) to ``path``: its
+        tokens, random generator state and the K/V of its cells in the pool's storage type,
+        versioned and checksummed, atomically (a temporary file in the same directory, renamed;
+        an interrupted save leaves an existing ``path`` as it was). An evicted session is
+        saved with the K/V the prefix cache still holds for it (its next turn computes the
+        rest). ``KeyError`` for an unknown id."""
+        header, kv = self._on_engine(lambda: self._sessions.snapshot(session_id), session_id)
+        write_session_file(path, header, kv)
+
+    def load_session(self, path: StrPath, session_id: str | None = None) -> str:
+        """Restores a session saved by :meth:`save_session` (by any engine of the same model
+        and ``kv_type``) under its saved id, or ``session_id``; returns the id. Its K/V is
+        written back as saved, not recomputed: its next turn computes only the new tokens.
+        A truncated, corrupt, other-version, other-model or other-``kv_type`` file raises
+        :class:`SessionFileError` (a ``ValueError``), an id in use ``ValueError``, no room in
+        the pool ``KvCacheFull``; in every case nothing was loaded."""
+        header, kv = read_session_file(path)
+        check_header(header, path, self.model.core.identity, self.kv_type)
+        sid = header["session_id"] if session_id is None else session_id
+        if not isinstance(sid, str) or not sid:
+            raise ValueError(f"session_id must be a non-empty string, got {sid!r}")
+        return self._on_engine(lambda: self._sessions.restore(sid, header, kv, path))
+
+    # -- stats ---------------------------------------------------------------------------------
+    def health(self) -> str | None:
+        """None while the engine serves; else why it does not (closed, or its thread stopped
+        on an internal error: every request then fails at once)."""
+        loop = self._loop
+        if loop.fatal is not None:
+            return loop.fatal
+        if loop.closed or not loop.thread.is_alive():
+            return "the engine is closed"
+        return None
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        """Sequences waiting for the engine thread to admit them, by priority (any thread)."""
+        with self._loop.cond:
+            return dict(self._loop.waiting_prio)
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters for monitoring; cheap and safe from any thread (never waits for a step).
+
+        ``kv_*`` describe the model's K/V pool (``kv_blocks_used``: blocks referenced by live
+        sequences; ``kv_blocks_cached``: unreferenced blocks kept for prefix reuse).
+        ``prompt_tokens``/``cached_prompt_tokens`` count admitted requests' prompts (a
+        :meth:`choices` request's once) and the part reused at admission; ``computed_tokens``
+        counts the tokens fed to the model (prompt tokens not reused, recomputation after a
+        preemption or an eviction, and every generated token but each sequence's last);
+        ``decode_tok_s`` is tokens generated per second of step time over the last 10 s.
+        ``sessions``: sessions held; ``evictions``: times an idle session's K/V was reclaimed;
+        ``session_misses``: turns of an evicted session (recomputed); ``kv_blocks_evicted``:
+        cached blocks the pool evicted for new content (all users of the model's pool, since
+        it was made). ``kv_<kind>_*`` (``kind``: ``full``, ``window``) describe each layer
+        group's pool: a model with sliding-window layers (Gemma 3) has both, and its
+        ``kv_window_blocks_used`` stays bounded by the window, not the context.
+        ``prefix_hit_rate_recent``: the hit rate of requests admitted in the last 60 s;
+        ``cached_prompt_tokens_session`` / ``_prefix``: the cached prompt tokens held by a
+        resident session / mapped from the prefix index; ``prefix_lookups``,
+        ``prefix_hit_tokens``: the core's prefix lookups and the tokens they mapped (this
+        engine's context); ``prefix_blocks_shared``: pool blocks referenced by more than one
+        sequence; ``prefix_blocks_indexed``: blocks in the prefix index. ``failed_requests``:
+        requests failed by an error on the engine thread (containment: each failed alone);
+        ``decode_retries``: batches that failed and were retried or split;
+        ``context_resets``: contexts replaced after an internal error closed them."""
+        loop = self._loop
+        st = loop.kv.stats()
+        total = int(st["blocks_total"])
+        used = int(st["blocks_referenced"])
+        now = time.monotonic()
+        recent = [(n, dt) for end, n, dt in list(loop.recent) if now - end <= RATE_WINDOW_S]
+        busy = sum(dt for _, dt in recent)
+        with loop.cond:
+            waiting = loop.n_waiting + loop.inbox_size()
+            running = len(loop.sched.running)
+        prompt = loop.prompt_tokens
+        cached = loop.cached_prompt_tokens
+        recent_prompts = [
+            (p, c) for t, p, c in list(loop.recent_prompts) if now - t <= HIT_WINDOW_S
+        ]
+        recent_prompt = sum(p for p, _ in recent_prompts)
+        recent_cached = sum(c for _, c in recent_prompts)
+        return {
+            "kv_blocks_total": total,
+            "kv_blocks_used": used,
+            "kv_blocks_cached": int(st["blocks_cached"]),
+            "kv_bytes_used": used * int(st["bytes_per_block"]),
+            "kv_usage": used / total if total else 0.0,
+            "prompt_tokens": prompt,
+            "cached_prompt_tokens": cached,
+            "prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "prefix_hit_rate_recent": recent_cached / recent_prompt if recent_prompt else 0.0,
+            "cached_prompt_tokens_session": loop.session_cached_tokens,
+            "cached_prompt_tokens_prefix": cached - loop.session_cached_tokens,
+            "prefix_lookups": int(st["prefix_lookups"]),
+            "prefix_hit_tokens": int(st["prefix_hit_tokens"]),
+            "prefix_blocks_shared": int(st["blocks_shared"]),
+            "prefix_blocks_indexed": int(st["prefix_indexed"]),
+            "generated_tokens": loop.generated_tokens,
+            "computed_tokens": loop.computed_tokens,
+            "evictions": loop.sessions.evictions,
+            "preemptions": loop.preemptions,
+            "failed_requests": loop.failed_requests,
+            "decode_retries": loop.decode_retries,
+            "context_resets": loop.kv.reopened,
+            "running": running,
+            "waiting": waiting,
+            "sessions": len(loop.sessions),
+            "session_misses": loop.sessions.misses,
+            "kv_blocks_evicted": int(st["blocks_evicted"]),
+            "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
+            **_group_stats(st),
+        }

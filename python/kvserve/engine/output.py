@@ -1,0 +1,68 @@
+"""Output processing: tokens from a step's logits, then text. Sampling (one argmax over every
+plain greedy row, each other row with its request's own sampler), log-probabilities,
+incremental detokenization and stop strings (:class:`kvserve.textstream.TextStream`: work per
+token bounded by the new text, not the stop list), and the rules that end a generation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from .._model import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, token_logprob
+from .requests import Request
+
+if TYPE_CHECKING:
+    from .._model import Model
+
+__all__ = ["argmax_rows", "deliver", "pick"]
+
+
+def argmax_rows(reqs: list[Request], rows: np.ndarray) -> dict[int, int]:
+    """The tokens of the plain greedy rows (no bias, no penalties) with one argmax over all of
+    them (sampling.greedy's rule, the first maximum, without its float64 copy): row -> token."""
+    plain = [i for i, r in enumerate(reqs) if r.argmax_only]
+    if not plain:
+        return {}
+    best = np.argmax(rows[plain] if len(plain) < len(reqs) else rows, axis=-1)
+    return dict(zip(plain, best.tolist()))
+
+
+def pick(model: Model, req: Request, row: np.ndarray, greedy: int | None) -> int:
+    """``req``'s token from its logits ``row`` (``greedy``: the argmax when it is a plain greedy
+    row): its own sampler otherwise (bias and penalties over its tokens, then greedy or its own
+    seeded generator). A request that asked for logprobs gets the token's entry, from the raw
+    row, in ``pending_logprob``."""
+    tok = greedy if greedy is not None else req.sampler(row, req.ids)
+    if req.n_logprobs is not None:
+        req.pending_logprob = token_logprob(model, row, tok, req.n_logprobs)
+    return tok
+
+
+def deliver(
+    req: Request,
+    tok: int,
+    piece: Callable[[int], bytes],
+    is_eog: Callable[[int], bool],
+    seq_limit: int,
+) -> tuple[bool, str | None]:
+    """Hands ``tok`` to ``req``: (whether it counts as generated, the finish reason when the
+    request is done now, else None). ``FINISH_CONTEXT`` means the sequence is full: the caller
+    shifts its context or finishes it."""
+    if not req.ignore_eos and is_eog(tok):
+        return False, FINISH_STOP
+    req.ids.append(tok)
+    if req.logprobs is not None and req.pending_logprob is not None:
+        req.logprobs.append(req.pending_logprob)
+        req.pending_logprob = None
+    out = req.text.push(piece(tok))
+    if out:
+        req.pieces.append(out)
+        req.sink.piece(out, req.unsent_logprobs())
+    if req.text.stopped:
+        return True, FINISH_STOP
+    if req.n_generated >= req.max_tokens:
+        return True, FINISH_LENGTH
+    if req.n_tokens - 1 >= seq_limit:
+        return True, FINISH_CONTEXT
+    return True, None
