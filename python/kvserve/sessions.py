@@ -11,7 +11,7 @@ eviction, TTL, ``max_sessions``).
 - :class:`SessionTable`: every session by id, plus the idle ones in last-use order (TTL and
   ``max_sessions`` take the oldest) and the idle *resident* ones per priority in last-use order
   (reclaim evicts the lowest priority, least recently used first). Every operation is O(1)
-  except :meth:`SessionTable.victim`, O(distinct priorities).
+  except :meth:`SessionTable.victim`, O(distinct priorities of idle resident sessions).
 - Session files (:func:`write_session_file`, :func:`read_session_file`), format version 1::
 
       offset  bytes  field
@@ -165,6 +165,7 @@ class SessionTable:
         self.by_id: dict[str, Session] = {}
         self._idle: OrderedDict[str, Session] = OrderedDict()
         self._parked: dict[int, OrderedDict[str, Session]] = {}
+        self._parked_at: dict[str, int] = {}  # the priority each parked session is filed under
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -177,13 +178,14 @@ class SessionTable:
         self.idle(s)
 
     def idle(self, s: Session) -> None:
-        """``s`` has nothing running: it joins the idle orders as the most recently used."""
+        """``s`` has nothing running: it joins the idle orders as the most recently used (the
+        resident ones under its current priority)."""
         self._idle[s.id] = s
         self._idle.move_to_end(s.id)
+        self._unpark(s)
         if s.resident:
-            q = self._parked.setdefault(s.priority, OrderedDict())
-            q[s.id] = s
-            q.move_to_end(s.id)
+            self._parked.setdefault(s.priority, OrderedDict())[s.id] = s
+            self._parked_at[s.id] = s.priority
 
     def busy(self, s: Session) -> None:
         """``s`` runs something: it leaves the idle orders (it is neither expired nor evicted)."""
@@ -191,22 +193,25 @@ class SessionTable:
         self._unpark(s)
 
     def _unpark(self, s: Session) -> None:
-        for prio, q in list(self._parked.items()):
-            if q.pop(s.id, None) is not None:
-                if not q:
-                    del self._parked[prio]
-                return
+        prio = self._parked_at.pop(s.id, None)
+        if prio is not None:
+            q = self._parked[prio]
+            del q[s.id]
+            if not q:
+                del self._parked[prio]
 
     def evicted(self, s: Session) -> None:
         """``s`` is no longer resident (it stays idle)."""
         self._unpark(s)
 
     def remove(self, s: Session) -> None:
+        """Forgets ``s``."""
         self.by_id.pop(s.id, None)
         self._idle.pop(s.id, None)
         self._unpark(s)
 
     def oldest_idle(self) -> Session | None:
+        """The idle session used least recently (resident or not)."""
         return next(iter(self._idle.values()), None)
 
     def victim(self) -> Session | None:
