@@ -23,7 +23,8 @@ from gguf import GGUFReader
 import kvserve
 import kvserve.sessions
 from kvserve import Engine, KvCacheFull, Model, SessionFileError
-from kvserve.sessions import FILE_MAGIC, read_session_file, write_session_file
+from kvserve.options import PRIORITY_MAX, PRIORITY_MIN
+from kvserve.sessions import FILE_MAGIC, check_header, read_session_file, write_session_file
 
 P1 = "The capital of France is"
 P2 = " And the capital of Italy is"
@@ -320,6 +321,22 @@ def test_save_load_continue_equals_continuing_in_place(model_path: Path, tmp_pat
     assert loaded.cached_tokens == stored  # the loaded K/V, not recomputed
     assert (again.tokens, again.cached_tokens) == (in_place.tokens, stored)
     assert sampled_loaded.tokens == sampled_in_place.tokens
+
+
+def test_files_the_engine_saves_pass_the_full_header_check(engine: Engine, tmp_path: Path) -> None:
+    """The header checks (tests/test_session_file.py) accept every file the engine writes:
+    greedy (no generator state) and sampled turns, priorities at both limits."""
+    model = engine.model
+    engine.generate(P1, max_tokens=6, session_id="lo", priority=PRIORITY_MIN)
+    engine.generate(P1, max_tokens=6, session_id="hi", priority=PRIORITY_MAX, temperature=0.9)
+    for sid, priority, sampled in (("lo", PRIORITY_MIN, False), ("hi", PRIORITY_MAX, True)):
+        path = tmp_path / f"{sid}.kvs"
+        engine.save_session(sid, path)
+        header, _ = read_session_file(path)
+        check_header(header, path, model.core.identity, engine.kv_type, n_vocab=model.n_vocab)
+        assert header["priority"] == priority
+        assert (header["rng_state"] is not None) == sampled
+        assert header["tokens"] and max(header["tokens"]) < model.n_vocab
 
 
 def test_a_shifted_session_saves_and_loads_its_shifted_context(

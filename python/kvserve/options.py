@@ -17,9 +17,28 @@ from typing_extensions import TypedDict
 
 from .sampling import DEFAULT_PENALTY_LAST_N, MAX_LOGPROBS, Sampler, SamplingParams
 
-__all__ = ["RequestOptions", "SamplingOptions", "Resolved", "resolve", "stop_list"]
+__all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_STOPS",
+    "MAX_STOP_CHARS",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "RequestOptions",
+    "SamplingOptions",
+    "Resolved",
+    "resolve",
+    "stop_list",
+]
 
 Stop = Union[str, Sequence[str], None]
+
+# Limits on what one request may ask (the engine thread serves every user: what it does per
+# request and per token must stay bounded). Beyond them, resolve() raises a ValueError.
+MAX_STOPS = 256  # entries of ``stop``
+MAX_STOP_CHARS = 512  # characters of one stop string
+MAX_LOGIT_BIAS = 1024  # entries of ``logit_bias``
+PRIORITY_MIN = -1000  # ``priority`` range (an int; higher is served first)
+PRIORITY_MAX = 1000
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -34,9 +53,12 @@ class SamplingOptions(TypedDict, total=False):
       ``penalty_last_n`` tokens of the sequence, prompt included (default 64; 0 = off, -1 = the
       whole sequence);
     - ``logit_bias``: ``{token id: bias}`` added to those logits (``-inf`` or -100 bans a token);
+      at most ``MAX_LOGIT_BIAS`` (1024) entries;
     - ``seed``: the request's own random generator (same seed, same tokens, whatever else is
       batched with it);
-    - ``stop``: strings that end generation (matched across token boundaries, never emitted);
+    - ``stop``: strings that end generation (matched across token boundaries, never emitted):
+      one string or a list of at most ``MAX_STOPS`` (256), each at most ``MAX_STOP_CHARS``
+      (512) characters (empty strings are ignored);
     - ``ignore_eos``: keep generating past end-of-generation tokens;
     - ``logprobs``: N in [0, 20] (None = off): each generated token's log-probability under
       the model's own distribution (log-softmax of the raw logits) and the N most probable
@@ -64,7 +86,8 @@ class SamplingOptions(TypedDict, total=False):
 class RequestOptions(SamplingOptions, total=False):
     """What an :class:`kvserve.Engine` call takes beyond :class:`SamplingOptions`.
 
-    - ``priority``: higher is admitted first and preempted last (FCFS within a priority).
+    - ``priority``: an integer in [``PRIORITY_MIN``, ``PRIORITY_MAX``] = [-1000, 1000], default
+      0; higher is admitted first and preempted last (FCFS within a priority).
     - ``session_id``: the conversation this request belongs to (a non-empty string): the
       prompt continues the session's previous prompts and outputs, whose K/V is reused; an
       unknown id starts a new session. See :class:`kvserve.Engine`.
@@ -100,10 +123,23 @@ class Resolved:
 
 
 def stop_list(stop: Stop) -> list[str]:
+    """The non-empty stop strings of ``stop`` (a string, a sequence of strings or None);
+    ``ValueError`` beyond :data:`MAX_STOPS` entries or :data:`MAX_STOP_CHARS` characters."""
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
+    elif not isinstance(stop, Sequence):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if len(stop) > MAX_STOPS:
+        raise ValueError(f"stop must have at most {MAX_STOPS} strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must be a string or a list of strings, got an item {s!r}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings must have at most {MAX_STOP_CHARS} characters, got {len(s)}"
+            )
     return [s for s in stop if s]
 
 
@@ -124,6 +160,8 @@ def resolve(
     # ones read below are then absent and take their defaults.
     options = cast(RequestOptions, options)
     bias = options.get("logit_bias")
+    if isinstance(bias, Mapping) and len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
     params = SamplingParams(  # ValueError naming the argument
         temperature=options.get("temperature", 0.0),
         top_k=options.get("top_k", 0),
@@ -136,6 +174,16 @@ def resolve(
         penalty_last_n=options.get("penalty_last_n", DEFAULT_PENALTY_LAST_N),
         logit_bias={} if bias is None else bias,
     )
+    priority = options.get("priority", 0)
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, numbers.Integral)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
+        raise ValueError(
+            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}"
+        )
+    stops = stop_list(options.get("stop"))
     session_id = options.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
@@ -155,9 +203,9 @@ def resolve(
         )
     return Resolved(
         sampler=Sampler(params, seed=options.get("seed")),
-        stops=stop_list(options.get("stop")),
+        stops=stops,
         ignore_eos=options.get("ignore_eos", False),
-        priority=options.get("priority", 0),
+        priority=int(priority),
         session_id=session_id,
         context_shift=context_shift,
         n_keep=n_keep,

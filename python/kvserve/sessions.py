@@ -11,7 +11,7 @@ eviction, TTL, ``max_sessions``).
 - :class:`SessionTable`: every session by id, plus the idle ones in last-use order (TTL and
   ``max_sessions`` take the oldest) and the idle *resident* ones per priority in last-use order
   (reclaim evicts the lowest priority, least recently used first). Every operation is O(1)
-  except :meth:`SessionTable.victim`, O(distinct priorities).
+  except :meth:`SessionTable.victim`, O(distinct priorities of idle resident sessions).
 - Session files (:func:`write_session_file`, :func:`read_session_file`), format version 1::
 
       offset  bytes  field
@@ -30,14 +30,26 @@ eviction, TTL, ``max_sessions``).
   renamed over the target (atomic: a reader sees the old file or the new one, never a mix; an
   interrupted write leaves the old file as it was). Reading checks, in order, the size, magic,
   version, lengths (a truncated file), checksum (a corrupt file), header fields, and then the
-  model identity and K/V type against the engine's; any failure is a
+  model identity, K/V type and vocabulary against the engine's; any failure is a
   :class:`SessionFileError` (a ``ValueError``) and loads nothing.
+
+  The header fields, each checked for type and range by :func:`read_session_file` (a field
+  not listed here is refused): ``session_id`` a non-empty string; ``model_identity`` a string;
+  ``model_name`` a string, null or absent; ``kv_type`` one of :data:`KV_TYPES`; ``tokens`` a
+  list of integers >= 0 (below the model's vocabulary size: :func:`check_header`); ``n_kv``
+  an integer in ``[0, len(tokens)]``; ``priority`` an integer in
+  ``[PRIORITY_MIN, PRIORITY_MAX]`` (:mod:`kvserve.options`); ``saved_at`` a finite number or
+  absent; ``rng_state`` null, absent, or the state of numpy's default generator
+  (``np.random.default_rng(seed).bit_generator.state``: ``{"bit_generator": "PCG64",
+  "state": {"state": s, "inc": i}, "has_uint32": h, "uinteger": u}`` with ``0 <= s, i < 2**128``,
+  ``i`` odd, ``h`` 0 or 1, ``0 <= u < 2**32``, and accepted as such by ``np.random.PCG64``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import time
@@ -47,9 +59,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
+
+from .options import PRIORITY_MAX, PRIORITY_MIN
+
 __all__ = [
     "FILE_MAGIC",
     "FILE_VERSION",
+    "KV_TYPES",
     "Session",
     "SessionFileError",
     "SessionInfo",
@@ -68,6 +85,11 @@ _PREFIX = struct.Struct("<16sIIQ")  # magic, version, header length, K/V length
 _DIGEST = 32
 # A header bigger than this is not a session header (tokens of a 4M-token session fit).
 _MAX_HEADER = 64 << 20
+# The K/V element types an engine stores (``Engine(kv_type=...)``).
+KV_TYPES = ("f16", "q8_0", "f32")
+_REQUIRED = ("session_id", "model_identity", "kv_type", "tokens", "n_kv", "priority")
+_OPTIONAL = ("model_name", "rng_state", "saved_at")
+_RNG_KEYS = frozenset({"bit_generator", "state", "has_uint32", "uinteger"})
 
 
 class SessionFileError(ValueError):
@@ -143,6 +165,7 @@ class SessionTable:
         self.by_id: dict[str, Session] = {}
         self._idle: OrderedDict[str, Session] = OrderedDict()
         self._parked: dict[int, OrderedDict[str, Session]] = {}
+        self._parked_at: dict[str, int] = {}  # the priority each parked session is filed under
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -155,13 +178,14 @@ class SessionTable:
         self.idle(s)
 
     def idle(self, s: Session) -> None:
-        """``s`` has nothing running: it joins the idle orders as the most recently used."""
+        """``s`` has nothing running: it joins the idle orders as the most recently used (the
+        resident ones under its current priority)."""
         self._idle[s.id] = s
         self._idle.move_to_end(s.id)
+        self._unpark(s)
         if s.resident:
-            q = self._parked.setdefault(s.priority, OrderedDict())
-            q[s.id] = s
-            q.move_to_end(s.id)
+            self._parked.setdefault(s.priority, OrderedDict())[s.id] = s
+            self._parked_at[s.id] = s.priority
 
     def busy(self, s: Session) -> None:
         """``s`` runs something: it leaves the idle orders (it is neither expired nor evicted)."""
@@ -169,22 +193,25 @@ class SessionTable:
         self._unpark(s)
 
     def _unpark(self, s: Session) -> None:
-        for prio, q in list(self._parked.items()):
-            if q.pop(s.id, None) is not None:
-                if not q:
-                    del self._parked[prio]
-                return
+        prio = self._parked_at.pop(s.id, None)
+        if prio is not None:
+            q = self._parked[prio]
+            del q[s.id]
+            if not q:
+                del self._parked[prio]
 
     def evicted(self, s: Session) -> None:
         """``s`` is no longer resident (it stays idle)."""
         self._unpark(s)
 
     def remove(self, s: Session) -> None:
+        """Forgets ``s``."""
         self.by_id.pop(s.id, None)
         self._idle.pop(s.id, None)
         self._unpark(s)
 
     def oldest_idle(self) -> Session | None:
+        """The idle session used least recently (resident or not)."""
         return next(iter(self._idle.values()), None)
 
     def victim(self) -> Session | None:
@@ -241,11 +268,88 @@ def write_session_file(path: StrPath, header: dict[str, Any], kv: bytes) -> None
         os.close(fd)
 
 
-def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    value = header.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise SessionFileError(f"{where}: header field {name!r} is missing or malformed")
-    return value
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(where: str, name: str, why: str) -> SessionFileError:
+    return SessionFileError(f"{where}: header field {name!r} {why}")
+
+
+def _check_rng_state(state: object, where: str) -> None:
+    """``state`` must be a PCG64 state as numpy's default generator reports it (see the module
+    docs), which a fresh ``np.random.PCG64`` takes and reports back unchanged."""
+
+    def bad(why: str) -> SessionFileError:
+        return _bad(where, "rng_state", f"is not a PCG64 generator state ({why})")
+
+    if not isinstance(state, dict) or set(state) != _RNG_KEYS:
+        raise bad(f"keys {sorted(_RNG_KEYS)} expected")
+    if state["bit_generator"] != "PCG64":
+        raise bad(f"bit_generator {state['bit_generator']!r}")
+    inner = state["state"]
+    if not isinstance(inner, dict) or set(inner) != {"state", "inc"}:
+        raise bad("its 'state' must hold exactly 'state' and 'inc'")
+    for name, value, limit in (
+        ("state.state", inner["state"], 1 << 128),
+        ("state.inc", inner["inc"], 1 << 128),
+        ("has_uint32", state["has_uint32"], 2),
+        ("uinteger", state["uinteger"], 1 << 32),
+    ):
+        if not _is_int(value) or not 0 <= value < limit:
+            raise bad(f"{name} must be an integer in [0, {limit})")
+    if not inner["inc"] & 1:
+        raise bad("state.inc must be odd")
+    try:
+        generator = np.random.PCG64()
+        generator.state = state
+        ok = generator.state == state
+    except Exception as e:  # whatever numpy raises: the state is not one it takes
+        raise bad(f"numpy refuses it: {e}") from e
+    if not ok:
+        raise bad("numpy reads it back differently")
+
+
+def _check_fields(header: object, where: str) -> None:
+    """Checks every header field's type and range (see the module docs); refuses a header with
+    a missing, malformed or unknown field. ``where`` starts the error messages."""
+    if not isinstance(header, dict):
+        raise SessionFileError(f"{where}: the header is not an object")
+    unknown = set(header) - set(_REQUIRED) - set(_OPTIONAL)
+    if unknown:
+        names = ", ".join(repr(k) for k in sorted(unknown))
+        raise SessionFileError(f"{where}: unknown header field(s) {names}")
+    missing = [name for name in _REQUIRED if name not in header]
+    if missing:
+        raise SessionFileError(f"{where}: header field(s) {', '.join(map(repr, missing))} missing")
+    sid = header["session_id"]
+    if not isinstance(sid, str) or not sid:
+        raise _bad(where, "session_id", "must be a non-empty string")
+    if not isinstance(header["model_identity"], str):
+        raise _bad(where, "model_identity", "must be a string")
+    name = header.get("model_name")
+    if name is not None and not isinstance(name, str):
+        raise _bad(where, "model_name", "must be a string or null")
+    if not isinstance(header["kv_type"], str) or header["kv_type"] not in KV_TYPES:
+        raise _bad(where, "kv_type", f"must be one of {', '.join(KV_TYPES)}")
+    tokens = header["tokens"]
+    if not isinstance(tokens, list):
+        raise _bad(where, "tokens", "must be a list of token ids")
+    if not all(type(t) is int for t in tokens) or (tokens and min(tokens) < 0):
+        raise _bad(where, "tokens", "holds a non-token (token ids are integers >= 0)")
+    n_kv = header["n_kv"]
+    if not _is_int(n_kv) or not 0 <= n_kv <= len(tokens):
+        raise _bad(where, "n_kv", f"must be an integer in [0, {len(tokens)}] (the tokens)")
+    priority = header["priority"]
+    if not _is_int(priority) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise _bad(where, "priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
+    if "saved_at" in header:
+        t = header["saved_at"]
+        if not (_is_int(t) or isinstance(t, float) and math.isfinite(t)):
+            raise _bad(where, "saved_at", "must be a finite number")
+    rng = header.get("rng_state")
+    if rng is not None:
+        _check_rng_state(rng, where)
 
 
 def read_session_file(path: StrPath) -> tuple[dict[str, Any], bytes]:
@@ -272,29 +376,25 @@ def read_session_file(path: StrPath) -> tuple[dict[str, Any], bytes]:
         raise SessionFileError(f"{where}: checksum mismatch (the file is corrupt)")
     try:
         header = json.loads(bytes(body[_PREFIX.size : _PREFIX.size + n_head]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise SessionFileError(f"{where}: unreadable header ({e})") from e
-    if not isinstance(header, dict):
-        raise SessionFileError(f"{where}: the header is not an object")
-    _field(header, "session_id", str, where)
-    _field(header, "model_identity", str, where)
-    _field(header, "kv_type", str, where)
-    n_kv_tokens = _field(header, "n_kv", int, where)
-    tokens = _field(header, "tokens", list, where)
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise SessionFileError(f"{where}: header field 'tokens' holds a non-token")
-    if not 0 <= n_kv_tokens <= len(tokens):
-        raise SessionFileError(f"{where}: n_kv={n_kv_tokens} is outside 0..{len(tokens)}")
-    _field(header, "priority", int, where)
-    rng = header.get("rng_state")
-    if rng is not None and not isinstance(rng, dict):
-        raise SessionFileError(f"{where}: header field 'rng_state' is malformed")
+    _check_fields(header, where)
     return header, bytes(body[_PREFIX.size + n_head :])
 
 
-def check_header(header: dict[str, Any], path: StrPath, identity: str, kv_type: str) -> None:
-    """Rejects a file made by another model or for another K/V type."""
+def check_header(
+    header: dict[str, Any],
+    path: StrPath,
+    identity: str,
+    kv_type: str,
+    *,
+    n_vocab: int | None = None,
+) -> None:
+    """Rejects a file made by another model or for another K/V type, or (given the model's
+    vocabulary size ``n_vocab``; None skips this) holding a token id ``>= n_vocab``.
+    ``header``: as :func:`read_session_file` returned it (its fields are checked again)."""
     where = f"session file {os.fspath(path)}"
+    _check_fields(header, where)
     if header["model_identity"] != identity:
         name = header.get("model_name") or "?"
         raise SessionFileError(
@@ -304,4 +404,10 @@ def check_header(header: dict[str, Any], path: StrPath, identity: str, kv_type: 
     if header["kv_type"] != kv_type:
         raise SessionFileError(
             f"{where}: saved with kv_type={header['kv_type']!r}, this engine uses {kv_type!r}"
+        )
+    tokens = header["tokens"]
+    if n_vocab is not None and tokens and max(tokens) >= n_vocab:
+        raise SessionFileError(
+            f"{where}: header field 'tokens' holds token id {max(tokens)}, outside this "
+            f"model's vocabulary of {n_vocab}"
         )
