@@ -1,4 +1,4 @@
-"""Context shift in kvserve.Engine (python/kvserve/engine.py, llama.cpp's ``--context-shift``).
+"""Context shift in kvserve.Engine (python/kvserve/engine/, llama.cpp's ``--context-shift``).
 
 Model of the semantics (llama.cpp's server, tools/server): when a generating sequence's K/V
 fills the limit, keep its first ``keep = min(limit - 4, n_keep + add_bos)`` tokens, drop the

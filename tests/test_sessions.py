@@ -1,4 +1,4 @@
-"""Tests for sessions in kvserve.Engine (python/kvserve/engine.py, python/kvserve/sessions.py)
+"""Tests for sessions in kvserve.Engine (python/kvserve/engine/, python/kvserve/sessions.py)
 and the core's sequence state read/write through the binding.
 
 Oracles: plain sequential ``Model.generate`` on a separate ``Model`` of the same file (its own
@@ -249,17 +249,38 @@ def test_sessions_under_a_pool_too_small_for_all_answer_as_alone(
 
 
 def test_an_idle_session_expires_after_its_ttl(model_path: Path, oracle: Model) -> None:
-    with Engine(Model.load(model_path, threads=2), parallel=2, ctx_size=256, session_ttl=0.3) as e:
+    with Engine(Model.load(model_path, threads=2), parallel=2, ctx_size=256, session_ttl=1.0) as e:
         base = e.stats()["kv_blocks_used"]
         e.generate(P1, max_tokens=8, session_id="t")
         assert e.stats()["sessions"] == 1 and e.stats()["kv_blocks_used"] > base
         # The engine thread wakes for the expiry by itself (no request arrives meanwhile).
-        wait_for(lambda: e.stats()["sessions"] == 0, timeout=5)
+        wait_for(lambda: e.stats()["sessions"] == 0, timeout=30)
         assert e.stats()["kv_blocks_used"] == base
         assert e.sessions() == []
         # The id now starts a new session: the prompt alone, with nothing reused.
         r = e.generate(P2, max_tokens=4, session_id="t")
         assert r.prompt_tokens == len(tok(oracle, P2))
+
+
+def test_a_busy_session_never_expires(model_path: Path) -> None:
+    """A turn that runs many TTLs long keeps its session (listed, busy) all along; the idle
+    session expires by itself afterwards."""
+    ttl = 0.05
+    with Engine(Model.load(model_path, threads=2), parallel=2, ctx_size=512, session_ttl=ttl) as e:
+
+        async def main() -> list[bool]:
+            seen: list[bool] = []
+            t0 = time.monotonic()
+            async for _ in e.stream(P1, max_tokens=200, ignore_eos=True, session_id="long"):
+                if time.monotonic() - t0 > 10 * ttl and len(seen) < 3:
+                    info = await asyncio.to_thread(e.sessions)
+                    seen.append(any(s.id == "long" and s.busy for s in info))
+            return seen
+
+        seen = asyncio.run(main())
+        assert seen and all(seen), seen
+        # The expiry of the now idle session happens, by itself, after the turn.
+        wait_for(lambda: e.stats()["sessions"] == 0, timeout=30)
 
 
 def test_max_sessions_drops_the_least_recently_used_idle_session(model_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Sessions of the serving engine: named conversations whose K/V outlives their requests.
 
 This module holds what :class:`kvserve.Engine` keeps per session and the session file format;
-the engine (python/kvserve/engine.py) applies the policy (see its docs: reuse, reclaim,
+the engine (python/kvserve/engine/) applies the policy (see its docs: reuse, reclaim,
 eviction, TTL, ``max_sessions``).
 
 - :class:`Session`: the session's tokens (every prompt and output so far), the sequence that

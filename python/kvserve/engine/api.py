@@ -508,7 +508,9 @@ class Engine:
         :class:`SessionFileError` (a ``ValueError``), an id in use ``ValueError``, no room in
         the pool ``KvCacheFull``; in every case nothing was loaded."""
         header, kv = read_session_file(path)
-        check_header(header, path, self.model.core.identity, self.kv_type)
+        check_header(
+            header, path, self.model.core.identity, self.kv_type, n_vocab=self.model.n_vocab
+        )
         sid = header["session_id"] if session_id is None else session_id
         if not isinstance(sid, str) or not sid:
             raise ValueError(f"session_id must be a non-empty string, got {sid!r}")

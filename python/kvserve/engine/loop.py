@@ -194,12 +194,15 @@ class EngineLoop:
                     failures += 1
                     log.exception("engine step failed outside any request (%d in a row)", failures)
                     if failures >= _MAX_STEP_FAILURES:
-                        raise
+                        self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
+                        break
                     self._reset(e)
         except BaseException as e:
             if not self.closed:
                 self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
-            raise
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt, SystemExit: not ours to swallow
+            log.exception("the engine thread stopped")
         finally:
             self._shutdown()
 

@@ -211,7 +211,7 @@ class Request:
         self.state = NEW
         self.cancel_requested = False
         self.entry = 0  # its live entry in the waiting queue (0: not queued)
-        self.queued_at = 0.0  # time.monotonic() of its first queueing (aging)
+        self.queued_at: float | None = None  # time.monotonic() of its first queueing (aging)
         self.faults = 0  # failed or lost decodes it took part in (containment)
         self.seq = -1  # sequence id in the context while running
         self.n_done = 0  # ids[:n_done] have their K/V in the context

@@ -67,7 +67,7 @@ class WaitQueue:
         its aging counts from."""
         if req.entry:
             raise RuntimeError("the request is queued already")
-        if req.queued_at == 0.0:
+        if req.queued_at is None:
             req.queued_at = now
         req.entry = next(self._entries)
         heapq.heappush(self._heaps.setdefault(req.priority, []), (req.key[1], req.entry, req))
@@ -96,7 +96,9 @@ class WaitQueue:
         self._dead = 0
 
     def promoted(self, req: Request, now: float) -> bool:
-        return self.aging_s is not None and now - req.queued_at >= self.aging_s
+        if self.aging_s is None or req.queued_at is None:
+            return False
+        return now - req.queued_at >= self.aging_s
 
     def rank(self, req: Request, now: float) -> tuple[int, int, int]:
         """Sort key of admission order: promoted first (by arrival), then priority, arrival."""
