@@ -78,6 +78,23 @@ def one_layer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, ref.Spec
 
 
 @pytest.fixture(scope="module")
+def one_layer_bos(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> tuple[Model, ref.Spec, Any]:
+    """A one-layer model with SmolLM2's vocabulary whose tokenizer adds a BOS."""
+    tok = [
+        (k, True, t, s) if k == "tokenizer.ggml.add_bos_token" else (k, v, t, s)
+        for k, v, t, s in ref.tokenizer_fields(model_path)
+    ]
+    spec = ref.Spec(n_layer=1, seed=22)
+    path = tmp_path_factory.mktemp("one-layer-bos") / "l1bos.gguf"
+    weights = ref.write_model(path, spec, tokenizer=tok)
+    model = Model(path, threads=2)
+    assert model.add_bos
+    return model, spec, weights
+
+
+@pytest.fixture(scope="module")
 def served(model_path: Path) -> Model:
     return Model.load(model_path, threads=2)
 
@@ -89,17 +106,21 @@ def oracle(model_path: Path) -> Model:
 
 
 @pytest.mark.parametrize(
-    ("engine_default", "request_option", "n_keep"),
-    [(True, None, 0), (False, True, 3)],
-    ids=["engine-wide", "per-request-n_keep-3"],
+    ("engine_default", "request_option", "n_keep", "bos"),
+    [(True, None, 0, False), (False, True, 3, False), (True, None, 3, True)],
+    ids=["engine-wide", "per-request-n_keep-3", "bos-n_keep-3"],
 )
 def test_generation_goes_past_the_limit_and_matches_the_reference(
-    one_layer: tuple[Model, ref.Spec, Any],
+    request: pytest.FixtureRequest,
     engine_default: bool,
     request_option: bool | None,
     n_keep: int,
+    bos: bool,
 ) -> None:
-    model, spec, weights = one_layer
+    """llama.cpp's rule, simulated independently: a shift keeps the first ``n_keep`` tokens,
+    plus the BOS when the model adds one, and drops half of the rest."""
+    fixture = "one_layer_bos" if bos else "one_layer"
+    model, spec, weights = request.getfixturevalue(fixture)
     limit, text = 48, "the cat in the hat ran on and on, then"
     kw: dict[str, Any] = {"n_keep": n_keep}
     if request_option is not None:
@@ -109,8 +130,9 @@ def test_generation_goes_past_the_limit_and_matches_the_reference(
         r = engine.generate(text, max_tokens=120, ignore_eos=True, **kw)
     assert (r.finish_reason, len(r.tokens)) == ("length", 120)
     prompt = model.tokenize(text, add_special=True, parse_special=True)
-    assert r.prompt_tokens == len(prompt) and not model.add_bos
-    views = simulate(prompt, r.tokens, limit, keep=n_keep)
+    assert r.prompt_tokens == len(prompt) and model.add_bos == bos
+    assert (prompt[0] == model.bos) == bos
+    views = simulate(prompt, r.tokens, limit, keep=n_keep + int(bos))
     assert len(rows) == len(views) == 120
     shifts = [i for i in range(1, len(views)) if len(views[i]) <= len(views[i - 1])]
     assert len(shifts) >= 3  # several shifts, so rows after the 2nd and 3rd are checked too
@@ -126,7 +148,8 @@ def test_generation_goes_past_the_limit_and_matches_the_reference(
     # The check is sharp: keys left at their old positions give a visibly different row.
     first = shifts[0]
     dropped = len(views[first - 1]) + 1 - len(views[first])
-    old = list(range(n_keep)) + list(range(n_keep + dropped, n_keep + dropped + 200))
+    kept = n_keep + int(bos)
+    old = list(range(kept)) + list(range(kept + dropped, kept + dropped + 200))
     unshifted = ref.forward(weights, spec, views[first], old[: len(views[first])], kv_f16=True)
     want = ref.forward(weights, spec, views[first], kv_f16=True)
     assert np.abs(unshifted[-1] - want[-1]).max() / np.abs(want[-1]).max() > 100 * max(worst, 1e-6)

@@ -693,7 +693,7 @@ def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
         srv.should_exit = True
         thread.join(30)
     assert not thread.is_alive()
-    assert engines and engines[0]._closed  # the app closed the engine it loaded
+    assert engines and engines[0].health() == "the engine is closed"  # the app closed it
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -7,39 +7,50 @@ and receive results. The thread sleeps on a condition while there is nothing to 
 One step:
 1. take new requests and cancellations queued since the last step (cancelled sequences are
    removed with ``seq_rm``; their full blocks stay cached for prefix reuse);
-2. admit waiting requests, highest ``priority`` first and FCFS within a priority, while fewer
-   than ``parallel`` run and the pool has room for the prompt (plus a block to grow) beside
-   what the running sequences still need; an admitted request first maps the longest cached
-   prefix of its tokens (``match_prefix``), so only the rest is computed. A request whose
-   prompt starts with whole blocks that a running request is prefilling right now waits
-   (keeping its place) until they are computed and cached, instead of computing them again.
-   While the step's prompt budget is taken, a request of the head's priority that needs at
-   most a few blocks of prompt computed (the rest cached: a shared document, a session's next
-   turn) is admitted out of turn if memory and a slot (leaving one for the head) allow;
+2. admit waiting requests, highest ``priority`` first and FCFS within a priority (a request
+   that has waited ``priority_aging_s`` goes before all that have not), while fewer than
+   ``parallel`` run and the pool has room for the prompt (plus a block to grow) beside what
+   the running sequences still need; when no slot or room is left, a waiting request of
+   higher priority than a running one *preempts* the lowest-priority running request (it
+   resumes later with its place, its streamed text unchanged). An admitted request first maps
+   the longest cached prefix of its tokens (``match_prefix``), so only the rest is computed.
+   A request whose prompt starts with whole blocks that a running request is prefilling right
+   now waits (keeping its place) until they are computed and cached, instead of computing
+   them again. While the step's prompt budget is taken, a request of the head's rank that
+   needs at most a few blocks of prompt computed (the rest cached: a shared document, a
+   session's next turn) is admitted out of turn if memory and a slot (leaving one for the
+   head) allow;
 3. build ONE batch: one token for every sequence that is generating, then chunks of the
    prompts still being prefilled (short remainders first, then highest priority, earliest
-   first) up to ``batch_tokens``
-   tokens in all (chunked prefill: a long prompt never stalls the running streams for more
-   than one chunk);
+   first) up to ``batch_tokens`` tokens in all (chunked prefill: a long prompt never stalls
+   the running streams for more than one chunk);
 4. ``decode`` it (the GIL is released). If the pool cannot hold the batch (``KvCacheFull``),
-   the lowest-priority, latest-arrived sequence is *preempted* (its blocks released; it goes
-   back to the waiting queue with its place and is later resumed by recomputing its prompt and
-   generated tokens, with prefix reuse), and the batch is rebuilt and retried. Only a request
-   that cannot fit when it runs alone fails (``KvCacheFull``);
+   idle sessions are evicted, then the lowest-priority, latest-arrived sequence is
+   *preempted* (its blocks released; it goes back to the waiting queue with its place and is
+   later resumed by recomputing its prompt and generated tokens, with prefix reuse), and the
+   batch is rebuilt and retried. Only a request that cannot fit when it runs alone fails
+   (``KvCacheFull``). Any other failure is contained (:mod:`kvserve.engine.loop`): retried
+   once, then the batch is split so that only the failing requests fail;
 5. sample every row at once (greedy rows without logit bias or penalties with one argmax over
    the batch; the others with each request's own sampler: bias and penalties over its tokens,
    then argmax or its own seeded generator, so a seeded request gives the same tokens whatever
    else is in the batch), deliver the text (and the token's logprobs when asked), check
-   end-of-generation, stop strings, max_tokens and ``ctx_size``, and retire finished sequences.
+   end-of-generation, stop strings (incrementally: work per token bounded by the new text),
+   max_tokens and ``ctx_size``, and retire finished sequences.
 
-Per-step cost: O(R + T + W_admitted) Python work plus the argmax/sampling over R rows of
+The package: :mod:`.api` (this front end), :mod:`.scheduler` (pure policy), :mod:`.kv` (the
+only caller of the context), :mod:`.session_manager`, :mod:`.output`, :mod:`.loop` (the
+thread and containment); docs/ARCHITECTURE.md has the map.
+
+Per-step cost: O(R + T + A x R) Python work plus the argmax/sampling over R rows of
 ``n_vocab`` logits, where R is the number of running sequences (at most ``parallel``), T the
-batch's tokens (at most ``batch_tokens`` plus R) and W_admitted the requests admitted in the
-step (each O(log W) out of a heap of W waiting requests); a step whose prompt budget is full
-also peeks at the cached prefix of the first 2 x parallel waiting requests (the fast lane:
-O(min(W, 2P) x prompt blocks) hash lookups). Otherwise nothing scans all requests: cancelled
-waiting requests are dropped lazily when they reach the head of the queue; only a preemption
-scans the R running sequences for its victim.
+batch's tokens (at most ``batch_tokens`` plus R) and A <= 3 x ``parallel`` the requests the
+admission looks at (each O(log W + D) out of W waiting requests of D distinct priorities); a
+step whose prompt budget is full also peeks at the cached prefix of the first 2 x parallel
+waiting requests (the fast lane: O(min(W, 2P) x prompt blocks) hash lookups, walking the
+queue without touching the rest). Nothing scans all requests: a cancelled waiting request is
+removed in O(1) (its queue entry is skipped later), a session is found in O(1), and only a
+preemption scans the R running sequences for its victim.
 
 Generation follows :meth:`kvserve.Model.generate` exactly (same tokenization, stop rules,
 ``finish_reason`` and text assembly), so a greedy request gives the tokens that model's own

@@ -301,7 +301,7 @@ class EngineLoop:
         the request whose work closed it, is not requeued (the caller fails it)."""
         if self.kv.closed():
             log.error("the context was closed by an internal error; replacing it")
-            self._lost_context([culprit] if culprit is not None else [], None)
+            self._lost_context([culprit] if culprit is not None else [])
 
     def fail(self, req: Request, error: BaseException) -> None:
         """Fails ``req`` wherever it is (queued, in a session's FIFO, running), releasing what
@@ -343,9 +343,14 @@ class EngineLoop:
                 log.exception("removing sequence %d failed", req.seq)
             req.seq = -1
 
-    def _lost_context(self, culprits: list[Request], error: BaseException | None) -> None:
+    def _lost_context(
+        self, culprits: list[Request], suspects: tuple[Request, ...] | list[Request] = ()
+    ) -> None:
         """The context was closed: a new one; running requests are requeued with their places
-        (a request losing its K/V a second time fails), sessions keep their tokens only."""
+        and recomputed, sessions keep their tokens only. ``culprits`` (whose work alone closed
+        it) are not requeued: the caller fails them. ``suspects`` (the requests of a batch that
+        closed it) are marked: the next time each is decoded alone, and if that closes the
+        context again it is the culprit (loop docs)."""
         running = list(self.sched.running.values())
         self.sched.running.clear()
         for req in running:
@@ -353,19 +358,18 @@ class EngineLoop:
         self.kv.reopen()
         self.sessions.forget_kv()
         now = time.monotonic()
+        marked = {id(r) for r in suspects}
         for req in running:
             if any(req is c for c in culprits):
                 continue
-            req.faults += 1
             turn = req.turn
             if req.state == DONE:  # a closing session turn: its result is out
                 if turn is not None and turn.session is not None:
                     turn.closing = False
                     self.sessions.idle(turn.session)
                 continue
-            if req.faults >= 2 and error is not None:
-                self.fail(req, error)
-                continue
+            if id(req) in marked:
+                req.faults += 1
             req.state = WAITING
             req.n_done = 0
             with self.cond:
@@ -606,29 +610,69 @@ class EngineLoop:
 
     def _decode(self) -> list[tuple[list[PlanEntry], Logits]]:
         """Plans and computes this step's batch: the computed parts and their logits (several
-        parts when a failing batch was split)."""
+        parts when a failing batch was split, or when requests suspected of closing the
+        context are decoded alone)."""
         while True:
             plan = self.sched.plan()
             if not plan:
                 return []
+            if any(e[0].faults for e in plan):
+                return self._decode_suspects(plan)
             try:
                 return [(plan, self._forward(plan))]
             except KvCacheFull as e:
-                if self.sessions.evict_one():  # idle sessions go before any running request
-                    continue
-                if len(self.sched.running) <= 1:
-                    (req,) = self.sched.running.values()
-                    msg = (
-                        f"the request needs {req.n_tokens} tokens of K/V and does not fit the"
-                        f" KV pool even alone ({e})"
-                    )
-                    self.fail(req, KvCacheFull(msg))
+                if not self._make_room(e):
                     return []
-                victim = self.sched.victim()
-                assert victim is not None
-                self.sched.preempt(self, victim)
             except Exception as e:
                 return self._decode_failed(plan, e)
+
+    def _make_room(self, error: KvCacheFull) -> bool:
+        """The pool cannot hold the batch: evict an idle session, else preempt the victim;
+        False when the one running request does not fit even alone (it failed)."""
+        if self.sessions.evict_one():  # idle sessions go before any running request
+            return True
+        if len(self.sched.running) <= 1:
+            (req,) = self.sched.running.values()
+            msg = (
+                f"the request needs {req.n_tokens} tokens of K/V and does not fit the"
+                f" KV pool even alone ({error})"
+            )
+            self.fail(req, KvCacheFull(msg))
+            return False
+        victim = self.sched.victim()
+        assert victim is not None
+        self.sched.preempt(self, victim)
+        return True
+
+    def _decode_suspects(self, plan: list[PlanEntry]) -> list[tuple[list[PlanEntry], Logits]]:
+        """A step holding requests of a batch that closed the context: each of them alone
+        first (one that closes it again is the culprit and fails), then the rest together."""
+        out: list[tuple[list[PlanEntry], Logits]] = []
+        rest = [e for e in plan if not e[0].faults]
+        for entry in (e for e in plan if e[0].faults):
+            req = entry[0]
+            try:
+                out.append(([entry], self._forward([entry])))
+            except KvCacheFull:
+                continue  # planned again next step
+            except Exception as e:
+                if self.kv.closed():
+                    log.error("request %s closed the context again; it fails", req.key)
+                    self._lost_context([req])
+                    self.fail(req, e)
+                    return []  # everything else was requeued: nothing computed counts
+                self.fail(req, e)
+        if rest:
+            try:
+                out.append((rest, self._forward(rest)))
+            except KvCacheFull:
+                pass  # planned again next step
+            except Exception as e:
+                done = self._decode_failed(rest, e)
+                if self.kv.reopened and not self.sched.running:
+                    return []  # the context was lost meanwhile: everything was requeued
+                out += done
+        return out
 
     def _forward(self, plan: list[PlanEntry]) -> Logits:
         tokens: list[int] = []
@@ -657,7 +701,7 @@ class EngineLoop:
         log.warning("a decode step failed (%s: %s); retrying it", type(error).__name__, error)
         self.decode_retries += 1
         if self.kv.closed():
-            self._lost_context([], error)
+            self._lost_context([], [e[0] for e in plan])
             return []
         try:
             return [(plan, self._forward(plan))]
@@ -674,7 +718,7 @@ class EngineLoop:
         self, plan: list[PlanEntry], error: Exception
     ) -> list[tuple[list[PlanEntry], Logits]]:
         if self.kv.closed():
-            self._lost_context([], error)
+            self._lost_context([], [e[0] for e in plan])
             raise _Abort
         if len(plan) == 1:
             self.fail(plan[0][0], error)
@@ -695,6 +739,7 @@ class EngineLoop:
         Returns the tokens generated."""
         for req, _start, k, _want in plan:
             req.n_done += k
+            req.faults = 0  # decoded: no longer a suspect
             if req.turn is not None and req.turn.closing:
                 self.contain(req, self.sessions.park, req)
         rows = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(
