@@ -7,15 +7,17 @@ routes; the KV contract (whole 16-token blocks of a computed prompt are reused) 
 `cached_tokens`; prometheus-client's own parser for `/metrics`; the per-choice seed rule
 (`seed + j`) checked against single requests.
 
-Two servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured
-by flags; one configured by `KVSERVE_*` environment variables with an API key, one sequence
-at a time and a one-sequence queue); one runs in this process (uvicorn in a thread) to
-watch `/health` while the model loads.
+Servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured by
+flags; one with sessions; one configured by `KVSERVE_*` environment variables with an API key,
+one sequence at a time and a one-sequence queue). Apps that a test must reach into run in this
+process (uvicorn in a thread, `_live`): one that watches `/health` while the model loads, a
+tiny K/V pool (evictions and preemptions in `/metrics`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -35,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import Engine, Model
 from kvserve.cli import main as cli_main
 from kvserve.server import ServerConfig, create_app
+from kvserve.server.metrics import priority_label
 
 CTX = 256
 PARALLEL = 4
@@ -121,6 +124,39 @@ def _wait_idle(url: str, headers: dict[str, str] | None = None, timeout: float =
         if time.monotonic() > deadline:
             pytest.fail(f"the server did not go idle: used={used} running={m['kvserve_running']}")
         time.sleep(0.05)
+
+
+def _wait_until(what: str, check: Any, timeout: float = 30) -> Any:
+    """Polls ``check()`` until it gives a true value (returned); fails naming ``what`` at the
+    deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what} (last: {value!r})")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _live(app: Any) -> Iterator[str]:
+    """Serves ``app`` with uvicorn in a thread of this process; yields its URL. The server
+    stops (lifespan shutdown included) when the block ends."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        _wait_until("uvicorn to start", lambda: srv.started or not thread.is_alive())
+        assert srv.started, "uvicorn stopped before it started"
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive(), "uvicorn did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +365,7 @@ def test_cached_tokens(client: openai.OpenAI, model: Model) -> None:
     again = client.completions.create(model="m", prompt=prompt, max_tokens=2)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
+    assert again.usage.prompt_tokens_details.session_cached_tokens == 0  # type: ignore[attr-defined]
 
 
 def test_gemma3_reuses_a_long_shared_prefix_past_its_window(
@@ -655,8 +692,6 @@ def test_health(server: Server) -> None:
 def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
     """An app that loads its engine at startup answers /health 503 (and other routes 503
     with an error body) until the engine is ready."""
-    import uvicorn
-
     release = threading.Event()
     engines: list[Engine] = []
 
@@ -666,34 +701,22 @@ def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
         return engines[0]
 
     app = create_app(ServerConfig(), load=load)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = srv.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        r = httpx.get(f"{url}/health")
-        assert (r.status_code, r.json()) == (503, {"status": "loading"})
-        r = httpx.get(f"{url}/v1/models")
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
-        assert r.headers["retry-after"] == "1"
-        release.set()
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the engine never became ready"
-            time.sleep(0.02)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code == 200
+        with _live(app) as url:
+            r = httpx.get(f"{url}/health")
+            assert (r.status_code, r.json()) == (503, {"status": "loading"})
+            r = httpx.get(f"{url}/v1/models")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            assert r.headers["retry-after"] == "1"
+            release.set()
+            _wait_until(
+                "the engine to be ready", lambda: httpx.get(f"{url}/health").status_code == 200
+            )
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200
     finally:
         release.set()
-        srv.should_exit = True
-        thread.join(30)
-    assert not thread.is_alive()
-    assert engines and engines[0]._closed  # the app closed the engine it loaded
+    assert engines and engines[0].health() == "the engine is closed"  # the app closed it
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -963,7 +986,9 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
     assert got.usage.prompt_tokens_details is not None
     cached = got.usage.prompt_tokens_details.cached_tokens
     assert delta("kvserve_cached_prompt_tokens_total") == cached
-    assert delta("kvserve_time_to_first_token_seconds_count") == 1
+    ttft = "kvserve_time_to_first_token_seconds_count"
+    default = (("priority", "0"),)
+    assert after[ttft][default] - before.get(ttft, {}).get(default, 0) == 1
     assert delta("kvserve_inter_token_latency_seconds_count") >= 1
     assert delta("kvserve_request_duration_seconds_count") == 1
     key = (("route", "/v1/completions"), ("status", "200"))
@@ -976,8 +1001,57 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
     assert hit == pytest.approx(
         after["kvserve_cached_prompt_tokens_total"] / after["kvserve_prompt_tokens_total"]
     )
-    for name in ("kvserve_evictions_total", "kvserve_preemptions_total", "kvserve_sessions"):
-        assert name in after
+    by_source = after["kvserve_cached_prompt_tokens_by_source_total"]
+    assert sum(by_source.values()) == after["kvserve_cached_prompt_tokens_total"]
+    assert after["kvserve_kv_group_blocks_total"] == {(("group", "full"),): total}
+    assert _families(server.url) == _FAMILIES
+
+
+# Every family /metrics exports once the model is loaded (prometheus-client's parser names
+# counters without `_total`; its `_created` timestamps are left out). Labelled families are
+# exported even while they have no sample.
+_FAMILIES = {
+    ("kvserve_requests", "counter"),
+    ("kvserve_time_to_first_token_seconds", "histogram"),
+    ("kvserve_inter_token_latency_seconds", "histogram"),
+    ("kvserve_request_duration_seconds", "histogram"),
+    ("kvserve_prompt_tokens", "counter"),
+    ("kvserve_cached_prompt_tokens", "counter"),
+    ("kvserve_cached_prompt_tokens_by_source", "counter"),
+    ("kvserve_generated_tokens", "counter"),
+    ("kvserve_computed_tokens", "counter"),
+    ("kvserve_evictions", "counter"),
+    ("kvserve_preemptions", "counter"),
+    ("kvserve_session_misses", "counter"),
+    ("kvserve_kv_blocks_evicted", "counter"),
+    ("kvserve_prefix_lookups", "counter"),
+    ("kvserve_prefix_hit_tokens", "counter"),
+    ("kvserve_kv_usage_ratio", "gauge"),
+    ("kvserve_kv_blocks_total", "gauge"),
+    ("kvserve_kv_blocks", "gauge"),
+    ("kvserve_kv_group_usage_ratio", "gauge"),
+    ("kvserve_kv_group_blocks_total", "gauge"),
+    ("kvserve_kv_group_blocks", "gauge"),
+    ("kvserve_prefix_hit_rate", "gauge"),
+    ("kvserve_prefix_hit_rate_recent", "gauge"),
+    ("kvserve_prefix_blocks_shared", "gauge"),
+    ("kvserve_prefix_blocks_indexed", "gauge"),
+    ("kvserve_queue_depth", "gauge"),
+    ("kvserve_waiting", "gauge"),
+    ("kvserve_running", "gauge"),
+    ("kvserve_sessions", "gauge"),
+    ("kvserve_decode_tokens_per_second", "gauge"),
+}
+
+
+def _families(url: str) -> set[tuple[str, str]]:
+    """The (name, type) of every family /metrics exports, `_created` timestamps aside."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (f.name, f.type)
+        for f in text_string_to_metric_families(text)
+        if not (f.name.endswith("_created") and f.type == "gauge")
+    }
 
 
 def test_access_log(server: Server) -> None:
@@ -999,7 +1073,94 @@ def test_access_log(server: Server) -> None:
     assert entry["prompt_tokens"] == usage["prompt_tokens"]
     assert entry["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     assert entry["completion_tokens"] == usage["completion_tokens"]
+    assert entry["priority"] == 0
     assert 0 < entry["ttft_ms"] <= entry["total_ms"]
+
+
+def test_metrics_follow_the_engine(model_path: Path, model: Model) -> None:
+    """/metrics on a K/V pool of six blocks, in this process: a repeated prompt moves the
+    prefix counters and the prefix source of cached tokens; a session's second turn the
+    session source; a request whose four choices cannot all grow in the pool evicts the idle
+    session and preempts choices (and still gives the greedy text); TTFTs are counted in the
+    default priority's class. The exported families are exactly the documented ones."""
+    per_block = int(Model(model_path, threads=1).new_context(16).stats()["bytes_per_block"])
+    small = Model(model_path, threads=1)  # a fresh model: its pool is made at our size
+    with Engine(small, parallel=4, ctx_size=64, kv_memory=6 * per_block) as engine:
+        with _live(create_app(ServerConfig(), engine=engine)) as url:
+            assert _families(url) == _FAMILIES
+            m0 = _metrics(url)
+            assert m0["kvserve_kv_blocks_total"] == 6
+            assert m0["kvserve_kv_group_blocks_total"] == {(("group", "full"),): 6}
+
+            def moved(a: dict[str, Any], b: dict[str, Any], name: str, *labels: str) -> float:
+                if labels:
+                    key = tuple(zip(labels[::2], labels[1::2]))
+                    return float(b[name].get(key, 0) - a[name].get(key, 0))
+                return float(b[name] - a[name])
+
+            source = "kvserve_cached_prompt_tokens_by_source_total"
+            # A repeated prompt: its whole blocks come from the prefix index.
+            prompt = "A long and winding prompt about nothing in particular. " * 4 + "Tail."
+            n_prompt = len(model.tokenize(prompt, add_special=True, parse_special=True))
+            assert 32 < n_prompt < 48
+            _complete(url, prompt=prompt, max_tokens=2)
+            again = _complete(url, prompt=prompt, max_tokens=2)["usage"]
+            cached = again["prompt_tokens_details"]
+            assert cached == {"cached_tokens": 32, "session_cached_tokens": 0}
+            m1 = _metrics(url)
+            assert moved(m0, m1, "kvserve_prefix_lookups_total") == 2
+            assert moved(m0, m1, "kvserve_prefix_hit_tokens_total") == 32
+            assert moved(m0, m1, source, "source", "prefix") == 32
+            assert moved(m0, m1, source, "source", "session") == 0
+            assert m1["kvserve_prefix_blocks_indexed"] >= 2
+            assert m1["kvserve_prefix_hit_rate_recent"] == pytest.approx(32 / (2 * n_prompt))
+            # A session's second turn: its tokens come from the resident session.
+            first = _complete(url, prompt=STORY, max_tokens=4, session_id="s")["usage"]
+            second = _complete(url, prompt=" Then", max_tokens=4, session_id="s")["usage"]
+            held = first["prompt_tokens"] + first["completion_tokens"]
+            details = second["prompt_tokens_details"]
+            assert details == {"cached_tokens": held, "session_cached_tokens": held}
+            m2 = _metrics(url)
+            assert moved(m1, m2, source, "source", "session") == held
+            assert moved(m1, m2, source, "source", "prefix") == 0
+            assert m2["kvserve_sessions"] == 1 and m2["kvserve_evictions_total"] == 0
+            # Four choices of 20 tokens need eight blocks of the six: the idle session is
+            # evicted, then choices are preempted (and recomputed).
+            story = "Story 3: the bread and the old lighthouse keeper"
+            want = model.generate(story, max_tokens=20, ignore_eos=True).text
+            r = _complete(url, prompt=story, max_tokens=20, n=4, ignore_eos=True)
+            assert [c["text"] for c in r["choices"]] == [want] * 4
+            _wait_until("the engine to be idle", lambda: engine.stats()["running"] == 0)
+            m3 = _metrics(url)
+            assert moved(m2, m3, "kvserve_evictions_total") >= 1
+            assert moved(m2, m3, "kvserve_preemptions_total") >= 1
+            ttft = "kvserve_time_to_first_token_seconds_count"
+            assert m3[ttft] == {(("priority", "0"),): 8}  # the default priority, per choice
+            usage = m3["kvserve_kv_group_usage_ratio"][(("group", "full"),)]
+            assert usage == m3["kvserve_kv_usage_ratio"]
+            blocks = m3["kvserve_kv_group_blocks"]
+            assert {k: v for k, v in blocks.items() if ("group", "full") in k} == {
+                (("group", "full"), ("state", state)): m3["kvserve_kv_blocks"][(("state", state),)]
+                for state in ("free", "cached", "used")
+            }
+            assert _families(url) == _FAMILIES
+
+
+def test_priority_label_classes() -> None:
+    got = {p: priority_label(p) for p in (-1000, -999, -100, -42, -10, -9, -1, 0, 3, 9, 10)}
+    assert got == {
+        -1000: "-1000", -999: "-100", -100: "-100", -42: "-10", -10: "-10", -9: "-9",
+        -1: "-1", 0: "0", 3: "3", 9: "9", 10: "10",
+    }  # fmt: skip
+    assert {priority_label(p) for p in range(-1000, 1001)} == {
+        *map(str, range(-9, 10)),
+        "10",
+        "100",
+        "1000",
+        "-10",
+        "-100",
+        "-1000",
+    }
 
 
 # -- sessions ---------------------------------------------------------------------------------
@@ -1040,7 +1201,10 @@ def test_session_turns_save_and_restore(sessions_server: Server, model: Model) -
     held = out1.prompt_tokens + len(out1.tokens)
     cont = model.tokenize(p2, add_special=False, parse_special=True)
     assert r2["usage"]["prompt_tokens"] == held + len(cont)
-    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    assert r2["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": held,
+        "session_cached_tokens": held,  # all of it the session's own
+    }
     whole = model.tokenize(p1, add_special=True, parse_special=True) + out1.tokens + cont
     alone = _complete(url, prompt=whole, max_tokens=8, ignore_eos=True)
     assert r2["choices"][0]["text"] == alone["choices"][0]["text"]
@@ -1063,7 +1227,10 @@ def test_session_turns_save_and_restore(sessions_server: Server, model: Model) -
     assert r.status_code == 200, r.text
     assert (r.json()["id"], r.json()["tokens"]) == ("alice", tokens)
     r3 = _complete(url, prompt=p3, max_tokens=4, session_id="alice")
-    assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens
+    assert r3["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": tokens,
+        "session_cached_tokens": tokens,  # restored into the session, not the prefix index
+    }
     r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
     assert r.status_code == 200 and r.json()["tokens"] == tokens
     r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
@@ -1096,7 +1263,11 @@ def test_chat_session_reuses_the_conversation(sessions_server: Server, model: Mo
     same = (i for i, (a, b) in enumerate(zip(held, ids2)) if a != b)
     common = next(same, min(len(held), len(ids2)))  # the longest common prefix
     assert t2["usage"]["prompt_tokens"] == len(ids2)
-    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == min(common, len(ids2) - 1)
+    reused = min(common, len(ids2) - 1)
+    assert t2["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": reused,
+        "session_cached_tokens": reused,
+    }
     assert t2["choices"][0]["message"]["content"] == model.chat(second, max_tokens=12).text
     assert httpx.delete(f"{url}/v1/sessions/carol").status_code == 200
     _wait_idle(url)

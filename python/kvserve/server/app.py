@@ -49,7 +49,7 @@ from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo
 from .config import ServerConfig
 from .http import ACCESS, ARRIVAL, REQUEST_ID, ApiError, EventStream, Gate, error_response
-from .metrics import CONTENT_TYPE, Metrics
+from .metrics import CONTENT_TYPE, Metrics, priority_label
 from .schemas import (
     SESSION_ID,
     ChatRequest,
@@ -122,10 +122,13 @@ class _Server:
         self.engine = engine
         self.created = int(time.time())
         self.in_flight = 0  # sequences this server has submitted and not yet seen finish
-        self.metrics = Metrics(self.stats)
+        self.metrics = Metrics(self.stats, self.waiting)
 
     def stats(self) -> dict[str, float | int] | None:
         return None if self.engine is None else self.engine.stats()
+
+    def waiting(self) -> dict[int, int] | None:
+        return None if self.engine is None else self.engine.waiting_by_priority()
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -196,6 +199,7 @@ class _Job:
         self.gens = gens
         self.n = n
         self.count = count
+        self.priority: int = options.get("priority", 0)
         self.arrival: float = request.scope.get(ARRIVAL, time.monotonic())
         self.results: list[GenerateResult | None] = [None] * count
         self.first: list[float | None] = [None] * count
@@ -216,6 +220,7 @@ class _Job:
                 if firsts:
                     access["ttft_ms"] = round((min(firsts) - self.arrival) * 1000, 1)
                 access["n"] = self.count
+                access["priority"] = self.priority
 
     async def run(self) -> AsyncGenerator[tuple[int, Delta], None]:
         """The merged stream; closing it (or cancelling its consumer) cancels every choice."""
@@ -232,6 +237,7 @@ class _Job:
 
         tasks = [asyncio.ensure_future(pump(p * self.n, g)) for p, g in enumerate(self.gens)]
         metrics = self.server.metrics
+        ttft = metrics.ttft.labels(priority_label(self.priority))
         try:
             left = self.count
             while left:
@@ -242,7 +248,7 @@ class _Job:
                 if item.text:
                     if self.first[i] is None:
                         self.first[i] = now
-                        metrics.ttft.observe(now - self.arrival)
+                        ttft.observe(now - self.arrival)
                     else:
                         metrics.itl.observe(now - self.last[i])
                     self.last[i] = now
@@ -259,15 +265,22 @@ class _Job:
 
     def usage_counts(self) -> dict[str, int]:
         """Prompt tokens count once per prompt (its ``n`` choices share it); cached tokens are
-        those reused for every choice of a prompt; completion tokens add up all choices."""
-        prompt = cached = completion = 0
+        those reused for every choice of a prompt (``session_cached_tokens`` of them held by
+        the request's session); completion tokens add up all choices."""
+        prompt = cached = session = completion = 0
         for p in range(0, len(self.results), self.n):
             done = [r for r in self.results[p : p + self.n] if r is not None]
             if done:
                 prompt += done[0].prompt_tokens
                 cached += min(r.cached_tokens for r in done)
+                session += min(r.session_cached_tokens for r in done)
             completion += sum(len(r.tokens) for r in done)
-        return {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+        return {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "session_cached_tokens": session,
+            "completion_tokens": completion,
+        }
 
     def usage(self) -> dict[str, Any]:
         c = self.usage_counts()
@@ -275,7 +288,10 @@ class _Job:
             "prompt_tokens": c["prompt_tokens"],
             "completion_tokens": c["completion_tokens"],
             "total_tokens": c["prompt_tokens"] + c["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": c["cached_tokens"]},
+            "prompt_tokens_details": {
+                "cached_tokens": c["cached_tokens"],
+                "session_cached_tokens": c["session_cached_tokens"],
+            },
         }
 
     async def collect(self) -> bool:
