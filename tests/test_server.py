@@ -11,7 +11,7 @@ Servers run as subprocesses of `python -m kvserve serve` (one module-wide, confi
 flags; one with sessions; one configured by `KVSERVE_*` environment variables with an API key,
 one sequence at a time and a one-sequence queue). Apps that a test must reach into run in this
 process (uvicorn in a thread, `_live`): one that watches `/health` while the model loads, a
-tiny K/V pool (evictions and preemptions in `/metrics`).
+tiny K/V pool (evictions and preemptions in `/metrics`), a closed engine.
 """
 
 from __future__ import annotations
@@ -717,6 +717,21 @@ def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
     finally:
         release.set()
     assert engines and engines[0].health() == "the engine is closed"  # the app closed it
+
+
+def test_health_is_503_with_the_reason_when_the_engine_stops(model_path: Path) -> None:
+    """An engine that no longer serves (here: closed under the app) makes /health answer 503
+    with the engine's reason, and a generation request 503 too."""
+    engine = Engine(model_path, threads=1, parallel=1, ctx_size=64)
+    with _live(create_app(ServerConfig(), engine=engine)) as url:
+        r = httpx.get(f"{url}/health")
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        engine.close()
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503
+        assert r.json() == {"status": "error", "reason": "the engine is closed"}
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -553,6 +553,9 @@ def create_app(
     async def health() -> Response:
         if server.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
+        reason = server.engine.health()
+        if reason is not None:
+            return JSONResponse({"status": "error", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
