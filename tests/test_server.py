@@ -10,8 +10,9 @@ routes; the KV contract (whole 16-token blocks of a computed prompt are reused) 
 Servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured by
 flags; one with sessions; one configured by `KVSERVE_*` environment variables with an API key,
 one sequence at a time and a one-sequence queue). Apps that a test must reach into run in this
-process (uvicorn in a thread, `_live`): one that watches `/health` while the model loads, a
-tiny K/V pool (evictions and preemptions in `/metrics`), a closed engine.
+process (uvicorn in a thread, `_live`): one that watches `/health` while the model loads, one
+sequence at a time with a queue (a tokenizer made to block, to show the event loop keeps
+serving), a tiny K/V pool (evictions and preemptions in `/metrics`), a closed engine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
@@ -37,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import Engine, Model
 from kvserve.cli import main as cli_main
 from kvserve.server import ServerConfig, create_app
+from kvserve.server.app import longest_token
 from kvserve.server.metrics import priority_label
 
 CTX = 256
@@ -157,6 +159,19 @@ def _live(app: Any) -> Iterator[str]:
         srv.should_exit = True
         thread.join(30)
     assert not thread.is_alive(), "uvicorn did not stop"
+
+
+class Live(NamedTuple):
+    url: str
+    engine: Engine
+
+
+@pytest.fixture(scope="module")
+def inproc(model_path: Path) -> Iterator[Live]:
+    """An app in this process: one sequence at a time, four more may wait."""
+    with Engine(model_path, threads=1, parallel=1, ctx_size=CTX, kv_memory="8MiB") as engine:
+        with _live(create_app(ServerConfig(max_queue=4), engine=engine)) as url:
+            yield Live(url, engine)
 
 
 @pytest.fixture(scope="module")
@@ -793,6 +808,26 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/tokenize", {"text": "x"}, 400, "content", "required"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token id"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "integer"),
+    # --max-tokens-limit is the context size by default
+    ("/v1/completions", {"prompt": "x", "max_tokens": CTX + 1}, 400, "max_tokens", "limit"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_completion_tokens": CTX + 1},
+        400,
+        "max_completion_tokens",
+        "--max-tokens-limit",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_completion_tokens": 4, "max_tokens": CTX + 1},
+        400,
+        "max_tokens",
+        "--max-tokens-limit",
+    ),
+    # more sequences than the server holds (--parallel + --max-queue), before tokenizing
+    ("/v1/completions", {"prompt": ["x"] * (PARALLEL + 64 + 1)}, 400, "prompt", "prompts x n"),
+    ("/v1/completions", {"prompt": ["x"] * 35, "n": 2}, 400, "n", "prompts x n"),
+    ("/v1/completions", {"prompt": list(range(CTX + 1))}, 400, "prompt", f"ctx_size={CTX}"),
 ]
 
 
@@ -1178,6 +1213,145 @@ def test_priority_label_classes() -> None:
     }
 
 
+# -- limits, the event loop ------------------------------------------------------------------
+
+
+def test_max_tokens_limit(model_path: Path, model: Model) -> None:
+    """An engine with max_tokens_limit=24: an explicit max_tokens or max_completion_tokens
+    above it is a 400 naming the field; a chat without one stops at it (not at the context);
+    completions keep OpenAI's default of 16."""
+    with Engine(
+        model_path, threads=1, parallel=1, ctx_size=CTX, kv_memory="8MiB", max_tokens_limit=24
+    ) as engine:
+        with _live(create_app(ServerConfig(), engine=engine)) as url:
+            for route, body, param in (
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 25}, "max_tokens"),
+                ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 25}, "max_tokens"),
+                (
+                    "/v1/chat/completions",
+                    {"messages": CHAT, "max_completion_tokens": 25},
+                    "max_completion_tokens",
+                ),
+            ):
+                r = httpx.post(f"{url}{route}", json=body)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["param"], error["code"]) == (param, "invalid_value")
+                assert "25" in error["message"] and "24" in error["message"], error
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"messages": CHAT, "ignore_eos": True},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            want = model.chat(CHAT, max_tokens=24, ignore_eos=True)
+            assert r.json()["choices"][0]["message"]["content"] == want.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 24
+            r = httpx.post(
+                f"{url}/v1/completions", json={"prompt": STORY, "ignore_eos": True}, timeout=120
+            )
+            assert r.json()["usage"]["completion_tokens"] == 16
+            body = {"prompt": STORY, "max_tokens": 24, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.json()["usage"]["completion_tokens"] == 24  # the limit itself is allowed
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "method"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, "tokenize"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}, "apply_chat_template"),
+        ("/tokenize", {"content": PROMPT}, "tokenize"),
+        ("/detokenize", {"tokens": [1, 2, 3]}, "detokenize"),
+        ("/apply-template", {"messages": CHAT}, "apply_chat_template"),
+    ],
+)
+def test_tokenizing_never_holds_the_event_loop(
+    inproc: Live,
+    monkeypatch: pytest.MonkeyPatch,
+    route: str,
+    body: dict[str, Any],
+    method: str,
+) -> None:
+    """The model's tokenizer (or chat template) is made to block until /health has answered:
+    the request completes only if it was tokenized off the event loop (on the loop, /health
+    could not answer: a deadlock, failed by /health's timeout)."""
+    model = inproc.engine.model
+    original = getattr(model, method)
+    entered = threading.Event()
+    health_answered = threading.Event()
+
+    def blocking(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        health_answered.wait(60)  # set by the test, also when it fails
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, method, blocking)
+    responses: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: responses.append(httpx.post(f"{inproc.url}{route}", json=body, timeout=120))
+    )
+    sender.start()
+    try:
+        assert entered.wait(30), f"{route} never reached model.{method}"
+        try:
+            health = httpx.get(f"{inproc.url}/health", timeout=10)
+        except httpx.TimeoutException:
+            pytest.fail(f"/health did not answer while {route} ran model.{method}: on the loop")
+        assert health.status_code == 200
+    finally:
+        health_answered.set()
+        sender.join(120)
+    (r,) = responses
+    assert r.status_code == 200, r.text
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(inproc: Live, model: Model) -> None:
+    """A multi-megabyte prompt (text, a chat message, one of several prompts) is a 400 naming
+    the field before anything is tokenized: the limit is ctx_size x the longest token, past
+    which no prompt fits. A prompt of exactly that many characters is tokenized (and then
+    found too long for the context)."""
+    limit = CTX * longest_token(model)
+    calls: list[int] = []
+    original = inproc.engine.model.tokenize
+
+    def counting(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(len(text))
+        return original(text, *args, **kwargs)
+
+    huge = "All work and no play makes Jack a dull boy. " * 70_000
+    assert len(huge) > 3_000_000
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inproc.engine.model, "tokenize", counting)
+        for route, body, param in (
+            ("/v1/completions", {"prompt": huge}, "prompt"),
+            ("/v1/completions", {"prompt": [PROMPT, huge]}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [
+                        {"role": "system", "content": "x" * (limit // 2)},
+                        {"role": "user", "content": [{"type": "text", "text": "y" * (limit // 2)}]},
+                        {"role": "user", "content": "z"},
+                    ]
+                },
+                "messages",
+            ),
+        ):
+            r = httpx.post(f"{inproc.url}{route}", json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == (param, "prompt_too_long"), error
+            assert f"({limit}: --max-prompt-chars)" in error["message"], error
+        assert calls == []  # nothing was tokenized
+        r = httpx.post(f"{inproc.url}/v1/completions", json={"prompt": "x" * limit}, timeout=60)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert limit in calls
+
+
 # -- sessions ---------------------------------------------------------------------------------
 
 
@@ -1370,6 +1544,7 @@ def locked(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "KVSERVE_KV_MEMORY": "8MiB",
         "KVSERVE_API_KEY_FILE": str(tmp / "key"),
         "KVSERVE_CHAT_TEMPLATE_FILE": str(tmp / "template.jinja"),
+        "KVSERVE_MAX_TOKENS_LIMIT": str(CTX - 40),
     }
     srv = Server([], tmp / "server.log", env)
     yield srv
@@ -1405,6 +1580,14 @@ def test_chat_template_file(locked: Server) -> None:
     assert r.status_code == 200
     want = f"<system>{CHAT[0]['content']}\n<user>{CHAT[1]['content']}\n<assistant>"
     assert r.json() == {"prompt": want}
+
+
+def test_max_tokens_limit_by_environment(locked: Server) -> None:
+    """KVSERVE_MAX_TOKENS_LIMIT reaches the server's engine."""
+    for body in ({"max_tokens": CTX - 39}, {"max_tokens": CTX + 1}):
+        r = httpx.post(f"{locked.url}/v1/completions", json={"prompt": "x", **body}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert f"({CTX - 40}: --max-tokens-limit)" in r.json()["error"]["message"]
 
 
 def test_queue_overflow_is_503(locked: Server) -> None:
@@ -1458,6 +1641,8 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--kv-low-watermark", "KVSERVE_KV_LOW_WATERMARK; default: 0.7"),
         ("--session-ttl", "KVSERVE_SESSION_TTL"),
         ("--max-sessions", "KVSERVE_MAX_SESSIONS"),
+        ("--max-tokens-limit", "KVSERVE_MAX_TOKENS_LIMIT"),
+        ("--max-prompt-chars", "KVSERVE_MAX_PROMPT_CHARS"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
 
@@ -1476,6 +1661,8 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ({}, ["--max-sessions", "0"], "expected a positive integer"),
         ({}, ["--api-key", "a", "--api-key-file", "f"], "not both"),
         ({}, ["--kv-type", "q4"], "expected one of f16, q8_0, f32"),
+        ({"KVSERVE_MAX_TOKENS_LIMIT": "0"}, [], "KVSERVE_MAX_TOKENS_LIMIT: expected a positive"),
+        ({}, ["--max-prompt-chars", "-1"], "expected a positive integer"),
     ],
 )
 def test_serve_bad_settings_are_one_line_errors(
