@@ -11,8 +11,8 @@ Servers run as subprocesses of `python -m kvserve serve` (one module-wide, confi
 flags; one with sessions; one configured by `KVSERVE_*` environment variables with an API key,
 one sequence at a time and a one-sequence queue). Apps that a test must reach into run in this
 process (uvicorn in a thread, `_live`): one that watches `/health` while the model loads, one
-sequence at a time with a queue (a tokenizer made to block, to show the event loop keeps
-serving), a tiny K/V pool (evictions and preemptions in `/metrics`), a closed engine.
+sequence at a time with a queue (priorities; a tokenizer made to block, to show the event loop
+keeps serving), a tiny K/V pool (evictions and preemptions in `/metrics`), a closed engine.
 """
 
 from __future__ import annotations
@@ -808,6 +808,12 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/tokenize", {"text": "x"}, 400, "content", "required"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token id"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "priority": 1001}, 400, "priority", "less than or equal"),
+    ("/v1/completions", {"prompt": "x", "priority": -1001}, 400, "priority", "greater than or"),
+    ("/v1/completions", {"prompt": "x", "priority": 1.5}, 400, "priority", "integer"),
+    ("/v1/completions", {"prompt": "x", "priority": None}, 400, "priority", "integer"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": "1"}, 400, "priority", "integer"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": True}, 400, "priority", "integer"),
     # --max-tokens-limit is the context size by default
     ("/v1/completions", {"prompt": "x", "max_tokens": CTX + 1}, 400, "max_tokens", "limit"),
     (
@@ -1127,12 +1133,18 @@ def test_access_log(server: Server) -> None:
     assert 0 < entry["ttft_ms"] <= entry["total_ms"]
 
 
+def _waiting(url: str) -> dict[str, float]:
+    """kvserve_waiting: {priority class: sequences waiting}."""
+    samples = _metrics(url).get("kvserve_waiting", {})
+    return {dict(labels)["priority"]: n for labels, n in samples.items()}
+
+
 def test_metrics_follow_the_engine(model_path: Path, model: Model) -> None:
     """/metrics on a K/V pool of six blocks, in this process: a repeated prompt moves the
     prefix counters and the prefix source of cached tokens; a session's second turn the
     session source; a request whose four choices cannot all grow in the pool evicts the idle
-    session and preempts choices (and still gives the greedy text); TTFTs are counted in the
-    default priority's class. The exported families are exactly the documented ones."""
+    session and preempts choices (and still gives the greedy text); its TTFT is counted in
+    its priority class. The exported families are exactly the documented ones."""
     per_block = int(Model(model_path, threads=1).new_context(16).stats()["bytes_per_block"])
     small = Model(model_path, threads=1)  # a fresh model: its pool is made at our size
     with Engine(small, parallel=4, ctx_size=64, kv_memory=6 * per_block) as engine:
@@ -1178,14 +1190,15 @@ def test_metrics_follow_the_engine(model_path: Path, model: Model) -> None:
             # evicted, then choices are preempted (and recomputed).
             story = "Story 3: the bread and the old lighthouse keeper"
             want = model.generate(story, max_tokens=20, ignore_eos=True).text
-            r = _complete(url, prompt=story, max_tokens=20, n=4, ignore_eos=True)
+            r = _complete(url, prompt=story, max_tokens=20, n=4, ignore_eos=True, priority=42)
             assert [c["text"] for c in r["choices"]] == [want] * 4
             _wait_until("the engine to be idle", lambda: engine.stats()["running"] == 0)
             m3 = _metrics(url)
             assert moved(m2, m3, "kvserve_evictions_total") >= 1
             assert moved(m2, m3, "kvserve_preemptions_total") >= 1
             ttft = "kvserve_time_to_first_token_seconds_count"
-            assert m3[ttft] == {(("priority", "0"),): 8}  # the default priority, per choice
+            assert m3[ttft][(("priority", "10"),)] == 4  # 42 is in the class "10" (10..99)
+            assert m3[ttft][(("priority", "0"),)] == 4  # the four requests before
             usage = m3["kvserve_kv_group_usage_ratio"][(("group", "full"),)]
             assert usage == m3["kvserve_kv_usage_ratio"]
             blocks = m3["kvserve_kv_group_blocks"]
@@ -1213,7 +1226,50 @@ def test_priority_label_classes() -> None:
     }
 
 
-# -- limits, the event loop ------------------------------------------------------------------
+# -- priority, limits, the event loop ----------------------------------------------------------
+
+
+def test_priority_serves_a_later_higher_request_first(inproc: Live, model: Model) -> None:
+    """One sequence at a time: while a stream runs, a low-priority completion queues, then a
+    high-priority chat. When the stream ends the chat is admitted first: at its first token
+    the completion still waits (kvserve_waiting by priority class), so it was served in
+    priority order, not arrival order. The completion then gets its greedy text."""
+    url = inproc.url
+    long = {"prompt": STORY, "max_tokens": CTX - 40, "ignore_eos": True, "stream": True}
+    low = {"prompt": PROMPT, "max_tokens": 4, "priority": -5}
+    high = {"messages": CHAT, "max_tokens": CTX - 80, "ignore_eos": True, "priority": 5}
+    low_response: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: low_response.append(
+            httpx.post(f"{url}/v1/completions", json=low, timeout=120)
+        )
+    )
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=long) as running:
+            lines = running.iter_lines()  # kept: dropping it would close the connection
+            assert next(line for line in lines if line).startswith("data: ")
+            sender.start()
+            _wait_until("the completion to wait", lambda: _waiting(url) == {"-5": 1})
+            with http.stream(
+                "POST", f"{url}/v1/chat/completions", json={**high, "stream": True}
+            ) as chat:
+                assert chat.status_code == 200
+                _wait_until("both to wait", lambda: _waiting(url) == {"-5": 1, "5": 1})
+                running.close()  # the running stream's client leaves: a slot frees
+                chat_lines = chat.iter_lines()  # kept: dropping it would close the connection
+                for line in chat_lines:
+                    chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        break
+                # The chat (up to 176 more tokens) holds the only slot until it is closed.
+                at_first_token = _waiting(url)
+                completion_done = bool(low_response)
+    sender.join(120)
+    assert at_first_token == {"-5": 1} and not completion_done
+    (r,) = low_response
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == model.generate(PROMPT, max_tokens=4).text
+    _wait_until("the engine to be idle", lambda: inproc.engine.stats()["running"] == 0)
 
 
 def test_max_tokens_limit(model_path: Path, model: Model) -> None:

@@ -94,6 +94,7 @@ _OPTION_FIELDS = {
     "context_shift": "context_shift",
     "n_keep": "n_keep",
     "session_id": "session_id",
+    "priority": "priority",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
