@@ -35,7 +35,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvserve.server
 from kvserve import Engine, Model
+from kvserve.cli import build_parser, serve_config
 from kvserve.cli import main as cli_main
 from kvserve.server import ServerConfig, create_app
 from kvserve.server.app import longest_token
@@ -953,25 +955,43 @@ def test_disconnect_while_waiting_for_a_non_stream_answer(server: Server) -> Non
     assert requests[(("route", "/v1/completions"), ("status", "499"))] >= 1
 
 
-def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -> None:
-    """A streaming client that disconnects while the response has not even started (its
-    socket blocks the first write) gives its sequences back to the admission count, and no
-    request stays in the engine. Driven at the ASGI level, in this process."""
+@pytest.mark.parametrize("blocked", ["http.response.start", "http.response.body"])
+def test_a_client_gone_before_the_first_byte_leaves_no_trace(
+    model_path: Path, blocked: str
+) -> None:
+    """A streaming client that never reads and then disconnects, its socket blocking the
+    response's start (the stream never began, so the request never reached the engine) or
+    its first chunk of text (the request is generating): its request is cancelled and its
+    sequences go back to the admission count. The request would never end by itself
+    (ignore_eos, context shift, a billion tokens, no max_tokens_limit): only a working
+    cancellation ends it. Driven at the ASGI level, in this process."""
     with Engine(model_path, threads=1, parallel=1, ctx_size=64, kv_memory="4MiB") as engine:
+        assert engine.max_tokens_limit is None
         app = create_app(ServerConfig(max_queue=0), engine=engine)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 30, "stream": True}).encode()
+        body = {"prompt": PROMPT, "max_tokens": 10**9, "ignore_eos": True, "stream": True}
+        raw = json.dumps({**body, "context_shift": True}).encode()
+        statuses: list[int] = []
+        generated: list[int] = []  # tokens generated for each request when its client left
+        start = engine.stats()
 
         async def one() -> None:
-            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            before = engine.stats()["generated_tokens"]
+            messages = [{"type": "http.request", "body": raw, "more_body": False}]
+            stuck = asyncio.Event()
 
             async def receive() -> Any:
                 if messages:
                     return messages.pop()
-                await asyncio.sleep(0.05)
+                await stuck.wait()  # the server tried to write what the client never reads
+                generated.append(engine.stats()["generated_tokens"] - before)
                 return {"type": "http.disconnect"}
 
             async def send(message: Any) -> None:
-                await asyncio.Event().wait()  # a client that never reads
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+                if message["type"] == blocked:
+                    stuck.set()
+                    await asyncio.Event().wait()  # a client that never reads
 
             scope = {
                 "type": "http",
@@ -987,16 +1007,24 @@ def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -
                 "client": ("127.0.0.1", 1),
                 "server": ("127.0.0.1", 2),
             }
-            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+            await asyncio.wait_for(app(scope, receive, send), timeout=60)
 
         for _ in range(3):  # with parallel 1 and no queue, a leaked sequence blocks the next
             asyncio.run(one())
-        deadline = time.monotonic() + 10
-        while engine.stats()["running"] or engine.stats()["waiting"]:
-            assert time.monotonic() < deadline, engine.stats()
-            time.sleep(0.02)
+        assert statuses == [200] * 3  # each admitted (none found the server full)
+        _wait_until(
+            "the cancelled requests to leave the engine",
+            lambda: engine.stats()["running"] == engine.stats()["waiting"] == 0,
+        )
+        end = engine.stats()
         state = app.app.state.server  # type: ignore[attr-defined]
         assert state.in_flight == 0
+    if blocked == "http.response.start":
+        assert end["prompt_tokens"] == start["prompt_tokens"]  # never queued
+        assert generated == [0, 0, 0]
+    else:  # each was generating when its client left: its first text was being sent
+        assert end["prompt_tokens"] > start["prompt_tokens"]
+        assert len(generated) == 3 and all(n > 0 for n in generated), generated
 
 
 def test_32_concurrent_streams(server: Server, model: Model) -> None:
@@ -1701,6 +1729,100 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--max-prompt-chars", "KVSERVE_MAX_PROMPT_CHARS"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
+
+
+_ENGINE_FLAGS = {
+    # flag: (its variable, value, the Engine argument it becomes, that argument's value)
+    "--threads": ("KVSERVE_THREADS", "1", "threads", 1),
+    "--parallel": ("KVSERVE_PARALLEL", "2", "parallel", 2),
+    "--ctx-size": ("KVSERVE_CTX_SIZE", "96", "ctx_size", 96),
+    "--kv-memory": ("KVSERVE_KV_MEMORY", "3MiB", "kv_memory", 3 * 2**20),
+    "--kv-type": ("KVSERVE_KV_TYPE", "q8_0", "kv_type", "q8_0"),
+    "--batch-tokens": ("KVSERVE_BATCH_TOKENS", "48", "batch_tokens", 48),
+    "--kv-high-watermark": ("KVSERVE_KV_HIGH_WATERMARK", "0.8", "kv_high_watermark", 0.8),
+    "--kv-low-watermark": ("KVSERVE_KV_LOW_WATERMARK", "0.6", "kv_low_watermark", 0.6),
+    "--session-ttl": ("KVSERVE_SESSION_TTL", "30", "session_ttl", 30.0),
+    "--max-sessions": ("KVSERVE_MAX_SESSIONS", "3", "max_sessions", 3),
+    "--max-tokens-limit": ("KVSERVE_MAX_TOKENS_LIMIT", "40", "max_tokens_limit", 40),
+}
+
+
+def _serve_configs(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None
+) -> ServerConfig:
+    """The ServerConfig that `kvserve serve ARGV` (with ``env``) would serve: the command runs
+    with the server replaced by a recorder."""
+    others = ["KVSERVE_MODEL", "KVSERVE_CONTEXT_SHIFT", "KVSERVE_MAX_PROMPT_CHARS"]
+    for var in [*(v[0] for v in _ENGINE_FLAGS.values()), *others]:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    served: list[ServerConfig] = []
+    monkeypatch.setattr(kvserve.server, "serve", served.append)
+    assert cli_main(["serve", *argv]) == 0
+    (config,) = served
+    assert config == serve_config(build_parser().parse_args(["serve", *argv]))
+    return config
+
+
+def test_serve_flags_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine flag of `kvserve serve`, and its variable, becomes its Engine argument
+    (ServerConfig.engine_kwargs) and an Engine built from those has the setting."""
+    argv = ["--model", str(model_path), "--context-shift"]
+    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_CONTEXT_SHIFT": "1"}
+    for flag, (var, value, _arg, _want) in _ENGINE_FLAGS.items():
+        argv += [flag, value]
+        env[var] = value
+    want = {arg: value for _var, _value, arg, value in _ENGINE_FLAGS.values()}
+    want["context_shift"] = True
+    by_flags = _serve_configs(argv, monkeypatch)
+    by_env = _serve_configs([], monkeypatch, env)
+    assert by_flags.engine_kwargs() == want
+    assert by_env.engine_kwargs() == want
+    assert by_flags.model == by_env.model == str(model_path)
+    with Engine(by_flags.model, **by_flags.engine_kwargs()) as engine:
+        got = {
+            "threads": engine.model.threads,
+            "parallel": engine.parallel,
+            "ctx_size": engine.ctx_size,
+            "kv_type": engine.kv_type,
+            "batch_tokens": engine.batch_tokens,
+            "kv_high_watermark": engine.kv_high_watermark,
+            "kv_low_watermark": engine.kv_low_watermark,
+            "session_ttl": engine.session_ttl,
+            "max_sessions": engine.max_sessions,
+            "max_tokens_limit": engine.max_tokens_limit,
+            "context_shift": engine.context_shift,
+        }
+        st = engine.stats()
+    assert got == {k: v for k, v in want.items() if k != "kv_memory"}
+    block = st["kv_full_bytes_total"] // st["kv_blocks_total"]
+    assert st["kv_blocks_total"] == 3 * 2**20 // block  # --kv-memory, in whole blocks
+
+
+def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without flags: the documented defaults; --max-tokens-limit is the context size."""
+    config = _serve_configs(["--model", str(model_path), "-c", "512"], monkeypatch)
+    assert config.engine_kwargs() == {
+        "threads": None,
+        "parallel": 16,
+        "ctx_size": 512,
+        "kv_memory": None,
+        "kv_type": "f16",
+        "batch_tokens": 512,
+        "context_shift": False,
+        "kv_high_watermark": 0.9,
+        "kv_low_watermark": 0.7,
+        "session_ttl": None,
+        "max_sessions": None,
+        "max_tokens_limit": 512,
+    }
+    assert (config.max_prompt_chars, config.max_queue) == (None, 256)
+    config = _serve_configs(["-m", str(model_path), "--max-prompt-chars", "5000"], monkeypatch)
+    assert config.max_prompt_chars == 5000
+    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_MAX_PROMPT_CHARS": "6000"}
+    config = _serve_configs([], monkeypatch, env)
+    assert config.max_prompt_chars == 6000
 
 
 @pytest.mark.parametrize(
