@@ -7,15 +7,18 @@ routes; the KV contract (whole 16-token blocks of a computed prompt are reused) 
 `cached_tokens`; prometheus-client's own parser for `/metrics`; the per-choice seed rule
 (`seed + j`) checked against single requests.
 
-Two servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured
-by flags; one configured by `KVSERVE_*` environment variables with an API key, one sequence
-at a time and a one-sequence queue); one runs in this process (uvicorn in a thread) to
-watch `/health` while the model loads.
+Servers run as subprocesses of `python -m kvserve serve` (one module-wide, configured by
+flags; one with sessions; one configured by `KVSERVE_*` environment variables with an API key,
+one sequence at a time and a one-sequence queue). Apps that a test must reach into run in this
+process (uvicorn in a thread, `_live`): one that watches `/health` while the model loads, one
+sequence at a time with a queue (priorities; a tokenizer made to block, to show the event loop
+keeps serving), a tiny K/V pool (evictions and preemptions in `/metrics`), a closed engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -25,16 +28,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvserve.server
 from kvserve import Engine, Model
+from kvserve.cli import build_parser, serve_config
 from kvserve.cli import main as cli_main
 from kvserve.server import ServerConfig, create_app
+from kvserve.server.app import longest_token
+from kvserve.server.metrics import priority_label
 
 CTX = 256
 PARALLEL = 4
@@ -121,6 +128,52 @@ def _wait_idle(url: str, headers: dict[str, str] | None = None, timeout: float =
         if time.monotonic() > deadline:
             pytest.fail(f"the server did not go idle: used={used} running={m['kvserve_running']}")
         time.sleep(0.05)
+
+
+def _wait_until(what: str, check: Any, timeout: float = 30) -> Any:
+    """Polls ``check()`` until it gives a true value (returned); fails naming ``what`` at the
+    deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what} (last: {value!r})")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _live(app: Any) -> Iterator[str]:
+    """Serves ``app`` with uvicorn in a thread of this process; yields its URL. The server
+    stops (lifespan shutdown included) when the block ends."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        _wait_until("uvicorn to start", lambda: srv.started or not thread.is_alive())
+        assert srv.started, "uvicorn stopped before it started"
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+class Live(NamedTuple):
+    url: str
+    engine: Engine
+
+
+@pytest.fixture(scope="module")
+def inproc(model_path: Path) -> Iterator[Live]:
+    """An app in this process: one sequence at a time, four more may wait."""
+    with Engine(model_path, threads=1, parallel=1, ctx_size=CTX, kv_memory="8MiB") as engine:
+        with _live(create_app(ServerConfig(max_queue=4), engine=engine)) as url:
+            yield Live(url, engine)
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +382,7 @@ def test_cached_tokens(client: openai.OpenAI, model: Model) -> None:
     again = client.completions.create(model="m", prompt=prompt, max_tokens=2)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
+    assert again.usage.prompt_tokens_details.session_cached_tokens == 0  # type: ignore[attr-defined]
 
 
 def test_gemma3_reuses_a_long_shared_prefix_past_its_window(
@@ -655,8 +709,6 @@ def test_health(server: Server) -> None:
 def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
     """An app that loads its engine at startup answers /health 503 (and other routes 503
     with an error body) until the engine is ready."""
-    import uvicorn
-
     release = threading.Event()
     engines: list[Engine] = []
 
@@ -666,34 +718,37 @@ def test_health_is_503_until_the_model_is_loaded(model_path: Path) -> None:
         return engines[0]
 
     app = create_app(ServerConfig(), load=load)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = srv.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        r = httpx.get(f"{url}/health")
-        assert (r.status_code, r.json()) == (503, {"status": "loading"})
-        r = httpx.get(f"{url}/v1/models")
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
-        assert r.headers["retry-after"] == "1"
-        release.set()
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the engine never became ready"
-            time.sleep(0.02)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code == 200
+        with _live(app) as url:
+            r = httpx.get(f"{url}/health")
+            assert (r.status_code, r.json()) == (503, {"status": "loading"})
+            r = httpx.get(f"{url}/v1/models")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            assert r.headers["retry-after"] == "1"
+            release.set()
+            _wait_until(
+                "the engine to be ready", lambda: httpx.get(f"{url}/health").status_code == 200
+            )
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200
     finally:
         release.set()
-        srv.should_exit = True
-        thread.join(30)
-    assert not thread.is_alive()
     assert engines and engines[0].health() == "the engine is closed"  # the app closed it
+
+
+def test_health_is_503_with_the_reason_when_the_engine_stops(model_path: Path) -> None:
+    """An engine that no longer serves (here: closed under the app) makes /health answer 503
+    with the engine's reason, and a generation request 503 too."""
+    engine = Engine(model_path, threads=1, parallel=1, ctx_size=64)
+    with _live(create_app(ServerConfig(), engine=engine)) as url:
+        r = httpx.get(f"{url}/health")
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        engine.close()
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503
+        assert r.json() == {"status": "error", "reason": "the engine is closed"}
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -755,6 +810,32 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/tokenize", {"text": "x"}, 400, "content", "required"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token id"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "priority": 1001}, 400, "priority", "less than or equal"),
+    ("/v1/completions", {"prompt": "x", "priority": -1001}, 400, "priority", "greater than or"),
+    ("/v1/completions", {"prompt": "x", "priority": 1.5}, 400, "priority", "integer"),
+    ("/v1/completions", {"prompt": "x", "priority": None}, 400, "priority", "integer"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": "1"}, 400, "priority", "integer"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": True}, 400, "priority", "integer"),
+    # --max-tokens-limit is the context size by default
+    ("/v1/completions", {"prompt": "x", "max_tokens": CTX + 1}, 400, "max_tokens", "limit"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_completion_tokens": CTX + 1},
+        400,
+        "max_completion_tokens",
+        "--max-tokens-limit",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_completion_tokens": 4, "max_tokens": CTX + 1},
+        400,
+        "max_tokens",
+        "--max-tokens-limit",
+    ),
+    # more sequences than the server holds (--parallel + --max-queue), before tokenizing
+    ("/v1/completions", {"prompt": ["x"] * (PARALLEL + 64 + 1)}, 400, "prompt", "prompts x n"),
+    ("/v1/completions", {"prompt": ["x"] * 35, "n": 2}, 400, "n", "prompts x n"),
+    ("/v1/completions", {"prompt": list(range(CTX + 1))}, 400, "prompt", f"ctx_size={CTX}"),
 ]
 
 
@@ -874,25 +955,43 @@ def test_disconnect_while_waiting_for_a_non_stream_answer(server: Server) -> Non
     assert requests[(("route", "/v1/completions"), ("status", "499"))] >= 1
 
 
-def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -> None:
-    """A streaming client that disconnects while the response has not even started (its
-    socket blocks the first write) gives its sequences back to the admission count, and no
-    request stays in the engine. Driven at the ASGI level, in this process."""
+@pytest.mark.parametrize("blocked", ["http.response.start", "http.response.body"])
+def test_a_client_gone_before_the_first_byte_leaves_no_trace(
+    model_path: Path, blocked: str
+) -> None:
+    """A streaming client that never reads and then disconnects, its socket blocking the
+    response's start (the stream never began, so the request never reached the engine) or
+    its first chunk of text (the request is generating): its request is cancelled and its
+    sequences go back to the admission count. The request would never end by itself
+    (ignore_eos, context shift, a billion tokens, no max_tokens_limit): only a working
+    cancellation ends it. Driven at the ASGI level, in this process."""
     with Engine(model_path, threads=1, parallel=1, ctx_size=64, kv_memory="4MiB") as engine:
+        assert engine.max_tokens_limit is None
         app = create_app(ServerConfig(max_queue=0), engine=engine)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 30, "stream": True}).encode()
+        body = {"prompt": PROMPT, "max_tokens": 10**9, "ignore_eos": True, "stream": True}
+        raw = json.dumps({**body, "context_shift": True}).encode()
+        statuses: list[int] = []
+        generated: list[int] = []  # tokens generated for each request when its client left
+        start = engine.stats()
 
         async def one() -> None:
-            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            before = engine.stats()["generated_tokens"]
+            messages = [{"type": "http.request", "body": raw, "more_body": False}]
+            stuck = asyncio.Event()
 
             async def receive() -> Any:
                 if messages:
                     return messages.pop()
-                await asyncio.sleep(0.05)
+                await stuck.wait()  # the server tried to write what the client never reads
+                generated.append(engine.stats()["generated_tokens"] - before)
                 return {"type": "http.disconnect"}
 
             async def send(message: Any) -> None:
-                await asyncio.Event().wait()  # a client that never reads
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+                if message["type"] == blocked:
+                    stuck.set()
+                    await asyncio.Event().wait()  # a client that never reads
 
             scope = {
                 "type": "http",
@@ -908,16 +1007,24 @@ def test_a_client_gone_before_the_first_byte_leaves_no_trace(model_path: Path) -
                 "client": ("127.0.0.1", 1),
                 "server": ("127.0.0.1", 2),
             }
-            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+            await asyncio.wait_for(app(scope, receive, send), timeout=60)
 
         for _ in range(3):  # with parallel 1 and no queue, a leaked sequence blocks the next
             asyncio.run(one())
-        deadline = time.monotonic() + 10
-        while engine.stats()["running"] or engine.stats()["waiting"]:
-            assert time.monotonic() < deadline, engine.stats()
-            time.sleep(0.02)
+        assert statuses == [200] * 3  # each admitted (none found the server full)
+        _wait_until(
+            "the cancelled requests to leave the engine",
+            lambda: engine.stats()["running"] == engine.stats()["waiting"] == 0,
+        )
+        end = engine.stats()
         state = app.app.state.server  # type: ignore[attr-defined]
         assert state.in_flight == 0
+    if blocked == "http.response.start":
+        assert end["prompt_tokens"] == start["prompt_tokens"]  # never queued
+        assert generated == [0, 0, 0]
+    else:  # each was generating when its client left: its first text was being sent
+        assert end["prompt_tokens"] > start["prompt_tokens"]
+        assert len(generated) == 3 and all(n > 0 for n in generated), generated
 
 
 def test_32_concurrent_streams(server: Server, model: Model) -> None:
@@ -963,7 +1070,9 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
     assert got.usage.prompt_tokens_details is not None
     cached = got.usage.prompt_tokens_details.cached_tokens
     assert delta("kvserve_cached_prompt_tokens_total") == cached
-    assert delta("kvserve_time_to_first_token_seconds_count") == 1
+    ttft = "kvserve_time_to_first_token_seconds_count"
+    default = (("priority", "0"),)
+    assert after[ttft][default] - before.get(ttft, {}).get(default, 0) == 1
     assert delta("kvserve_inter_token_latency_seconds_count") >= 1
     assert delta("kvserve_request_duration_seconds_count") == 1
     key = (("route", "/v1/completions"), ("status", "200"))
@@ -976,8 +1085,57 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
     assert hit == pytest.approx(
         after["kvserve_cached_prompt_tokens_total"] / after["kvserve_prompt_tokens_total"]
     )
-    for name in ("kvserve_evictions_total", "kvserve_preemptions_total", "kvserve_sessions"):
-        assert name in after
+    by_source = after["kvserve_cached_prompt_tokens_by_source_total"]
+    assert sum(by_source.values()) == after["kvserve_cached_prompt_tokens_total"]
+    assert after["kvserve_kv_group_blocks_total"] == {(("group", "full"),): total}
+    assert _families(server.url) == _FAMILIES
+
+
+# Every family /metrics exports once the model is loaded (prometheus-client's parser names
+# counters without `_total`; its `_created` timestamps are left out). Labelled families are
+# exported even while they have no sample.
+_FAMILIES = {
+    ("kvserve_requests", "counter"),
+    ("kvserve_time_to_first_token_seconds", "histogram"),
+    ("kvserve_inter_token_latency_seconds", "histogram"),
+    ("kvserve_request_duration_seconds", "histogram"),
+    ("kvserve_prompt_tokens", "counter"),
+    ("kvserve_cached_prompt_tokens", "counter"),
+    ("kvserve_cached_prompt_tokens_by_source", "counter"),
+    ("kvserve_generated_tokens", "counter"),
+    ("kvserve_computed_tokens", "counter"),
+    ("kvserve_evictions", "counter"),
+    ("kvserve_preemptions", "counter"),
+    ("kvserve_session_misses", "counter"),
+    ("kvserve_kv_blocks_evicted", "counter"),
+    ("kvserve_prefix_lookups", "counter"),
+    ("kvserve_prefix_hit_tokens", "counter"),
+    ("kvserve_kv_usage_ratio", "gauge"),
+    ("kvserve_kv_blocks_total", "gauge"),
+    ("kvserve_kv_blocks", "gauge"),
+    ("kvserve_kv_group_usage_ratio", "gauge"),
+    ("kvserve_kv_group_blocks_total", "gauge"),
+    ("kvserve_kv_group_blocks", "gauge"),
+    ("kvserve_prefix_hit_rate", "gauge"),
+    ("kvserve_prefix_hit_rate_recent", "gauge"),
+    ("kvserve_prefix_blocks_shared", "gauge"),
+    ("kvserve_prefix_blocks_indexed", "gauge"),
+    ("kvserve_queue_depth", "gauge"),
+    ("kvserve_waiting", "gauge"),
+    ("kvserve_running", "gauge"),
+    ("kvserve_sessions", "gauge"),
+    ("kvserve_decode_tokens_per_second", "gauge"),
+}
+
+
+def _families(url: str) -> set[tuple[str, str]]:
+    """The (name, type) of every family /metrics exports, `_created` timestamps aside."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (f.name, f.type)
+        for f in text_string_to_metric_families(text)
+        if not (f.name.endswith("_created") and f.type == "gauge")
+    }
 
 
 def test_access_log(server: Server) -> None:
@@ -999,7 +1157,283 @@ def test_access_log(server: Server) -> None:
     assert entry["prompt_tokens"] == usage["prompt_tokens"]
     assert entry["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     assert entry["completion_tokens"] == usage["completion_tokens"]
+    assert entry["priority"] == 0
     assert 0 < entry["ttft_ms"] <= entry["total_ms"]
+
+
+def _waiting(url: str) -> dict[str, float]:
+    """kvserve_waiting: {priority class: sequences waiting}."""
+    samples = _metrics(url).get("kvserve_waiting", {})
+    return {dict(labels)["priority"]: n for labels, n in samples.items()}
+
+
+def test_metrics_follow_the_engine(model_path: Path, model: Model) -> None:
+    """/metrics on a K/V pool of six blocks, in this process: a repeated prompt moves the
+    prefix counters and the prefix source of cached tokens; a session's second turn the
+    session source; a request whose four choices cannot all grow in the pool evicts the idle
+    session and preempts choices (and still gives the greedy text); its TTFT is counted in
+    its priority class. The exported families are exactly the documented ones."""
+    per_block = int(Model(model_path, threads=1).new_context(16).stats()["bytes_per_block"])
+    small = Model(model_path, threads=1)  # a fresh model: its pool is made at our size
+    with Engine(small, parallel=4, ctx_size=64, kv_memory=6 * per_block) as engine:
+        with _live(create_app(ServerConfig(), engine=engine)) as url:
+            assert _families(url) == _FAMILIES
+            m0 = _metrics(url)
+            assert m0["kvserve_kv_blocks_total"] == 6
+            assert m0["kvserve_kv_group_blocks_total"] == {(("group", "full"),): 6}
+
+            def moved(a: dict[str, Any], b: dict[str, Any], name: str, *labels: str) -> float:
+                if labels:
+                    key = tuple(zip(labels[::2], labels[1::2]))
+                    return float(b[name].get(key, 0) - a[name].get(key, 0))
+                return float(b[name] - a[name])
+
+            source = "kvserve_cached_prompt_tokens_by_source_total"
+            # A repeated prompt: its whole blocks come from the prefix index.
+            prompt = "A long and winding prompt about nothing in particular. " * 4 + "Tail."
+            n_prompt = len(model.tokenize(prompt, add_special=True, parse_special=True))
+            assert 32 < n_prompt < 48
+            _complete(url, prompt=prompt, max_tokens=2)
+            again = _complete(url, prompt=prompt, max_tokens=2)["usage"]
+            cached = again["prompt_tokens_details"]
+            assert cached == {"cached_tokens": 32, "session_cached_tokens": 0}
+            m1 = _metrics(url)
+            assert moved(m0, m1, "kvserve_prefix_lookups_total") == 2
+            assert moved(m0, m1, "kvserve_prefix_hit_tokens_total") == 32
+            assert moved(m0, m1, source, "source", "prefix") == 32
+            assert moved(m0, m1, source, "source", "session") == 0
+            assert m1["kvserve_prefix_blocks_indexed"] >= 2
+            assert m1["kvserve_prefix_hit_rate_recent"] == pytest.approx(32 / (2 * n_prompt))
+            # A session's second turn: its tokens come from the resident session.
+            first = _complete(url, prompt=STORY, max_tokens=4, session_id="s")["usage"]
+            second = _complete(url, prompt=" Then", max_tokens=4, session_id="s")["usage"]
+            held = first["prompt_tokens"] + first["completion_tokens"]
+            details = second["prompt_tokens_details"]
+            assert details == {"cached_tokens": held, "session_cached_tokens": held}
+            m2 = _metrics(url)
+            assert moved(m1, m2, source, "source", "session") == held
+            assert moved(m1, m2, source, "source", "prefix") == 0
+            assert m2["kvserve_sessions"] == 1 and m2["kvserve_evictions_total"] == 0
+            # Four choices of 20 tokens need eight blocks of the six: the idle session is
+            # evicted, then choices are preempted (and recomputed).
+            story = "Story 3: the bread and the old lighthouse keeper"
+            want = model.generate(story, max_tokens=20, ignore_eos=True).text
+            r = _complete(url, prompt=story, max_tokens=20, n=4, ignore_eos=True, priority=42)
+            assert [c["text"] for c in r["choices"]] == [want] * 4
+            _wait_until("the engine to be idle", lambda: engine.stats()["running"] == 0)
+            m3 = _metrics(url)
+            assert moved(m2, m3, "kvserve_evictions_total") >= 1
+            assert moved(m2, m3, "kvserve_preemptions_total") >= 1
+            ttft = "kvserve_time_to_first_token_seconds_count"
+            assert m3[ttft][(("priority", "10"),)] == 4  # 42 is in the class "10" (10..99)
+            assert m3[ttft][(("priority", "0"),)] == 4  # the four requests before
+            usage = m3["kvserve_kv_group_usage_ratio"][(("group", "full"),)]
+            assert usage == m3["kvserve_kv_usage_ratio"]
+            blocks = m3["kvserve_kv_group_blocks"]
+            assert {k: v for k, v in blocks.items() if ("group", "full") in k} == {
+                (("group", "full"), ("state", state)): m3["kvserve_kv_blocks"][(("state", state),)]
+                for state in ("free", "cached", "used")
+            }
+            assert _families(url) == _FAMILIES
+
+
+def test_priority_label_classes() -> None:
+    got = {p: priority_label(p) for p in (-1000, -999, -100, -42, -10, -9, -1, 0, 3, 9, 10)}
+    assert got == {
+        -1000: "-1000", -999: "-100", -100: "-100", -42: "-10", -10: "-10", -9: "-9",
+        -1: "-1", 0: "0", 3: "3", 9: "9", 10: "10",
+    }  # fmt: skip
+    assert {priority_label(p) for p in range(-1000, 1001)} == {
+        *map(str, range(-9, 10)),
+        "10",
+        "100",
+        "1000",
+        "-10",
+        "-100",
+        "-1000",
+    }
+
+
+# -- priority, limits, the event loop ----------------------------------------------------------
+
+
+def test_priority_serves_a_later_higher_request_first(inproc: Live, model: Model) -> None:
+    """One sequence at a time: while a stream runs, a low-priority completion queues, then a
+    high-priority chat. When the stream ends the chat is admitted first: at its first token
+    the completion still waits (kvserve_waiting by priority class), so it was served in
+    priority order, not arrival order. The completion then gets its greedy text."""
+    url = inproc.url
+    long = {"prompt": STORY, "max_tokens": CTX - 40, "ignore_eos": True, "stream": True}
+    low = {"prompt": PROMPT, "max_tokens": 4, "priority": -5}
+    high = {"messages": CHAT, "max_tokens": CTX - 80, "ignore_eos": True, "priority": 5}
+    low_response: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: low_response.append(
+            httpx.post(f"{url}/v1/completions", json=low, timeout=120)
+        )
+    )
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=long) as running:
+            lines = running.iter_lines()  # kept: dropping it would close the connection
+            assert next(line for line in lines if line).startswith("data: ")
+            sender.start()
+            _wait_until("the completion to wait", lambda: _waiting(url) == {"-5": 1})
+            with http.stream(
+                "POST", f"{url}/v1/chat/completions", json={**high, "stream": True}
+            ) as chat:
+                assert chat.status_code == 200
+                _wait_until("both to wait", lambda: _waiting(url) == {"-5": 1, "5": 1})
+                running.close()  # the running stream's client leaves: a slot frees
+                chat_lines = chat.iter_lines()  # kept: dropping it would close the connection
+                for line in chat_lines:
+                    chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        break
+                # The chat (up to 176 more tokens) holds the only slot until it is closed.
+                at_first_token = _waiting(url)
+                completion_done = bool(low_response)
+    sender.join(120)
+    assert at_first_token == {"-5": 1} and not completion_done
+    (r,) = low_response
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == model.generate(PROMPT, max_tokens=4).text
+    _wait_until("the engine to be idle", lambda: inproc.engine.stats()["running"] == 0)
+
+
+def test_max_tokens_limit(model_path: Path, model: Model) -> None:
+    """An engine with max_tokens_limit=24: an explicit max_tokens or max_completion_tokens
+    above it is a 400 naming the field; a chat without one stops at it (not at the context);
+    completions keep OpenAI's default of 16."""
+    with Engine(
+        model_path, threads=1, parallel=1, ctx_size=CTX, kv_memory="8MiB", max_tokens_limit=24
+    ) as engine:
+        with _live(create_app(ServerConfig(), engine=engine)) as url:
+            for route, body, param in (
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 25}, "max_tokens"),
+                ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 25}, "max_tokens"),
+                (
+                    "/v1/chat/completions",
+                    {"messages": CHAT, "max_completion_tokens": 25},
+                    "max_completion_tokens",
+                ),
+            ):
+                r = httpx.post(f"{url}{route}", json=body)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["param"], error["code"]) == (param, "invalid_value")
+                assert "25" in error["message"] and "24" in error["message"], error
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"messages": CHAT, "ignore_eos": True},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            want = model.chat(CHAT, max_tokens=24, ignore_eos=True)
+            assert r.json()["choices"][0]["message"]["content"] == want.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 24
+            r = httpx.post(
+                f"{url}/v1/completions", json={"prompt": STORY, "ignore_eos": True}, timeout=120
+            )
+            assert r.json()["usage"]["completion_tokens"] == 16
+            body = {"prompt": STORY, "max_tokens": 24, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.json()["usage"]["completion_tokens"] == 24  # the limit itself is allowed
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "method"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, "tokenize"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}, "apply_chat_template"),
+        ("/tokenize", {"content": PROMPT}, "tokenize"),
+        ("/detokenize", {"tokens": [1, 2, 3]}, "detokenize"),
+        ("/apply-template", {"messages": CHAT}, "apply_chat_template"),
+    ],
+)
+def test_tokenizing_never_holds_the_event_loop(
+    inproc: Live,
+    monkeypatch: pytest.MonkeyPatch,
+    route: str,
+    body: dict[str, Any],
+    method: str,
+) -> None:
+    """The model's tokenizer (or chat template) is made to block until /health has answered:
+    the request completes only if it was tokenized off the event loop (on the loop, /health
+    could not answer: a deadlock, failed by /health's timeout)."""
+    model = inproc.engine.model
+    original = getattr(model, method)
+    entered = threading.Event()
+    health_answered = threading.Event()
+
+    def blocking(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        health_answered.wait(60)  # set by the test, also when it fails
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, method, blocking)
+    responses: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: responses.append(httpx.post(f"{inproc.url}{route}", json=body, timeout=120))
+    )
+    sender.start()
+    try:
+        assert entered.wait(30), f"{route} never reached model.{method}"
+        try:
+            health = httpx.get(f"{inproc.url}/health", timeout=10)
+        except httpx.TimeoutException:
+            pytest.fail(f"/health did not answer while {route} ran model.{method}: on the loop")
+        assert health.status_code == 200
+    finally:
+        health_answered.set()
+        sender.join(120)
+    (r,) = responses
+    assert r.status_code == 200, r.text
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(inproc: Live, model: Model) -> None:
+    """A multi-megabyte prompt (text, a chat message, one of several prompts) is a 400 naming
+    the field before anything is tokenized: the limit is ctx_size x the longest token, past
+    which no prompt fits. A prompt of exactly that many characters is tokenized (and then
+    found too long for the context)."""
+    limit = CTX * longest_token(model)
+    calls: list[int] = []
+    original = inproc.engine.model.tokenize
+
+    def counting(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(len(text))
+        return original(text, *args, **kwargs)
+
+    huge = "All work and no play makes Jack a dull boy. " * 70_000
+    assert len(huge) > 3_000_000
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inproc.engine.model, "tokenize", counting)
+        for route, body, param in (
+            ("/v1/completions", {"prompt": huge}, "prompt"),
+            ("/v1/completions", {"prompt": [PROMPT, huge]}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [
+                        {"role": "system", "content": "x" * (limit // 2)},
+                        {"role": "user", "content": [{"type": "text", "text": "y" * (limit // 2)}]},
+                        {"role": "user", "content": "z"},
+                    ]
+                },
+                "messages",
+            ),
+        ):
+            r = httpx.post(f"{inproc.url}{route}", json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == (param, "prompt_too_long"), error
+            assert f"({limit}: --max-prompt-chars)" in error["message"], error
+        assert calls == []  # nothing was tokenized
+        r = httpx.post(f"{inproc.url}/v1/completions", json={"prompt": "x" * limit}, timeout=60)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert limit in calls
 
 
 # -- sessions ---------------------------------------------------------------------------------
@@ -1040,7 +1474,10 @@ def test_session_turns_save_and_restore(sessions_server: Server, model: Model) -
     held = out1.prompt_tokens + len(out1.tokens)
     cont = model.tokenize(p2, add_special=False, parse_special=True)
     assert r2["usage"]["prompt_tokens"] == held + len(cont)
-    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    assert r2["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": held,
+        "session_cached_tokens": held,  # all of it the session's own
+    }
     whole = model.tokenize(p1, add_special=True, parse_special=True) + out1.tokens + cont
     alone = _complete(url, prompt=whole, max_tokens=8, ignore_eos=True)
     assert r2["choices"][0]["text"] == alone["choices"][0]["text"]
@@ -1063,7 +1500,10 @@ def test_session_turns_save_and_restore(sessions_server: Server, model: Model) -
     assert r.status_code == 200, r.text
     assert (r.json()["id"], r.json()["tokens"]) == ("alice", tokens)
     r3 = _complete(url, prompt=p3, max_tokens=4, session_id="alice")
-    assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens
+    assert r3["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": tokens,
+        "session_cached_tokens": tokens,  # restored into the session, not the prefix index
+    }
     r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
     assert r.status_code == 200 and r.json()["tokens"] == tokens
     r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "alice", "session_id": "bob"})
@@ -1096,7 +1536,11 @@ def test_chat_session_reuses_the_conversation(sessions_server: Server, model: Mo
     same = (i for i, (a, b) in enumerate(zip(held, ids2)) if a != b)
     common = next(same, min(len(held), len(ids2)))  # the longest common prefix
     assert t2["usage"]["prompt_tokens"] == len(ids2)
-    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == min(common, len(ids2) - 1)
+    reused = min(common, len(ids2) - 1)
+    assert t2["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": reused,
+        "session_cached_tokens": reused,
+    }
     assert t2["choices"][0]["message"]["content"] == model.chat(second, max_tokens=12).text
     assert httpx.delete(f"{url}/v1/sessions/carol").status_code == 200
     _wait_idle(url)
@@ -1184,6 +1628,7 @@ def locked(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "KVSERVE_KV_MEMORY": "8MiB",
         "KVSERVE_API_KEY_FILE": str(tmp / "key"),
         "KVSERVE_CHAT_TEMPLATE_FILE": str(tmp / "template.jinja"),
+        "KVSERVE_MAX_TOKENS_LIMIT": str(CTX - 40),
     }
     srv = Server([], tmp / "server.log", env)
     yield srv
@@ -1219,6 +1664,14 @@ def test_chat_template_file(locked: Server) -> None:
     assert r.status_code == 200
     want = f"<system>{CHAT[0]['content']}\n<user>{CHAT[1]['content']}\n<assistant>"
     assert r.json() == {"prompt": want}
+
+
+def test_max_tokens_limit_by_environment(locked: Server) -> None:
+    """KVSERVE_MAX_TOKENS_LIMIT reaches the server's engine."""
+    for body in ({"max_tokens": CTX - 39}, {"max_tokens": CTX + 1}):
+        r = httpx.post(f"{locked.url}/v1/completions", json={"prompt": "x", **body}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert f"({CTX - 40}: --max-tokens-limit)" in r.json()["error"]["message"]
 
 
 def test_queue_overflow_is_503(locked: Server) -> None:
@@ -1272,8 +1725,104 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--kv-low-watermark", "KVSERVE_KV_LOW_WATERMARK; default: 0.7"),
         ("--session-ttl", "KVSERVE_SESSION_TTL"),
         ("--max-sessions", "KVSERVE_MAX_SESSIONS"),
+        ("--max-tokens-limit", "KVSERVE_MAX_TOKENS_LIMIT"),
+        ("--max-prompt-chars", "KVSERVE_MAX_PROMPT_CHARS"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
+
+
+_ENGINE_FLAGS = {
+    # flag: (its variable, value, the Engine argument it becomes, that argument's value)
+    "--threads": ("KVSERVE_THREADS", "1", "threads", 1),
+    "--parallel": ("KVSERVE_PARALLEL", "2", "parallel", 2),
+    "--ctx-size": ("KVSERVE_CTX_SIZE", "96", "ctx_size", 96),
+    "--kv-memory": ("KVSERVE_KV_MEMORY", "3MiB", "kv_memory", 3 * 2**20),
+    "--kv-type": ("KVSERVE_KV_TYPE", "q8_0", "kv_type", "q8_0"),
+    "--batch-tokens": ("KVSERVE_BATCH_TOKENS", "48", "batch_tokens", 48),
+    "--kv-high-watermark": ("KVSERVE_KV_HIGH_WATERMARK", "0.8", "kv_high_watermark", 0.8),
+    "--kv-low-watermark": ("KVSERVE_KV_LOW_WATERMARK", "0.6", "kv_low_watermark", 0.6),
+    "--session-ttl": ("KVSERVE_SESSION_TTL", "30", "session_ttl", 30.0),
+    "--max-sessions": ("KVSERVE_MAX_SESSIONS", "3", "max_sessions", 3),
+    "--max-tokens-limit": ("KVSERVE_MAX_TOKENS_LIMIT", "40", "max_tokens_limit", 40),
+}
+
+
+def _serve_configs(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None
+) -> ServerConfig:
+    """The ServerConfig that `kvserve serve ARGV` (with ``env``) would serve: the command runs
+    with the server replaced by a recorder."""
+    others = ["KVSERVE_MODEL", "KVSERVE_CONTEXT_SHIFT", "KVSERVE_MAX_PROMPT_CHARS"]
+    for var in [*(v[0] for v in _ENGINE_FLAGS.values()), *others]:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    served: list[ServerConfig] = []
+    monkeypatch.setattr(kvserve.server, "serve", served.append)
+    assert cli_main(["serve", *argv]) == 0
+    (config,) = served
+    assert config == serve_config(build_parser().parse_args(["serve", *argv]))
+    return config
+
+
+def test_serve_flags_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine flag of `kvserve serve`, and its variable, becomes its Engine argument
+    (ServerConfig.engine_kwargs) and an Engine built from those has the setting."""
+    argv = ["--model", str(model_path), "--context-shift"]
+    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_CONTEXT_SHIFT": "1"}
+    for flag, (var, value, _arg, _want) in _ENGINE_FLAGS.items():
+        argv += [flag, value]
+        env[var] = value
+    want = {arg: value for _var, _value, arg, value in _ENGINE_FLAGS.values()}
+    want["context_shift"] = True
+    by_flags = _serve_configs(argv, monkeypatch)
+    by_env = _serve_configs([], monkeypatch, env)
+    assert by_flags.engine_kwargs() == want
+    assert by_env.engine_kwargs() == want
+    assert by_flags.model == by_env.model == str(model_path)
+    with Engine(by_flags.model, **by_flags.engine_kwargs()) as engine:
+        got = {
+            "threads": engine.model.threads,
+            "parallel": engine.parallel,
+            "ctx_size": engine.ctx_size,
+            "kv_type": engine.kv_type,
+            "batch_tokens": engine.batch_tokens,
+            "kv_high_watermark": engine.kv_high_watermark,
+            "kv_low_watermark": engine.kv_low_watermark,
+            "session_ttl": engine.session_ttl,
+            "max_sessions": engine.max_sessions,
+            "max_tokens_limit": engine.max_tokens_limit,
+            "context_shift": engine.context_shift,
+        }
+        st = engine.stats()
+    assert got == {k: v for k, v in want.items() if k != "kv_memory"}
+    block = st["kv_full_bytes_total"] // st["kv_blocks_total"]
+    assert st["kv_blocks_total"] == 3 * 2**20 // block  # --kv-memory, in whole blocks
+
+
+def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without flags: the documented defaults; --max-tokens-limit is the context size."""
+    config = _serve_configs(["--model", str(model_path), "-c", "512"], monkeypatch)
+    assert config.engine_kwargs() == {
+        "threads": None,
+        "parallel": 16,
+        "ctx_size": 512,
+        "kv_memory": None,
+        "kv_type": "f16",
+        "batch_tokens": 512,
+        "context_shift": False,
+        "kv_high_watermark": 0.9,
+        "kv_low_watermark": 0.7,
+        "session_ttl": None,
+        "max_sessions": None,
+        "max_tokens_limit": 512,
+    }
+    assert (config.max_prompt_chars, config.max_queue) == (None, 256)
+    config = _serve_configs(["-m", str(model_path), "--max-prompt-chars", "5000"], monkeypatch)
+    assert config.max_prompt_chars == 5000
+    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_MAX_PROMPT_CHARS": "6000"}
+    config = _serve_configs([], monkeypatch, env)
+    assert config.max_prompt_chars == 6000
 
 
 @pytest.mark.parametrize(
@@ -1290,6 +1839,8 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ({}, ["--max-sessions", "0"], "expected a positive integer"),
         ({}, ["--api-key", "a", "--api-key-file", "f"], "not both"),
         ({}, ["--kv-type", "q4"], "expected one of f16, q8_0, f32"),
+        ({"KVSERVE_MAX_TOKENS_LIMIT": "0"}, [], "KVSERVE_MAX_TOKENS_LIMIT: expected a positive"),
+        ({}, ["--max-prompt-chars", "-1"], "expected a positive integer"),
     ],
 )
 def test_serve_bad_settings_are_one_line_errors(

@@ -25,6 +25,7 @@ from .models import DEFAULT_MODEL, REGISTRY
 
 if TYPE_CHECKING:
     from ._model import Model
+    from .server import ServerConfig
 
 PROG = "kvserve"
 
@@ -325,6 +326,13 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      " one)"),
     (("--max-queue",), "N", "KVSERVE_MAX_QUEUE", _nonneg_int, 256,
      "sequences that may wait beyond --parallel; past that 503 with Retry-After"),
+    (("--max-tokens-limit",), "N", "KVSERVE_MAX_TOKENS_LIMIT", _positive_int, None,
+     "most tokens one request may generate: a larger max_tokens is a 400, a request without"
+     " one stops there (default: --ctx-size)"),
+    (("--max-prompt-chars",), "N", "KVSERVE_MAX_PROMPT_CHARS", _positive_int, None,
+     "most characters of one prompt (of a chat's message contents), refused with a 400"
+     " before tokenizing (default: --ctx-size x the model's longest token in bytes, past"
+     " which no prompt fits)"),
     (("--api-key",), "KEY", "KVSERVE_API_KEY", str, None,
      "require 'Authorization: Bearer KEY' on every route but /health"),
     (("--api-key-file",), "PATH", "KVSERVE_API_KEY_FILE", str, None,
@@ -357,9 +365,10 @@ def _serve_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from . import models
-    from .server import ServerConfig, serve
+def serve_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from the serve flags and their variables (the model not
+    yet fetched: None or a registered name stay as they are)."""
+    from .server import ServerConfig
 
     s = _serve_settings(args)
     if s["api_key"] is not None and s["api_key_file"] is not None:
@@ -379,33 +388,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if s["chat_template_file"] is not None:
         with open(s["chat_template_file"], encoding="utf-8") as f:
             template = f.read()
-    model = s["model"]
-    if model is None or (model in REGISTRY and not os.path.exists(model)):
-        model = str(models.pull(model))  # progress bar on a terminal; cached after the first
-    serve(
-        ServerConfig(
-            model=model,
-            chat_template=template,
-            host=s["host"],
-            port=s["port"],
-            threads=s["threads"],
-            parallel=s["parallel"],
-            ctx_size=s["ctx_size"],
-            kv_memory=s["kv_memory"],
-            kv_type=s["kv_type"],
-            batch_tokens=s["batch_tokens"],
-            context_shift=s["context_shift"],
-            session_dir=s["session_dir"],
-            kv_high_watermark=s["kv_high_watermark"],
-            kv_low_watermark=s["kv_low_watermark"],
-            session_ttl=s["session_ttl"],
-            max_sessions=s["max_sessions"],
-            max_queue=s["max_queue"],
-            api_key=api_key,
-            log_format=s["log_format"],
-            max_body=s["max_body"],
-        )
+    return ServerConfig(
+        model=s["model"],
+        chat_template=template,
+        host=s["host"],
+        port=s["port"],
+        threads=s["threads"],
+        parallel=s["parallel"],
+        ctx_size=s["ctx_size"],
+        kv_memory=s["kv_memory"],
+        kv_type=s["kv_type"],
+        batch_tokens=s["batch_tokens"],
+        context_shift=s["context_shift"],
+        session_dir=s["session_dir"],
+        kv_high_watermark=s["kv_high_watermark"],
+        kv_low_watermark=s["kv_low_watermark"],
+        session_ttl=s["session_ttl"],
+        max_sessions=s["max_sessions"],
+        max_queue=s["max_queue"],
+        api_key=api_key,
+        log_format=s["log_format"],
+        max_body=s["max_body"],
+        max_tokens_limit=s["max_tokens_limit"],
+        max_prompt_chars=s["max_prompt_chars"],
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from . import models
+    from .server import serve
+
+    config = serve_config(args)
+    model = config.model
+    if model is None or (model in REGISTRY and not os.path.exists(model)):
+        # progress bar on a terminal; cached after the first
+        config.model = str(models.pull(model))
+    serve(config)
     return 0
 
 

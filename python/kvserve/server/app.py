@@ -9,8 +9,16 @@ reproducible choices. Each streamed chunk carries the logprobs of the tokens its
 from (when asked), so the chunks' entries join to the non-streamed ones.
 
 Admission: at most ``parallel + max_queue`` sequences are in the server at once; a request
-that would pass that gets 503 with ``Retry-After``. A client that disconnects (streaming or
-not) has its requests cancelled; the engine frees their blocks at its next step.
+that would pass that gets 503 with ``Retry-After``. Its ``priority`` orders the engine's queue
+(higher first). A client that disconnects (streaming or not) has its requests cancelled; the
+engine frees their blocks at its next step.
+
+Nothing slow runs on the event loop: tokenizing prompts, rendering chat templates and the token
+routes run in worker threads (:func:`_blocking`; the Rust tokenizer releases the GIL), after
+the checks that need no tokens (prompt characters, token-id prompt length, ``max_tokens``
+against the engine's ``max_tokens_limit``, sequences per request), so a request's work before
+the engine is bounded by the context, and other clients' streams, ``/health`` and
+``/metrics`` go on meanwhile.
 
 Errors: every bad request gets a 4xx with an OpenAI-style body (:class:`http.ApiError`);
 request shapes and types are checked by the pydantic models of :mod:`.schemas`, value ranges
@@ -49,7 +57,7 @@ from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo
 from .config import ServerConfig
 from .http import ACCESS, ARRIVAL, REQUEST_ID, ApiError, EventStream, Gate, error_response
-from .metrics import CONTENT_TYPE, Metrics
+from .metrics import CONTENT_TYPE, Metrics, priority_label
 from .schemas import (
     SESSION_ID,
     ChatRequest,
@@ -86,6 +94,7 @@ _OPTION_FIELDS = {
     "context_shift": "context_shift",
     "n_keep": "n_keep",
     "session_id": "session_id",
+    "priority": "priority",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
@@ -115,17 +124,27 @@ def _bad_value(error: Exception, prompt_param: str) -> ApiError:
 
 
 class _Server:
-    """The app's state: the engine (None while loading), admission and metrics."""
+    """The app's state: the engine (None while loading), admission, limits and metrics."""
 
     def __init__(self, config: ServerConfig, engine: Engine | None) -> None:
         self.config = config
-        self.engine = engine
+        self.engine: Engine | None = None
+        self.prompt_chars = 0  # the most characters of one prompt (set with the engine)
         self.created = int(time.time())
-        self.in_flight = 0  # sequences this server has submitted and not yet seen finish
-        self.metrics = Metrics(self.stats)
+        self.in_flight = 0  # sequences this server has admitted and not yet seen finish
+        self.metrics = Metrics(self.stats, self.waiting)
+        if engine is not None:
+            self.set_engine(engine, prompt_char_limit(config, engine))
+
+    def set_engine(self, engine: Engine | None, prompt_chars: int = 0) -> None:
+        self.engine = engine
+        self.prompt_chars = prompt_chars
 
     def stats(self) -> dict[str, float | int] | None:
         return None if self.engine is None else self.engine.stats()
+
+    def waiting(self) -> dict[int, int] | None:
+        return None if self.engine is None else self.engine.waiting_by_priority()
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -145,63 +164,119 @@ class _Server:
         return engine.parallel + self.config.max_queue
 
 
+def longest_token(model: Model) -> int:
+    """The most bytes one token's text has (special tokens' text included): no prompt of
+    more characters than ``ctx_size`` times this fits in ``ctx_size`` tokens (a character
+    is at least one byte, and a prompt's tokens spell at least its bytes)."""
+    core = model.core
+    return max(1, max(len(core.token_to_piece(t, True)) for t in range(model.n_vocab)))
+
+
+def prompt_char_limit(config: ServerConfig, engine: Engine) -> int:
+    """``config.max_prompt_chars``, else ``ctx_size`` x the longest token: a prompt past
+    that cannot fit, so refusing it before tokenizing changes no answer (the tokenizer's
+    work stays bounded by the context, whatever the body's size)."""
+    if config.max_prompt_chars is not None:
+        return config.max_prompt_chars
+    return engine.ctx_size * longest_token(engine.model)
+
+
+def _choices(
+    engine: Engine,
+    prompts: Sequence[Prompt],
+    max_tokens: int,
+    n: int,
+    options: RequestOptions,
+    prompt_param: str,
+) -> list[AsyncGenerator[Delta, None]]:
+    """The engine streams of a request's prompts, ``n`` choices each, all checked before any
+    is queued (nothing is queued until a stream is iterated). Building them tokenizes text
+    prompts: called in a worker thread, never on the event loop."""
+    try:
+        return [engine.choices(prompt, max_tokens, n, **options) for prompt in prompts]
+    except (TypeError, ValueError) as e:
+        raise _bad_value(e, prompt_param) from None
+
+
+async def _open_job(
+    server: _Server,
+    request: Request,
+    n_prompts: int,
+    prompts: Callable[[Engine], Sequence[Prompt]],
+    n: int,
+    max_tokens: int,
+    options: RequestOptions,
+    prompt_param: str,
+) -> _Job:
+    """Admits a generation request of ``n_prompts`` prompts (``prompts(engine)`` makes them,
+    in a worker thread with the tokenization) and ``n`` choices each: checks what can be
+    checked without tokenizing, holds its sequences in the admission count, then builds its
+    engine streams off the event loop."""
+    engine = server.ready()
+    count = n_prompts * n
+    capacity = server.capacity(engine)
+    if count > capacity:
+        raise ApiError(
+            400,
+            f"the request asks for {count} sequences (prompts x n), more than this server"
+            f" holds at once ({capacity}: --parallel + --max-queue)",
+            param="n" if n > 1 else prompt_param,
+            code="invalid_value",
+        )
+    if server.in_flight + count > capacity:
+        raise ApiError(
+            503,
+            f"the server is full: {server.in_flight} sequences running or queued"
+            f" (--parallel + --max-queue = {capacity}); retry later",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    if "session_id" in options and count > 1:
+        raise ApiError(
+            400,
+            "a session continues one conversation: with session_id, send one prompt and n=1",
+            param="session_id",
+            code="invalid_value",
+        )
+    server.in_flight += count  # held while the prompts are tokenized, so no one overtakes
+    try:
+        gens = await _blocking(
+            lambda: _choices(engine, prompts(engine), max_tokens, n, options, prompt_param)
+        )
+    except BaseException:
+        server.in_flight -= count
+        raise
+    return _Job(server, engine, request, gens, n, options.get("priority", 0))
+
+
 class _Job:
-    """One generation request: the engine streams of its prompts (``n`` choices each), merged
-    into one stream of ``(choice index, delta)`` in arrival order (choice ``p * n + j`` is
-    choice ``j`` of prompt ``p``), with the timing that metrics and the access log report."""
+    """One admitted generation request: the engine streams of its prompts (``n`` choices
+    each), merged into one stream of ``(choice index, delta)`` in arrival order (choice
+    ``p * n + j`` is choice ``j`` of prompt ``p``), with the timing that metrics and the
+    access log report. Its sequences are in the server's admission count until
+    :meth:`release`."""
 
     def __init__(
         self,
         server: _Server,
+        engine: Engine,
         request: Request,
-        prompts: Sequence[Prompt],
+        gens: list[AsyncGenerator[Delta, None]],
         n: int,
-        max_tokens: int,
-        options: RequestOptions,
-        prompt_param: str,
+        priority: int,
     ) -> None:
-        engine = server.ready()
-        count = len(prompts) * n
-        capacity = server.capacity(engine)
-        if count > capacity:
-            raise ApiError(
-                400,
-                f"the request asks for {count} sequences (prompts x n), more than this server"
-                f" holds at once ({capacity}: --parallel + --max-queue)",
-                param="n",
-                code="invalid_value",
-            )
-        if server.in_flight + count > capacity:
-            raise ApiError(
-                503,
-                f"the server is full: {server.in_flight} sequences running or queued"
-                f" (--parallel + --max-queue = {capacity}); retry later",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
-        if "session_id" in options and count > 1:
-            raise ApiError(
-                400,
-                "a session continues one conversation: with session_id, send one prompt and n=1",
-                param="session_id",
-                code="invalid_value",
-            )
-        try:
-            gens = [engine.choices(prompt, max_tokens, n, **options) for prompt in prompts]
-        except (TypeError, ValueError) as e:
-            raise _bad_value(e, prompt_param) from None
         self.server = server
         self.engine = engine
         self.request = request
         self.gens = gens
         self.n = n
-        self.count = count
+        self.count = len(gens) * n
+        self.priority = priority
         self.arrival: float = request.scope.get(ARRIVAL, time.monotonic())
-        self.results: list[GenerateResult | None] = [None] * count
-        self.first: list[float | None] = [None] * count
-        self.last: list[float] = [0.0] * count
+        self.results: list[GenerateResult | None] = [None] * self.count
+        self.first: list[float | None] = [None] * self.count
+        self.last: list[float] = [0.0] * self.count
         self.released = False
-        server.in_flight += count
 
     def release(self) -> None:
         """Gives the request's sequences back to the admission count and fills in the access
@@ -216,6 +291,7 @@ class _Job:
                 if firsts:
                     access["ttft_ms"] = round((min(firsts) - self.arrival) * 1000, 1)
                 access["n"] = self.count
+                access["priority"] = self.priority
 
     async def run(self) -> AsyncGenerator[tuple[int, Delta], None]:
         """The merged stream; closing it (or cancelling its consumer) cancels every choice."""
@@ -232,6 +308,7 @@ class _Job:
 
         tasks = [asyncio.ensure_future(pump(p * self.n, g)) for p, g in enumerate(self.gens)]
         metrics = self.server.metrics
+        ttft = metrics.ttft.labels(priority_label(self.priority))
         try:
             left = self.count
             while left:
@@ -242,7 +319,7 @@ class _Job:
                 if item.text:
                     if self.first[i] is None:
                         self.first[i] = now
-                        metrics.ttft.observe(now - self.arrival)
+                        ttft.observe(now - self.arrival)
                     else:
                         metrics.itl.observe(now - self.last[i])
                     self.last[i] = now
@@ -259,15 +336,22 @@ class _Job:
 
     def usage_counts(self) -> dict[str, int]:
         """Prompt tokens count once per prompt (its ``n`` choices share it); cached tokens are
-        those reused for every choice of a prompt; completion tokens add up all choices."""
-        prompt = cached = completion = 0
+        those reused for every choice of a prompt (``session_cached_tokens`` of them held by
+        the request's session); completion tokens add up all choices."""
+        prompt = cached = session = completion = 0
         for p in range(0, len(self.results), self.n):
             done = [r for r in self.results[p : p + self.n] if r is not None]
             if done:
                 prompt += done[0].prompt_tokens
                 cached += min(r.cached_tokens for r in done)
+                session += min(r.session_cached_tokens for r in done)
             completion += sum(len(r.tokens) for r in done)
-        return {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+        return {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "session_cached_tokens": session,
+            "completion_tokens": completion,
+        }
 
     def usage(self) -> dict[str, Any]:
         c = self.usage_counts()
@@ -275,7 +359,10 @@ class _Job:
             "prompt_tokens": c["prompt_tokens"],
             "completion_tokens": c["completion_tokens"],
             "total_tokens": c["prompt_tokens"] + c["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": c["cached_tokens"]},
+            "prompt_tokens_details": {
+                "cached_tokens": c["cached_tokens"],
+                "session_cached_tokens": c["session_cached_tokens"],
+            },
         }
 
     async def collect(self) -> bool:
@@ -386,7 +473,70 @@ def _messages(body: ChatRequest | TemplateRequest) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in body.messages]
 
 
+def _check_prompt_sizes(server: _Server, engine: Engine, prompts: Sequence[Prompt]) -> None:
+    """Refuses, before anything is tokenized, a text prompt longer than ``--max-prompt-chars``
+    characters and a token-id prompt longer than the context."""
+    for i, prompt in enumerate(prompts):
+        what = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+        if isinstance(prompt, str):
+            if len(prompt) > server.prompt_chars:
+                raise ApiError(
+                    400,
+                    f"{what} has {len(prompt)} characters, more than this server takes"
+                    f" ({server.prompt_chars}: --max-prompt-chars)",
+                    param="prompt",
+                    code="prompt_too_long",
+                )
+        elif len(prompt) > engine.ctx_size:
+            raise ApiError(
+                400,
+                f"{what} has {len(prompt)} tokens, more than ctx_size={engine.ctx_size} allows",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+
+def _check_chat_size(server: _Server, messages: list[dict[str, Any]]) -> None:
+    """Refuses, before the template is rendered, messages whose contents have more than
+    ``--max-prompt-chars`` characters in all."""
+    chars = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(part["text"]) for part in content)
+    if chars > server.prompt_chars:
+        raise ApiError(
+            400,
+            f"the messages' contents have {chars} characters, more than this server takes"
+            f" ({server.prompt_chars}: --max-prompt-chars)",
+            param="messages",
+            code="prompt_too_long",
+        )
+
+
+def _max_tokens(engine: Engine, fields: dict[str, int | None], default: int) -> int:
+    """The tokens a request may generate: the first of ``fields`` (HTTP name -> value) that
+    is set, else ``default``, bounded by the engine's ``max_tokens_limit``; a field set above
+    that limit is a 400 naming it."""
+    limit = engine.max_tokens_limit
+    for name, value in fields.items():
+        if value is not None and limit is not None and value > limit:
+            raise ApiError(
+                400,
+                f"{name} is {value}, more than this server allows ({limit}: --max-tokens-limit)",
+                param=name,
+                code="invalid_value",
+            )
+    for value in fields.values():
+        if value is not None:
+            return value
+    return default if limit is None else min(default, limit)
+
+
 def _chat_ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template rendered and tokenized (in a worker thread, never on the loop)."""
     tokenize_chat = getattr(engine.model, "tokenize_chat", None)
     if tokenize_chat is None:
         raise ApiError(
@@ -483,21 +633,32 @@ def create_app(
         loading: asyncio.Future[None] | None = None
         if server.engine is None:
 
+            def load_all() -> tuple[Engine, int]:
+                engine = loader()
+                try:
+                    return engine, prompt_char_limit(config, engine)
+                except BaseException:
+                    engine.close()
+                    raise
+
             async def load_engine() -> None:
                 try:
-                    server.engine = await asyncio.get_running_loop().run_in_executor(None, loader)
+                    engine, prompt_chars = await _blocking(load_all)
                 except Exception as e:
                     log.error("could not load the model: %s", e)
                     if on_load_error is not None:
                         on_load_error(e)
                 else:
-                    engine, st = server.engine, server.engine.stats()
+                    server.set_engine(engine, prompt_chars)
                     log.info(
-                        "model loaded: %s (parallel=%d, ctx_size=%d, K/V pool of %d blocks)",
+                        "model loaded: %s (parallel=%d, ctx_size=%d, K/V pool of %d blocks,"
+                        " max_tokens_limit=%s, max prompt characters %d)",
                         server.model_id,
                         engine.parallel,
                         engine.ctx_size,
-                        st["kv_blocks_total"],
+                        engine.stats()["kv_blocks_total"],
+                        engine.max_tokens_limit,
+                        prompt_chars,
                     )
 
             loading = asyncio.ensure_future(load_engine())
@@ -507,7 +668,8 @@ def create_app(
             if loading is not None and not loading.done():
                 loading.cancel()
             if owns_engine and server.engine is not None:
-                engine, server.engine = server.engine, None
+                engine = server.engine
+                server.set_engine(None)
                 await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
     app = FastAPI(
@@ -537,6 +699,9 @@ def create_app(
     async def health() -> Response:
         if server.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
+        reason = server.engine.health()
+        if reason is not None:
+            return JSONResponse({"status": "error", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -565,17 +730,20 @@ def create_app(
     async def tokenize(request: Request) -> Response:
         body = await _parse(request, TokenizeRequest)
         model = server.ready().model
-        try:
-            ids = model.tokenize(body.content, add_special=body.add_special, parse_special=True)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="content", code="invalid_value") from None
-        if not body.with_pieces:
-            return JSONResponse({"tokens": ids})
-        pieces = [
-            {"id": t, "piece": model.token_to_piece(t).decode("utf-8", errors="replace")}
-            for t in ids
-        ]
-        return JSONResponse({"tokens": pieces})
+
+        def run() -> list[int] | list[dict[str, Any]]:
+            try:
+                ids = model.tokenize(body.content, add_special=body.add_special, parse_special=True)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="content", code="invalid_value") from None
+            if not body.with_pieces:
+                return ids
+            return [
+                {"id": t, "piece": model.token_to_piece(t).decode("utf-8", errors="replace")}
+                for t in ids
+            ]
+
+        return JSONResponse({"tokens": await _blocking(run)})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -590,7 +758,7 @@ def create_app(
                     param="tokens",
                     code="invalid_value",
                 )
-        return JSONResponse({"content": model.detokenize(body.tokens)})
+        return JSONResponse({"content": await _blocking(lambda: model.detokenize(body.tokens))})
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> Response:
@@ -601,11 +769,16 @@ def create_app(
             raise ApiError(
                 501, "chat templates are not available in this build", code="not_implemented"
             )
-        try:
-            prompt = apply(_messages(body))
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-        return JSONResponse({"prompt": prompt})
+        messages = _messages(body)
+
+        def run() -> str:
+            try:
+                prompt: str = apply(messages)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+            return prompt
+
+        return JSONResponse({"prompt": await _blocking(run)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -622,8 +795,11 @@ def create_app(
                 )
         options = _logprobs_option(_options(body), body.logprobs)
         _common_checks(request, body)
-        job = _Job(
-            server, request, _prompts(body.prompt), body.n, body.max_tokens or 16, options, "prompt"
+        prompts = _prompts(body.prompt)
+        _check_prompt_sizes(server, engine, prompts)
+        max_tokens = _max_tokens(engine, {"max_tokens": body.max_tokens}, 16)  # OpenAI's 16
+        job = await _open_job(
+            server, request, len(prompts), lambda _: prompts, body.n, max_tokens, options, "prompt"
         )
         rid = f"cmpl-{request.scope[REQUEST_ID]}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time())}
@@ -675,9 +851,23 @@ def create_app(
         if body.logprobs:
             options = _logprobs_option(options, body.top_logprobs or 0)
         _common_checks(request, body)
-        ids = _chat_ids(engine, _messages(body))
-        max_tokens = body.max_completion_tokens or body.max_tokens or engine.ctx_size
-        job = _Job(server, request, [ids], body.n, max_tokens, options, "messages")
+        messages = _messages(body)
+        _check_chat_size(server, messages)
+        max_tokens = _max_tokens(  # max_completion_tokens wins; default: until the end
+            engine,
+            {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens},
+            engine.ctx_size,
+        )
+        job = await _open_job(
+            server,
+            request,
+            1,
+            lambda e: [_chat_ids(e, messages)],
+            body.n,
+            max_tokens,
+            options,
+            "messages",
+        )
         rid = f"chatcmpl-{request.scope[REQUEST_ID]}"
         base = {"id": rid, "object": "chat.completion", "created": int(time.time())}
         base["model"] = server.model_id

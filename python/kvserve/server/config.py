@@ -24,7 +24,13 @@ class ServerConfig:
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
     ``max_body``: the largest request body in bytes (413 beyond). ``model_id``: the id that
     ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
-    ``chat_template``: a Jinja chat template (its source) to use instead of the model's."""
+    ``chat_template``: a Jinja chat template (its source) to use instead of the model's.
+    ``max_tokens_limit``: the most tokens one request may generate (an explicit
+    ``max_tokens`` above it is a 400; a request without one is bounded by it); None: the
+    context size. ``max_prompt_chars``: the most characters of one prompt (a chat: of its
+    messages' contents), checked before tokenizing; None: ``ctx_size`` x the model's longest
+    token in bytes, past which no prompt can fit. When the app is given an engine, the
+    engine's own ``max_tokens_limit`` applies."""
 
     model: str | None = None
     chat_template: str | None = None
@@ -47,6 +53,8 @@ class ServerConfig:
     log_format: str = "text"
     max_body: int = DEFAULT_MAX_BODY
     model_id: str | None = None
+    max_tokens_limit: int | None = None
+    max_prompt_chars: int | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The :class:`kvserve.Engine` arguments (everything but the model)."""
@@ -62,4 +70,7 @@ class ServerConfig:
             "kv_low_watermark": self.kv_low_watermark,
             "session_ttl": self.session_ttl,
             "max_sessions": self.max_sessions,
+            "max_tokens_limit": (
+                self.ctx_size if self.max_tokens_limit is None else self.max_tokens_limit
+            ),
         }

@@ -1,15 +1,25 @@
 """Prometheus metrics of the server (``GET /metrics``), one registry per app.
 
 What the HTTP layer sees is recorded as it happens: requests by route and status, time to
-first token, inter-token latency and request duration. What the engine knows is read from
-:meth:`kvserve.Engine.stats` at each scrape (a custom collector), so the numbers can never
-drift from the engine's own counters: prompt, cached-prompt, generated and computed tokens,
-the K/V pool (usage ratio; blocks free, cached and used), the prefix hit rate, evictions,
-preemptions, waiting and running sequences, and sessions.
+first token (by priority class), inter-token latency and request duration. What the engine
+knows is read from :meth:`kvserve.Engine.stats` and :meth:`kvserve.Engine.waiting_by_priority`
+at each scrape (a custom collector), so the numbers can never drift from the engine's own
+counters: prompt, cached-prompt (by source: the request's session or the prefix index),
+generated and computed tokens, the K/V pool (usage ratio; blocks free, cached and used; the
+same per layer group), the prefix cache (hit rates, lookups, hit tokens, shared and indexed
+blocks), evictions, preemptions, waiting (by priority class) and running sequences, and
+sessions.
+
+Priority labels: a request's priority is an integer in [-1000, 1000]; a label per value
+could make 2001 series per metric (and 17 per histogram), so the label is its *class*
+(:func:`priority_label`): the value itself in [-9, 9], else the value rounded toward zero
+to a power of ten (``"10"`` is 10..99, ``"-100"`` is -999..-100, ``"1000"`` is 1000). That
+is 25 values at most, in the priorities' order, and exact for small schemes (0/1/2, -1/0/1).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Callable
 
@@ -17,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics", "priority_label"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -27,13 +37,24 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 Stats = Callable[[], "dict[str, float | int] | None"]
+Waiting = Callable[[], "dict[int, int] | None"]
+
+
+def priority_label(priority: int) -> str:
+    """The ``priority`` label of a request's priority: the value in [-9, 9], else the value
+    rounded toward zero to a power of ten (42 -> "10", -250 -> "-100", 1000 -> "1000")."""
+    if -9 <= priority <= 9:
+        return str(priority)
+    magnitude = 10 ** (len(str(abs(priority))) - 1)
+    return str(magnitude if priority > 0 else -magnitude)
+
 
 # engine.stats() key -> (metric name, help); counters get Prometheus' ``_total`` suffix.
 _COUNTERS = {
     "prompt_tokens": ("kvserve_prompt_tokens", "Prompt tokens of admitted requests"),
     "cached_prompt_tokens": (
         "kvserve_cached_prompt_tokens",
-        "Prompt tokens whose K/V was reused from the prefix cache",
+        "Prompt tokens whose K/V was reused (a resident session's or the prefix index's)",
     ),
     "generated_tokens": ("kvserve_generated_tokens", "Tokens generated"),
     "computed_tokens": (
@@ -50,6 +71,11 @@ _COUNTERS = {
         "kvserve_kv_blocks_evicted",
         "Cached K/V blocks reused for new data (dropped from the prefix index)",
     ),
+    "prefix_lookups": ("kvserve_prefix_lookups", "Lookups of prompts in the prefix index"),
+    "prefix_hit_tokens": (
+        "kvserve_prefix_hit_tokens",
+        "Prompt tokens the prefix index mapped to cached blocks",
+    ),
 }
 _GAUGES = {
     "kv_usage": ("kvserve_kv_usage_ratio", "Share of K/V blocks referenced by live sequences"),
@@ -58,6 +84,15 @@ _GAUGES = {
         "kvserve_prefix_hit_rate",
         "Cached prompt tokens / prompt tokens since start",
     ),
+    "prefix_hit_rate_recent": (
+        "kvserve_prefix_hit_rate_recent",
+        "Cached prompt tokens / prompt tokens of requests admitted in the last 60 s",
+    ),
+    "prefix_blocks_shared": (
+        "kvserve_prefix_blocks_shared",
+        "K/V blocks referenced by more than one sequence",
+    ),
+    "prefix_blocks_indexed": ("kvserve_prefix_blocks_indexed", "K/V blocks in the prefix index"),
     "waiting": ("kvserve_queue_depth", "Requests waiting for the engine (sequences)"),
     "running": ("kvserve_running", "Sequences running in the engine"),
     "sessions": ("kvserve_sessions", "Sessions held"),
@@ -65,34 +100,95 @@ _GAUGES = {
 }
 
 
+# A layer group's stats: kv_<kind>_blocks_total (kind: full, window, recurrent, ...).
+_GROUP_TOTAL = re.compile(r"^kv_([a-z]+)_blocks_total$")
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Stats) -> None:
+    def __init__(self, stats: Stats, waiting: Waiting) -> None:
         self._stats = stats
+        self._waiting = waiting
 
     def collect(self) -> Iterator[Metric]:
         st = self._stats()
-        if st is None:  # the model is not loaded yet
+        waiting = self._waiting()
+        if st is None or waiting is None:  # the model is not loaded yet
             return
         for key, (name, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
-        for key, (name, doc) in _GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=float(st.get(key, 0)))
-        total = int(st["kv_blocks_total"])
-        used = int(st["kv_blocks_used"])
-        cached = int(st["kv_blocks_cached"])
-        blocks = GaugeMetricFamily(
-            "kvserve_kv_blocks", "K/V blocks by state (free, cached, used)", labels=["state"]
+            yield CounterMetricFamily(name, doc, value=float(st[key]))
+        by_source = CounterMetricFamily(
+            "kvserve_cached_prompt_tokens_by_source",
+            "Reused prompt tokens by where their K/V was: the request's resident session or"
+            " the prefix index",
+            labels=["source"],
         )
-        blocks.add_metric(["free"], float(total - used - cached))
-        blocks.add_metric(["cached"], float(cached))
-        blocks.add_metric(["used"], float(used))
+        for source in ("session", "prefix"):
+            by_source.add_metric([source], float(st[f"cached_prompt_tokens_{source}"]))
+        yield by_source
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(st[key]))
+        yield _blocks(
+            GaugeMetricFamily(
+                "kvserve_kv_blocks", "K/V blocks by state (free, cached, used)", labels=["state"]
+            ),
+            [],
+            st,
+            "kv",
+        )
+        groups = [m.group(1) for key in st if (m := _GROUP_TOTAL.match(key))]
+        usage = GaugeMetricFamily(
+            "kvserve_kv_group_usage_ratio",
+            "Share of a layer group's K/V blocks referenced by live sequences",
+            labels=["group"],
+        )
+        totals = GaugeMetricFamily(
+            "kvserve_kv_group_blocks_total", "K/V blocks of a layer group", labels=["group"]
+        )
+        blocks = GaugeMetricFamily(
+            "kvserve_kv_group_blocks",
+            "K/V blocks of a layer group by state (free, cached, used)",
+            labels=["group", "state"],
+        )
+        for group in groups:
+            usage.add_metric([group], float(st[f"kv_{group}_usage"]))
+            totals.add_metric([group], float(st[f"kv_{group}_blocks_total"]))
+            _blocks(blocks, [group], st, f"kv_{group}")
+        yield usage
+        yield totals
         yield blocks
+        classes: dict[str, int] = {}
+        for priority, n in waiting.items():
+            label = priority_label(priority)
+            classes[label] = classes.get(label, 0) + n
+        by_priority = GaugeMetricFamily(
+            "kvserve_waiting",
+            "Sequences waiting for the engine, by priority class",
+            labels=["priority"],
+        )
+        for label, n in sorted(classes.items(), key=lambda item: int(item[0])):
+            by_priority.add_metric([label], float(n))
+        yield by_priority
+
+
+def _blocks(
+    family: GaugeMetricFamily, labels: list[str], st: dict[str, float | int], prefix: str
+) -> GaugeMetricFamily:
+    """``family`` with the free, cached and used blocks of ``prefix``'s stats (``kv`` for the
+    whole pool, ``kv_<kind>`` for a layer group; a group that caches nothing has no
+    ``_blocks_cached``)."""
+    total = int(st[f"{prefix}_blocks_total"])
+    used = int(st[f"{prefix}_blocks_used"])
+    cached = int(st.get(f"{prefix}_blocks_cached", 0))
+    family.add_metric([*labels, "free"], float(total - used - cached))
+    family.add_metric([*labels, "cached"], float(cached))
+    family.add_metric([*labels, "used"], float(used))
+    return family
 
 
 class Metrics:
     """The app's registry and the metrics the HTTP layer records."""
 
-    def __init__(self, stats: Stats) -> None:
+    def __init__(self, stats: Stats, waiting: Waiting) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvserve_requests",
@@ -102,7 +198,8 @@ class Metrics:
         )
         self.ttft = Histogram(
             "kvserve_time_to_first_token_seconds",
-            "From a request's arrival to its first text (per choice)",
+            "From a request's arrival to its first text (per choice), by priority class",
+            ["priority"],
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
@@ -118,7 +215,7 @@ class Metrics:
             buckets=_DURATION_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, waiting))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

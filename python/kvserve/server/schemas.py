@@ -4,7 +4,8 @@ The models check *types and shapes* strictly (``"0.5"`` is not a number, ``true`
 integer, an unknown field is an error: a field this server does not implement is refused
 rather than ignored). *Ranges* of the sampling options (``temperature >= 0``, ``top_p`` in
 (0, 1], ...) are checked once, by :func:`kvserve.options.resolve`, when the request is built;
-only limits that belong to the HTTP API itself (``n``, ``max_tokens``) are declared here.
+only limits that belong to the HTTP API itself (``n``, ``max_tokens``, ``priority``) are
+declared here.
 
 This module has no ``from __future__ import annotations`` and spells unions with
 ``Optional``/``Union`` so that pydantic can evaluate the annotations on Python 3.9.
@@ -15,6 +16,8 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
     "SESSION_ID",
     "ChatMessage",
     "ChatRequest",
@@ -29,6 +32,12 @@ __all__ = [
 
 # The most choices one request may ask for (each is a sequence in the engine).
 MAX_N = 64
+
+# The range of a request's ``priority`` (higher is admitted first and preempted last): the same
+# as kvserve.options.PRIORITY_MIN / PRIORITY_MAX (being added there), checked here so that a bad
+# value is a 400 naming ``priority`` whatever the engine's version.
+PRIORITY_MIN = -1000
+PRIORITY_MAX = 1000
 
 # A session id: also the name of its file in --session-dir (``<id>.kvs``), so only characters
 # that are safe in a file name, never a path (no "/", no leading ".").
@@ -71,6 +80,8 @@ class _Generation(_Body):
     n_keep: Optional[int] = None
     # The conversation this request continues (kvserve.Engine sessions).
     session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
+    # Scheduling: higher is admitted first and preempted last (FCFS within a priority).
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class CompletionRequest(_Generation):
