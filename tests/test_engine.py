@@ -51,6 +51,7 @@ STATS_KEYS = {
     "prefix_blocks_shared",
     "prefix_blocks_indexed",
     "failed_requests",
+    "cancelled_requests",
     "decode_retries",
     "context_resets",
 }
@@ -770,3 +771,34 @@ def test_a_cached_prompt_skips_the_queue_while_long_prompts_prefill(
     for name, p in (("a", long_a), ("b", cached), ("c", long_c)):
         assert texts[name] == sequential(oracle, p, 4, temperature=0).text, name
     assert st["running"] == 0 and st["kv_blocks_used"] == 0
+
+
+def test_a_high_priority_request_gets_its_first_token_within_a_step_or_two(
+    served: Model,
+) -> None:
+    """Every slot is busy with long low-priority streams: a high-priority request preempts one
+    and has its first token while the oldest stream (not the victim) gets at most a few
+    tokens, i.e. within about one step plus its own short prefill (without preemption it
+    would wait for a stream to end: ~200 of its tokens)."""
+    with Engine(served, parallel=4, ctx_size=512) as eng:
+        counts = [0] * 4
+        seen_at_first: list[int] = []
+
+        async def low(i: int) -> None:
+            async for _ in eng.stream(f"Low {i}: a long story", max_tokens=200, ignore_eos=True):
+                counts[i] += 1
+
+        async def main() -> None:
+            tasks = [asyncio.ensure_future(low(i)) for i in range(4)]
+            await until(lambda: min(counts) >= 2)
+            before = counts[0]
+            async for _ in eng.stream("Urgent:", max_tokens=4, priority=10):
+                if not seen_at_first:
+                    seen_at_first.append(counts[0] - before)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(main())
+        assert eng.stats()["preemptions"] >= 1
+    assert seen_at_first and seen_at_first[0] <= 3, seen_at_first

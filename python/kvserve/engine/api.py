@@ -264,6 +264,10 @@ class Engine:
         ids = list(tokens)
         if not ids:
             raise ValueError("the prompt has no tokens")
+        if len(ids) > self._seq_limit:  # before looking at each token
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than {self._limit_name} allows"
+            )
         n_vocab = self.model.n_vocab
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
@@ -528,9 +532,10 @@ class Engine:
         return None
 
     def waiting_by_priority(self) -> dict[int, int]:
-        """Sequences waiting for the engine thread to admit them, by priority (any thread)."""
-        with self._loop.cond:
-            return dict(self._loop.waiting_prio)
+        """Sequences waiting to be admitted, by priority (any thread): queued, waiting behind a
+        busy session, or submitted and not yet seen by the engine thread (as ``stats()``'s
+        ``waiting`` counts them)."""
+        return self._loop.waiting_by_priority()
 
     def stats(self) -> dict[str, float | int]:
         """Counters for monitoring; cheap and safe from any thread (never waits for a step).
@@ -555,6 +560,7 @@ class Engine:
         engine's context); ``prefix_blocks_shared``: pool blocks referenced by more than one
         sequence; ``prefix_blocks_indexed``: blocks in the prefix index. ``failed_requests``:
         requests failed by an error on the engine thread (containment: each failed alone);
+        ``cancelled_requests``: requests cancelled before they finished;
         ``decode_retries``: batches that failed and were retried or split;
         ``context_resets``: contexts replaced after an internal error closed them."""
         loop = self._loop
@@ -595,6 +601,7 @@ class Engine:
             "evictions": loop.sessions.evictions,
             "preemptions": loop.preemptions,
             "failed_requests": loop.failed_requests,
+            "cancelled_requests": loop.cancelled_requests,
             "decode_retries": loop.decode_retries,
             "context_resets": loop.kv.reopened,
             "running": running,

@@ -100,6 +100,7 @@ class EngineLoop:
         self.computed_tokens = 0
         self.preemptions = 0
         self.failed_requests = 0
+        self.cancelled_requests = 0
         self.decode_retries = 0
         self.recent: deque[tuple[float, int, float]] = deque()  # (end, tokens, seconds)
         self.recent_prompts: deque[tuple[float, int, int]] = deque()  # (time, prompt, cached)
@@ -145,6 +146,13 @@ class EngineLoop:
             self.cond.notify_all()
         if self.thread is not threading.current_thread():
             self.thread.join()
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        with self.cond:
+            out = dict(self.waiting_prio)
+            for r in self._inbox:
+                out[r.priority] = out.get(r.priority, 0) + 1 + len(r.children)
+        return out
 
     def inbox_size(self) -> int:
         """Sequences submitted and not yet seen by the engine thread (call holding ``cond``)."""
@@ -396,6 +404,8 @@ class EngineLoop:
     def _drop(self, req: Request) -> None:
         """A cancelled request leaves: its sequence is removed (full blocks stay cached)."""
         self.faults.check("drop", req)
+        if req.state != DONE:
+            self.cancelled_requests += 1
         if req.state == WAITING:
             with self.cond:
                 self.sched.queue.remove(req)

@@ -15,6 +15,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..options import PRIORITY_MAX, PRIORITY_MIN
+
 __all__ = [
     "PRIORITY_MAX",
     "PRIORITY_MIN",
@@ -33,11 +35,8 @@ __all__ = [
 # The most choices one request may ask for (each is a sequence in the engine).
 MAX_N = 64
 
-# The range of a request's ``priority`` (higher is admitted first and preempted last): the same
-# as kvserve.options.PRIORITY_MIN / PRIORITY_MAX (being added there), checked here so that a bad
-# value is a 400 naming ``priority`` whatever the engine's version.
-PRIORITY_MIN = -1000
-PRIORITY_MAX = 1000
+# The range of a request's ``priority`` (higher is admitted first and preempted last) is the
+# engine's (kvserve.options), checked here too so that a bad value is a 400 naming ``priority``.
 
 # A session id: also the name of its file in --session-dir (``<id>.kvs``), so only characters
 # that are safe in a file name, never a path (no "/", no leading ".").
