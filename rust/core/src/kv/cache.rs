@@ -1,4 +1,4 @@
-//! The paged KV cache a [`crate::model::Context`] decodes into.
+//! The paged KV cache a model's context (`Context` in model/mod.rs) decodes into.
 //!
 //! - [`SharedKv`]: the K/V memory of one model, shared by all its contexts: the block pool, the
 //!   K/V data of every block ([`super::storage`]) and the prefix index ([`super::prefix`]). One

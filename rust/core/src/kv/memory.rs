@@ -1,6 +1,6 @@
 //! `Memory`: the sequence interface every memory kind implements, after llama.cpp's memory
 //! interface, and [`LayerGroups`], a context's memory as one group per layer kind
-//! (`model::LayerKind`: full attention, sliding window, recurrent state), which forwards each
+//! ([`LayerKind`]: full attention, sliding window, recurrent state), which forwards each
 //! call to its groups. A full-attention group and a window group are both a [`PagedCache`] over
 //! their own `SharedKv`; a window group is pruned after every batch. The recurrent group
 //! ([`RecurrentGroup`], LFM2's short convolutions) keeps one state per sequence in blocks of the
@@ -75,8 +75,23 @@ impl Memory for PagedCache {
     }
 }
 
-/// Which memory a layer group is: the kinds a model's layers come in (`model::LayerKind`).
-pub use crate::model::config::LayerKind as GroupKind;
+/// How one layer keeps what it needs of earlier positions: the memory it needs. Layers of one
+/// kind form a memory group ([`Group`]; docs/ARCHITECTURE.md, "Layer groups"). A model's config
+/// says which kind each of its layers is (`model::config` re-exports this type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Attention over every earlier position of the sequence.
+    Full,
+    /// Attention over the last `n` positions only: a query at `p` sees keys at
+    /// `p - n + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`).
+    Window(usize),
+    /// No K/V: a fixed-size recurrent state per sequence (LFM2's short convolutions), kept by
+    /// the recurrent group (`kv/recurrent.rs`) in blocks of the full-attention group's pool.
+    Recurrent,
+}
+
+/// Which memory a layer group is: the kind its layers share (another name of [`LayerKind`]).
+pub use self::LayerKind as GroupKind;
 
 /// One memory group of a context: the layers sharing a memory kind and this context's cache
 /// over the group's own K/V memory (`SharedKv`, whose layers are exactly these, in order).
@@ -551,7 +566,6 @@ mod tests {
     use crate::kv::recurrent::StateLayout;
     use crate::kv::storage::{KvLayout, KvType};
     use crate::kv::SharedKv;
-    use crate::model::LayerKind;
     use crate::ops::{Rope, RopeScaling};
 
     const BS: usize = 16;
