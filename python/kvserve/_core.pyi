@@ -108,6 +108,16 @@ class Context:
         """Writes a state from :meth:`seq_state_read` into the empty sequence ``seq`` without
         recomputing it; returns its token count. All or nothing (``ValueError``,
         ``KvCacheFull``)."""
+    def seq_state_check(self, data: bytes, tokens: list[int]) -> int:
+        """Check, writing nothing, that ``data`` (from :meth:`seq_state_read`) is a state of
+        this model, K/V format and layer groups that holds exactly ``tokens`` at positions
+        ``0..n-1`` (a saved session's state); returns ``n``. Everything
+        :meth:`seq_state_write` validates (every length exact, every header field in range,
+        every layer group consistent with the primary one), and: the primary group's cells
+        are ``tokens`` at positions ``0..n-1``, a sliding-window group holds the positions the
+        next token sees, and a hybrid model's recurrent state is at position ``n - 1`` (none
+        when ``n == 0``). ``ValueError`` saying what differs. A state that passes is written
+        by :meth:`seq_state_write` (given room) as the sequence of ``tokens``."""
     def stats(self) -> dict[str, Any]:
         """Pool and context counters; ``groups``: one dict per layer group (kind, window,
         layers, blocks_total/free/cached/referenced, bytes_per_block/total/referenced,

@@ -478,6 +478,19 @@ impl Context {
         self.with(py, move |c| c.seq_state_write(seq, &data))
     }
 
+    /// Checks, writing nothing, that `data` (from `seq_state_read`) is a state of this model,
+    /// K/V format and layer groups holding exactly `tokens` at positions `0..n` (a saved
+    /// session's state); returns `n`. Everything `seq_state_write` validates, and the tokens:
+    /// `ValueError` saying what differs.
+    fn seq_state_check(&self, py: Python<'_>, data: &[u8], tokens: Vec<i64>) -> PyResult<usize> {
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_vocab(self.n_vocab, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let data = data.to_vec();
+        self.with(py, move |c| c.seq_state_check(&data, &tokens))
+    }
+
     /// Cache statistics (never waits for a running decode): the model's block pool for this
     /// K/V format (shared by all its contexts) by state, and this context's sequences, tokens,
     /// unused slots, prefix lookups and the tokens they mapped.

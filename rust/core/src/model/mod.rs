@@ -841,41 +841,21 @@ impl Context {
         let Some(r) = self.memory.recurrent() else {
             return self.memory.seq_state_write(seq, data, n_vocab, id);
         };
-        let bad = |why: &str| invalid(format!("sequence state: {why}"));
-        let len = data.len();
-        if len < REC_FOOTER || &data[len - 4..] != REC_MAGIC {
-            return Err(bad("no recurrent state (not a state of a hybrid model)"));
-        }
-        let f = &data[len - REC_FOOTER..];
-        let word = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().expect("4 bytes"));
-        if word(12) != REC_VERSION {
-            return Err(bad(&format!(
-                "unsupported recurrent state version {}",
-                word(12)
-            )));
-        }
-        let pos = word(0) as i32;
-        let nf = u64::from_le_bytes(f[4..12].try_into().expect("8 bytes"));
-        let want = r.layout().floats() as u64;
-        if !((nf == 0 && pos == -1) || (nf == want && pos >= 0)) {
-            return Err(bad(&format!(
-                "recurrent state of {nf} values at position {pos} (this model's: {want})"
-            )));
-        }
-        let Some(start) = (len - REC_FOOTER).checked_sub(nf as usize * 4) else {
-            return Err(bad("truncated recurrent state"));
-        };
+        let (kv, rec) = split_recurrent(data, r.layout().floats())?;
         if seq < 0 || self.memory.seq_pos_max(seq) >= 0 {
-            return Err(bad(&format!("sequence {seq} must be >= 0 and empty")));
+            return Err(invalid(format!(
+                "sequence state: sequence {seq} must be >= 0 and empty"
+            )));
         }
-        let vals: Vec<f32> = data[start..len - REC_FOOTER]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
-        let staged = self
-            .memory
-            .seq_state_stage(seq, &data[..start], n_vocab, id)?;
-        if nf > 0 {
+        let (pos, vals) = rec.map_or((-1, Vec::new()), |(pos, raw)| {
+            let vals = raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect();
+            (pos, vals)
+        });
+        let staged = self.memory.seq_state_stage(seq, kv, n_vocab, id)?;
+        if !vals.is_empty() {
             let shared = Arc::clone(self.cache().shared());
             let r = self.memory.recurrent_mut().expect("checked above");
             let written = r.write(seq, pos, &vals, &mut shared.lock_storage());
@@ -886,6 +866,83 @@ impl Context {
         }
         Ok(self.memory.seq_state_commit(staged))
     }
+
+    /// Checks, writing nothing, that `data` (from [`Context::seq_state_read`]) is a state of
+    /// this model, K/V format and layer groups that holds exactly `tokens` at positions
+    /// `0..n` (`n = tokens.len()`), as a saved session's state must: everything
+    /// [`Context::seq_state_write`] validates (every length exact, every header field in range,
+    /// every group's cells consistent with the primary group's), and also that the primary
+    /// group holds `tokens` at positions `0..n`, every other group what its layers need of them
+    /// ([`LayerGroups::seq_state_check`]), and for a hybrid model a recurrent state at position
+    /// `n - 1` (none when `n == 0`). Returns `n`; any mismatch is `InvalidInput` saying what
+    /// differs. A state that passes is written by `seq_state_write` into an empty sequence
+    /// (given room in the pools) as the sequence of `tokens`.
+    pub fn seq_state_check(&self, data: &[u8], tokens: &[u32]) -> Result<usize> {
+        let n_vocab = self.model.n_vocab();
+        let id = self.model.id();
+        let kv = match self.memory.recurrent() {
+            None => data,
+            Some(r) => kv_part_for_tokens(data, r.layout().floats(), tokens.len())?,
+        };
+        self.memory.seq_state_check(kv, n_vocab, id, tokens)
+    }
+}
+
+/// A hybrid model's recurrent state in a sequence state: its position and its values' bytes.
+type RecState<'a> = Option<(Pos, &'a [u8])>;
+
+/// Splits a hybrid model's sequence state (see [`Context::seq_state_read`]) into its K/V part
+/// and its recurrent state: `None` (no state, position -1) or its position and the raw bytes of
+/// its `floats` values. `InvalidInput` unless the footer is exactly one of those two shapes
+/// (magic, version, a value count of 0 with position -1 or `floats` with a position >= 0, and
+/// enough bytes before it).
+fn split_recurrent(data: &[u8], floats: usize) -> Result<(&[u8], RecState<'_>)> {
+    let bad = |why: &str| invalid(format!("sequence state: {why}"));
+    let len = data.len();
+    if len < REC_FOOTER || &data[len - 4..] != REC_MAGIC {
+        return Err(bad("no recurrent state (not a state of a hybrid model)"));
+    }
+    let f = &data[len - REC_FOOTER..];
+    let word = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().expect("4 bytes"));
+    if word(12) != REC_VERSION {
+        return Err(bad(&format!(
+            "unsupported recurrent state version {}",
+            word(12)
+        )));
+    }
+    let pos = word(0) as i32;
+    let nf = u64::from_le_bytes(f[4..12].try_into().expect("8 bytes"));
+    if !((nf == 0 && pos == -1) || (nf == floats as u64 && pos >= 0)) {
+        return Err(bad(&format!(
+            "recurrent state of {nf} values at position {pos} (this model's: {floats})"
+        )));
+    }
+    // `nf` is 0 or `floats` (checked above), so this cannot overflow.
+    let Some(start) = (len - REC_FOOTER).checked_sub(nf as usize * 4) else {
+        return Err(bad("truncated recurrent state"));
+    };
+    let state = &data[start..len - REC_FOOTER];
+    Ok((&data[..start], (nf > 0).then_some((pos, state))))
+}
+
+/// The K/V part of a hybrid model's state (see [`split_recurrent`]) that must be the state of a
+/// sequence of `n` tokens: its recurrent state at position `n - 1`, or none when `n == 0`.
+fn kv_part_for_tokens(data: &[u8], floats: usize, n: usize) -> Result<&[u8]> {
+    let (kv, rec) = split_recurrent(data, floats)?;
+    let pos = rec.map_or(-1, |(p, _)| p as i64);
+    if pos != n as i64 - 1 {
+        let got = if pos < 0 {
+            "absent".to_string()
+        } else {
+            format!("at position {pos}")
+        };
+        return Err(invalid(format!(
+            "sequence state: the recurrent state is {got}, but the sequence has {n} tokens (its \
+             state must be at position {})",
+            n as i64 - 1
+        )));
+    }
+    Ok(kv)
 }
 
 /// Throughput measured like llama-bench: `pp` is one batch of `n_prompt` tokens, `tg` is
@@ -1202,6 +1259,154 @@ mod tests {
             };
             let mut c = Context::with_options(Arc::clone(&m2), &other).unwrap();
             assert!(c.seq_state_write(0, &state).is_err());
+        }
+    }
+
+    /// A hybrid state's footer: split exactly (values, position) or refused, and checked
+    /// against the sequence's token count (the state after its last token, or none).
+    #[test]
+    fn recurrent_footer_is_split_and_checked() {
+        let footer = |vals: &[f32], pos: i32, nf: u64, version: u32, magic: &[u8; 4]| {
+            let mut d = b"K/V part".to_vec();
+            for v in vals {
+                d.extend_from_slice(&v.to_le_bytes());
+            }
+            d.extend_from_slice(&pos.to_le_bytes());
+            d.extend_from_slice(&nf.to_le_bytes());
+            d.extend_from_slice(&version.to_le_bytes());
+            d.extend_from_slice(magic);
+            d
+        };
+        let vals = [1.5f32, -2.0, 3.25];
+        let good = footer(&vals, 4, 3, REC_VERSION, REC_MAGIC);
+        let (kv, rec) = split_recurrent(&good, 3).unwrap();
+        let (pos, raw) = rec.unwrap();
+        assert_eq!((kv, pos), (&b"K/V part"[..], 4));
+        assert_eq!(raw.len(), 12);
+        assert_eq!(&raw[4..8], &(-2.0f32).to_le_bytes());
+        assert_eq!(kv_part_for_tokens(&good, 3, 5).unwrap(), b"K/V part");
+        for n in [0, 4, 6] {
+            let e = kv_part_for_tokens(&good, 3, n).unwrap_err();
+            assert!(e.to_string().contains("at position 4"), "{n}: {e}");
+        }
+        let none = footer(&[], -1, 0, REC_VERSION, REC_MAGIC);
+        assert_eq!(split_recurrent(&none, 3).unwrap(), (&b"K/V part"[..], None));
+        assert_eq!(kv_part_for_tokens(&none, 3, 0).unwrap(), b"K/V part");
+        let e = kv_part_for_tokens(&none, 3, 2).unwrap_err();
+        assert!(e.to_string().contains("absent"), "{e}");
+        let cases = [
+            (
+                "magic",
+                footer(&vals, 4, 3, REC_VERSION, b"KVRX"),
+                "no recurrent state",
+            ),
+            ("version", footer(&vals, 4, 3, 2, REC_MAGIC), "version 2"),
+            (
+                "value count",
+                footer(&vals[..2], 4, 2, REC_VERSION, REC_MAGIC),
+                "2 values",
+            ),
+            (
+                "values without a position",
+                footer(&vals, -1, 3, REC_VERSION, REC_MAGIC),
+                "-1",
+            ),
+            (
+                "a position without values",
+                footer(&[], 3, 0, REC_VERSION, REC_MAGIC),
+                "0 values",
+            ),
+            (
+                "short",
+                good[..REC_FOOTER - 1].to_vec(),
+                "no recurrent state",
+            ),
+            ("truncated", good[8 + 10..].to_vec(), "truncated"),
+        ];
+        for (what, d, why) in cases {
+            let e = split_recurrent(&d, 3).unwrap_err();
+            assert!(matches!(e, Error::InvalidInput(_)), "{what}: {e}");
+            assert!(e.to_string().contains(why), "{what}: {e}");
+        }
+    }
+
+    /// `seq_state_check` on real states (SmolLM2: one K/V group; Gemma 3: a window group and
+    /// a full group): the sequence's tokens pass, and writing nothing; other tokens, another
+    /// K/V type and a corrupted header fail; any corruption that passes loads as the tokens.
+    #[test]
+    fn seq_state_check_on_real_models() {
+        let mut rng = crate::test_rng::Rng(0x0bad_5eed);
+        for var in ["KVSERVE_TEST_MODEL", "KVSERVE_TEST_GEMMA"] {
+            let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+            let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+            let o = KvOptions {
+                n_ctx: 256,
+                ..KvOptions::default()
+            };
+            let mut a = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let toks = m.tokenizer.encode(
+                "The quick brown fox jumps over the lazy dog, and then it",
+                true,
+                false,
+            );
+            a.decode(&Batch::prompt(&toks, 0, 0)).unwrap();
+            let data = a.seq_state_read(0).unwrap();
+            let cells = |c: &Context, s: SeqId| -> Vec<(Pos, u32)> {
+                let t = c.cache().table();
+                let mut v: Vec<_> = t
+                    .cells(s)
+                    .into_iter()
+                    .map(|(p, b, sl)| (p, t.cell_token(b, sl)))
+                    .collect();
+                v.sort_unstable();
+                v
+            };
+            let before = (cells(&a, 0), a.cache().shared().pool_stats());
+            assert_eq!(
+                a.seq_state_check(&data, &toks).unwrap(),
+                toks.len(),
+                "{var}"
+            );
+            assert_eq!((cells(&a, 0), a.cache().shared().pool_stats()), before);
+            let mut other = toks.clone();
+            other[2] = (other[2] + 1) % m.n_vocab() as u32;
+            assert!(a.seq_state_check(&data, &other).is_err());
+            assert!(a.seq_state_check(&data, &toks[1..]).is_err());
+            let q8 = KvOptions {
+                kv_type: KvType::Q8_0,
+                ..o
+            };
+            let c = Context::with_options(Arc::clone(&m), &q8).unwrap();
+            assert!(c.seq_state_check(&data, &toks).is_err(), "{var}: q8_0");
+            let want: Vec<(Pos, u32)> = (0..toks.len() as Pos).zip(toks.iter().copied()).collect();
+            let mut b = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let mut passed = 0;
+            for round in 0..400 {
+                let mut d = data.clone();
+                let at = rng.below(if round % 2 == 0 { 48 } else { d.len() });
+                let bit = rng.below(8);
+                d[at] ^= 1 << bit;
+                match b.seq_state_check(&d, &toks) {
+                    Ok(n) => {
+                        passed += 1;
+                        // Every byte of the first 48 counts (a one-group state's header; the
+                        // container's header and group table with two groups) but the clean
+                        // flag of a one-group state (bit 0 of byte 40).
+                        assert!(
+                            at >= 48 || (at == 40 && bit == 0),
+                            "{var}: byte {at} bit {bit}"
+                        );
+                        assert_eq!(b.seq_state_write(1, &d).unwrap(), n);
+                        assert_eq!(cells(&b, 1), want, "{var}: round {round}");
+                        b.memory_mut().seq_rm(1, -1, -1).unwrap();
+                    }
+                    Err(e) => assert!(matches!(e, Error::InvalidInput(_)), "{e}"),
+                }
+            }
+            assert!(passed > 50, "{var}: {passed} corruptions passed");
+            for g in b.memory().groups() {
+                g.cache.table().check().unwrap();
+            }
         }
     }
 }
