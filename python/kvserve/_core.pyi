@@ -86,6 +86,19 @@ class Context:
         seq_ids: list[int],
         logits: list[bool],
     ) -> Logits: ...
+    def blocks_short(self, positions: list[int], seq_ids: list[int]) -> int:
+        """Ask before decoding: whether a batch of these ``positions`` and ``seq_ids`` (as
+        :meth:`decode` would get them; the tokens do not matter) fits the K/V memory now,
+        counting every layer group (full attention, sliding window, recurrent states). ``0``:
+        it fits, and :meth:`decode` of it does not raise ``KvCacheFull`` unless another context
+        of the model takes blocks in between. Otherwise the largest number of blocks missing
+        in any group's pool, and :meth:`decode` of it raises ``KvCacheFull``: free and cached
+        (evictable) blocks count as available; a copy of a shared partly filled tail block
+        (copy-on-write) and a new or shared recurrent state need blocks; tokens beyond the
+        context's ``n_ctx`` count as ``ceil(excess / block_size)`` blocks. Changes nothing.
+        ``ValueError`` for a batch :meth:`decode` rejects as malformed (empty, lengths differ,
+        negative values, positions of a sequence not increasing past its last one, more than
+        ``n_batch`` tokens on a model with sliding-window layers)."""
     def clear(self) -> None: ...
     def seq_pos_min(self, seq: int) -> int: ...
     def seq_pos_max(self, seq: int) -> int: ...

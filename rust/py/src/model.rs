@@ -396,6 +396,30 @@ impl Context {
         Ok(Logits::new(out.data, out.n_rows, out.n_vocab))
     }
 
+    /// Asks before decoding: whether a batch of these positions and sequence ids (the
+    /// `positions` and `seq_ids` that `decode` would get) fits the K/V memory now, counting
+    /// every layer group: 0 when it fits (then `decode` of it does not raise `KvCacheFull`,
+    /// unless another context of the model takes blocks in between), else the largest number
+    /// of blocks missing in any group's pool (then `decode` raises `KvCacheFull`). Changes
+    /// nothing. `ValueError` for a batch `decode` rejects as malformed.
+    fn blocks_short(
+        &self,
+        py: Python<'_>,
+        positions: Vec<i32>,
+        seq_ids: Vec<i32>,
+    ) -> PyResult<usize> {
+        let n = positions.len();
+        // The tokens do not matter to what a batch needs; token 0 stands for each (always in
+        // the vocabulary), so that the batch is checked exactly as `decode` checks it.
+        let batch = Batch {
+            tokens: vec![0; n],
+            positions,
+            seq_ids,
+            logits: vec![false; n],
+        };
+        self.with(py, |c| c.blocks_short(&batch))
+    }
+
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, |c| {
             c.clear();

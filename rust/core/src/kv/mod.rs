@@ -46,8 +46,10 @@ pub(crate) fn try_vec<T: Clone>(n: usize, v: T, what: &str) -> crate::Result<Vec
     Ok(out)
 }
 
-pub use cache::{blocks_for_tokens, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE};
-pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, RecurrentLayers};
+pub use cache::{
+    blocks_for_tokens, BatchNeed, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE,
+};
+pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, PlannedBatch, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
 pub use table::{

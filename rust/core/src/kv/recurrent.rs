@@ -296,6 +296,32 @@ impl RecurrentGroup {
         true
     }
 
+    /// The pool the states take their blocks from.
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    /// Fresh blocks [`RecurrentGroup::begin`] would take for a batch of these sequence ids now
+    /// (`blocks_per_state` for each distinct sequence without a state or with a shared one),
+    /// changing nothing.
+    pub fn blocks_for_batch(&self, seq_ids: &[SeqId]) -> usize {
+        let mut seen = std::collections::BTreeSet::new();
+        let needy = seq_ids
+            .iter()
+            .filter(|&&s| seen.insert(s))
+            .filter(|&&s| self.needs_blocks(s))
+            .count();
+        needy * self.blocks_per_state
+    }
+
+    /// Whether a batch of `s` takes fresh blocks: `s` has no state, or shares it.
+    fn needs_blocks(&self, s: SeqId) -> bool {
+        match self.seqs.get(&s) {
+            None => true,
+            Some(x) => x.blocks.iter().any(|&b| self.pool.refcount(b) > 1),
+        }
+    }
+
     /// Starts a batch: `seq_ids`/`positions` are the batch's tokens. Takes fresh blocks for
     /// each batch sequence without a state or with a shared one (all or nothing:
     /// `KvCacheFull`, nothing changed) and returns the transaction and every batch sequence's
@@ -322,11 +348,7 @@ impl RecurrentGroup {
         let mut taken: Vec<BlockId> = Vec::new();
         let mut ok = true;
         for &s in &seqs {
-            let need = match self.seqs.get(&s) {
-                None => true,
-                Some(x) => x.blocks.iter().any(|&b| self.pool.refcount(b) > 1),
-            };
-            if need {
+            if self.needs_blocks(s) {
                 let mut bl = Vec::with_capacity(self.blocks_per_state);
                 ok = self.take_blocks(self.blocks_per_state, &mut bl);
                 taken.extend_from_slice(&bl);

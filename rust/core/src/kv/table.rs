@@ -884,19 +884,12 @@ impl KvTable {
         copy + (k.saturating_sub(avail)).div_ceil(self.bs)
     }
 
-    /// Plans the writes of one token per `(seq_ids[i], positions[i])`: allocates blocks on
-    /// demand, copies shared or keyed partly filled tail blocks first. All or nothing: on
-    /// `KvCacheFull` or `InvalidInput` nothing changed. The returned plan also carries all
-    /// pending [`Updates`]; the [`BatchTx`] must be committed or rolled back.
-    ///
-    /// Validation (as llama.cpp's batch check): every sequence id `>= 0`, every position
-    /// `>= 0`, and the positions of each sequence strictly increase through the batch and start
-    /// after the sequence's last stored position (gaps are allowed).
-    pub fn prepare_batch(
-        &mut self,
-        seq_ids: &[SeqId],
-        positions: &[Pos],
-    ) -> Result<(WritePlan, BatchTx)> {
+    /// Fresh blocks [`KvTable::prepare_batch`] would take from the pool for this batch now
+    /// (the same count it reserves: new blocks, plus one copy of each partly filled tail that is
+    /// shared or keyed), changing nothing; `InvalidInput` exactly when it would reject the
+    /// batch. The batch fits the pool iff this is at most `pool().available()` (when no other
+    /// owner of the pool allocates in between).
+    pub fn blocks_for_batch(&self, seq_ids: &[SeqId], positions: &[Pos]) -> Result<usize> {
         if seq_ids.len() != positions.len() {
             return Err(Error::InvalidInput(format!(
                 "batch has {} sequence ids but {} positions",
@@ -938,14 +931,30 @@ impl KvTable {
             }
             *e = (e.0 + 1, p);
         }
-        let need: usize = count
+        Ok(count
             .iter()
             .map(|(&s, &(k, _))| self.blocks_needed(s, k))
-            .sum();
+            .sum())
+    }
+
+    /// Plans the writes of one token per `(seq_ids[i], positions[i])`: allocates blocks on
+    /// demand, copies shared or keyed partly filled tail blocks first. All or nothing: on
+    /// `KvCacheFull` or `InvalidInput` nothing changed. The returned plan also carries all
+    /// pending [`Updates`]; the [`BatchTx`] must be committed or rolled back.
+    ///
+    /// Validation (as llama.cpp's batch check): every sequence id `>= 0`, every position
+    /// `>= 0`, and the positions of each sequence strictly increase through the batch and start
+    /// after the sequence's last stored position (gaps are allowed).
+    pub fn prepare_batch(
+        &mut self,
+        seq_ids: &[SeqId],
+        positions: &[Pos],
+    ) -> Result<(WritePlan, BatchTx)> {
+        let need = self.blocks_for_batch(seq_ids, positions)?;
         let mut fresh = self.take_blocks(need)?;
         let pins_before = self.pins.len();
         let mut tx = BatchTx::default();
-        let mut tx_at: HashMap<SeqId, usize> = HashMap::with_capacity(count.len());
+        let mut tx_at: HashMap<SeqId, usize> = HashMap::new();
         let mut slots = Vec::with_capacity(seq_ids.len());
         for (&s, &p) in seq_ids.iter().zip(positions) {
             let k = *tx_at.entry(s).or_insert_with(|| {

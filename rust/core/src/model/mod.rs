@@ -15,7 +15,7 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv::memory::{Group, LayerGroups, Memory, RecurrentLayers};
+use crate::kv::memory::{Group, LayerGroups, Memory, PlannedBatch, RecurrentLayers};
 use crate::kv::recurrent::{RecurrentGroup, StateLayout};
 use crate::kv::storage::KvStorage;
 use crate::kv::storage::{KvLayout, KvType};
@@ -606,14 +606,9 @@ impl Context {
         self.memory.peek_prefix(tokens)
     }
 
-    /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
-    ///
-    /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
-    /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
-    /// in every case the cache is left as before the call (the batch is rolled back in every
-    /// layer group, and no block it touched was given a content key). After a committed batch,
-    /// window groups drop the cells that left every later token's window.
-    pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
+    /// The checks of `batch` that `decode` makes before planning it: its columns and values
+    /// ([`Batch::validate`]) and, with sliding-window layers, its size (`n_batch`).
+    fn check_batch(&self, batch: &Batch) -> Result<()> {
         batch.validate(self.model.n_vocab())?;
         if batch.len() > self.n_batch && self.memory.has_window() {
             return Err(invalid(format!(
@@ -624,6 +619,34 @@ impl Context {
                 self.n_batch
             )));
         }
+        Ok(())
+    }
+
+    /// Asks before decoding: whether `batch` fits the K/V memory now, counting every layer
+    /// group (full attention, sliding window, recurrent) — `0` when it fits, else the largest
+    /// number of blocks missing in any group's pool ([`LayerGroups::blocks_short`]: free and
+    /// cached blocks count as available; a copy-on-write of a shared or keyed partly filled
+    /// tail needs a block; a recurrent state for a new or shared sequence needs its blocks in
+    /// the primary group's pool; tokens over the context's `n_ctx` count as blocks short).
+    /// Changes nothing. When it says `0`, [`Context::decode`] of the same batch does not fail
+    /// with `KvCacheFull` as long as nothing else changes the memory in between (another
+    /// context of the model allocating from the shared pools could); when it says more, decode
+    /// fails with `KvCacheFull` (the count is exact: the blocks the plan reserves). The
+    /// tokens themselves do not matter. `InvalidInput` for a batch decode rejects as malformed.
+    pub fn blocks_short(&self, batch: &Batch) -> Result<usize> {
+        self.check_batch(batch)?;
+        self.memory.blocks_short(&batch.seq_ids, &batch.positions)
+    }
+
+    /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
+    ///
+    /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
+    /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
+    /// in every case the cache is left as before the call (the batch is rolled back in every
+    /// layer group, and no block it touched was given a content key). After a committed batch,
+    /// window groups drop the cells that left every later token's window.
+    pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
+        self.check_batch(batch)?;
         let shared: Vec<Arc<SharedKv>> = self
             .memory
             .groups()
@@ -632,63 +655,50 @@ impl Context {
             .collect();
         // Locked in group order (every decode of the model takes them in this order).
         let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
-        let mut planned = Vec::with_capacity(shared.len());
-        for (g, storage) in self.memory.groups_mut().iter_mut().zip(storages.iter_mut()) {
-            match g.cache.begin_batch(batch, storage) {
-                Ok(p) => planned.push(p),
-                Err(e) => {
-                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
-                        g.cache.rollback(tx);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones, in
-        // the primary group's pool) and the tokens after which a state checkpoint is taken (the
-        // last of each block of the primary group).
+        // Every group plans the batch (all or nothing: nothing changed on error); the recurrent
+        // group takes fresh blocks for the states of new or shared sequences (in the primary
+        // group's pool) and loads the batch's states. `Context::blocks_short` says beforehand
+        // whether this fails for want of blocks.
+        let PlannedBatch {
+            kv: planned,
+            rec: rec_tx,
+        } = self.memory.begin_batch(batch, &mut storages)?;
+        // The tokens after which a state checkpoint is taken (the last of each block of the
+        // primary group).
         let pi = self.memory.primary_index();
         let bs = self.memory.primary().table().block_size() as Pos;
         let prefix_on = self.memory.primary().prefix_cache();
-        let mut rec = match self.memory.recurrent_mut() {
-            Some(r) => match r.begin(&batch.seq_ids, &batch.positions, &storages[pi]) {
-                Ok((tx, states)) => {
-                    let state_of: Vec<usize> = batch
-                        .seq_ids
-                        .iter()
-                        .map(|s| tx.seqs.iter().position(|x| x == s).unwrap_or(0))
-                        .collect();
-                    let on = prefix_on && r.can_checkpoint();
-                    let mut n_ckpt = 0;
-                    let ckpt_of: Vec<usize> = batch
-                        .positions
-                        .iter()
-                        .map(|&p| {
-                            if on && (p + 1) % bs == 0 {
-                                n_ckpt += 1;
-                                n_ckpt - 1
-                            } else {
-                                lfm2::NO_CHECKPOINT
-                            }
-                        })
-                        .collect();
-                    let ckpts = vec![0.0f32; n_ckpt * r.layout().floats()];
-                    Some(RecBatch {
-                        tx,
-                        states,
-                        state_of,
-                        ckpts,
-                        ckpt_of,
+        let mut rec = match (rec_tx, self.memory.recurrent()) {
+            (Some((tx, states)), Some(r)) => {
+                let state_of: Vec<usize> = batch
+                    .seq_ids
+                    .iter()
+                    .map(|s| tx.seqs.iter().position(|x| x == s).unwrap_or(0))
+                    .collect();
+                let on = prefix_on && r.can_checkpoint();
+                let mut n_ckpt = 0;
+                let ckpt_of: Vec<usize> = batch
+                    .positions
+                    .iter()
+                    .map(|&p| {
+                        if on && (p + 1) % bs == 0 {
+                            n_ckpt += 1;
+                            n_ckpt - 1
+                        } else {
+                            lfm2::NO_CHECKPOINT
+                        }
                     })
-                }
-                Err(e) => {
-                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
-                        g.cache.rollback(tx);
-                    }
-                    return Err(e);
-                }
-            },
-            None => None,
+                    .collect();
+                let ckpts = vec![0.0f32; n_ckpt * r.layout().floats()];
+                Some(RecBatch {
+                    tx,
+                    states,
+                    state_of,
+                    ckpts,
+                    ckpt_of,
+                })
+            }
+            _ => None,
         };
         let primary_cells = planned[pi].0.clone();
         let mut seqs: Vec<SeqId> = batch.seq_ids.clone();
@@ -1407,6 +1417,151 @@ mod tests {
             for g in b.memory().groups() {
                 g.cache.table().check().unwrap();
             }
+        }
+    }
+
+    /// Checks every layer group's tables and the model's pools (the binding's `audit`).
+    fn audit(c: &Context) {
+        for g in c.memory().groups() {
+            g.cache.table().check().unwrap();
+        }
+        if let Some(r) = c.memory().recurrent() {
+            r.check().unwrap();
+        }
+    }
+
+    /// `blocks_short` against what `decode` then does, on real models over small pools
+    /// (SmolLM2: full attention only; Gemma 3: a window group beside the full one), through
+    /// random batches of several sequences, shared prefixes (`seq_cp`, prefix matches of
+    /// earlier prompts), removals and another context on the same memory: 0 exactly when
+    /// decode succeeds, more exactly when it raises `KvCacheFull`; the tables stay consistent.
+    #[test]
+    fn blocks_short_agrees_with_decode_on_real_models() {
+        let mut rng = crate::test_rng::Rng(0x5407_b10c);
+        for (var, steps) in [("KVSERVE_TEST_MODEL", 140), ("KVSERVE_TEST_GEMMA", 50)] {
+            let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+            let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+            // 10 blocks of 16 tokens in every group's pool.
+            let per_block: usize = m
+                .layer_groups()
+                .iter()
+                .map(|(_, layers)| {
+                    KvLayout {
+                        ty: KvType::F16,
+                        n_layers: layers.len(),
+                        kv_dim: m.config.kv_dim(),
+                        block_size: 16,
+                    }
+                    .bytes_per_block()
+                })
+                .sum();
+            let o = KvOptions {
+                kv_memory: Some(10 * per_block),
+                n_seq_max: 4,
+                n_batch: 128,
+                ..KvOptions::default()
+            };
+            let mut ctx = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let mut other = Context::with_options(Arc::clone(&m), &o).unwrap();
+            for g in ctx.group_usage() {
+                assert_eq!(g.blocks_total, 10, "{var}");
+            }
+            let n_vocab = m.n_vocab() as u32;
+            let mut text: Vec<Vec<u32>> = vec![Vec::new(); 4];
+            let (mut fits, mut short) = (0, 0);
+            for step in 0..steps {
+                let s = rng.below(4) as SeqId;
+                match rng.below(10) {
+                    0..=5 => {
+                        let mut b = Batch::default();
+                        for q in 0..4 {
+                            if rng.below(2) == 0 {
+                                continue;
+                            }
+                            let p0 = ctx.memory().seq_pos_max(q) + 1;
+                            for i in 0..1 + rng.below(24) {
+                                b.tokens.push(100 + rng.below(8) as u32 % n_vocab);
+                                b.positions.push(p0 + i as Pos);
+                                b.seq_ids.push(q);
+                                b.logits.push(i == 0);
+                            }
+                        }
+                        if b.is_empty() {
+                            continue;
+                        }
+                        let want = ctx.blocks_short(&b).unwrap();
+                        let got = ctx.decode(&b);
+                        match (want, &got) {
+                            (0, Ok(_)) => fits += 1,
+                            (n, Err(Error::KvCacheFull(_))) if n > 0 => {
+                                short += 1;
+                                // Preempt one of the batch's sequences.
+                                let q = b.seq_ids[rng.below(b.len())];
+                                ctx.memory_mut().seq_rm(q, -1, -1).unwrap();
+                                text[q as usize].clear();
+                            }
+                            _ => panic!("{var} step {step}: blocks_short {want}, decode {got:?}"),
+                        }
+                        if got.is_ok() {
+                            for (&q, &t) in b.seq_ids.iter().zip(&b.tokens) {
+                                text[q as usize].push(t);
+                            }
+                        }
+                    }
+                    6 => {
+                        let d = rng.below(4) as SeqId;
+                        if d != s && ctx.memory().seq_pos_max(d) < 0 {
+                            ctx.memory_mut().seq_cp(s, d, -1, -1).unwrap();
+                            text[d as usize] = text[s as usize].clone();
+                        }
+                    }
+                    7 => {
+                        ctx.memory_mut().seq_rm(s, -1, -1).unwrap();
+                        text[s as usize].clear();
+                    }
+                    8 => {
+                        let src = rng.below(4);
+                        if ctx.memory().seq_pos_max(s) < 0 && text[src].len() > 1 {
+                            let prompt = text[src].clone();
+                            let n = ctx.match_prefix(s, &prompt).unwrap();
+                            text[s as usize] = prompt[..n].to_vec();
+                        }
+                    }
+                    _ => {
+                        // Another context takes blocks of the pool, or gives them back.
+                        if other.memory().seq_pos_max(0) < 0 {
+                            let _ = other.decode(&Batch::prompt(&[7; 20], 0, 0));
+                        } else {
+                            other.memory_mut().seq_rm(0, -1, -1).unwrap();
+                        }
+                    }
+                }
+                audit(&ctx);
+                audit(&other);
+            }
+            assert!(
+                fits > steps / 10 && short > steps / 20,
+                "{var}: {fits} fit, {short} short"
+            );
+            // A malformed batch: InvalidInput from both.
+            let bad = Batch::prompt(&[1, 2], 0, 0);
+            let q = Batch {
+                positions: vec![3, 3],
+                ..bad.clone()
+            };
+            assert!(matches!(ctx.blocks_short(&q), Err(Error::InvalidInput(_))));
+            assert!(matches!(ctx.decode(&q), Err(Error::InvalidInput(_))));
+        }
+        // The context's token limit counts as blocks short: 40 tokens of a larger pool.
+        let path = std::env::var("KVSERVE_TEST_MODEL").unwrap();
+        let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+        let mut ctx = Context::new(Arc::clone(&m), 40).unwrap();
+        ctx.decode(&Batch::prompt(&[5; 30], 0, 0)).unwrap();
+        for (n, want) in [(10, 0), (11, 1), (26, 1), (27, 2)] {
+            let b = Batch::prompt(&vec![6; n], 0, 1);
+            assert_eq!(ctx.blocks_short(&b).unwrap(), want, "{n} tokens");
+            assert_eq!(ctx.decode(&b).is_ok(), want == 0, "{n} tokens");
+            ctx.memory_mut().seq_rm(1, -1, -1).unwrap();
         }
     }
 }
