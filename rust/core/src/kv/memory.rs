@@ -1125,4 +1125,77 @@ mod tests {
         assert_eq!(m.blocks_short(&[2], &[3]).unwrap(), 0);
         audit(&m);
     }
+
+    /// A context's memory that goes away (its context dropped; also after a panic closed the
+    /// context, which drops it) gives every block back to the model's pools, in every group:
+    /// nothing stays referenced, the keyed blocks stay cached and indexed, and a new context
+    /// maps them, with the recurrent state's checkpoint. Pending copy-on-write copies (from a
+    /// shift) and a batch planned but never committed or rolled back (a panic between the two)
+    /// are released too.
+    #[test]
+    fn dropping_a_memory_gives_every_block_back() {
+        let (full, win) = (shared_n(1, 24), shared_n(2, 16));
+        let mut m = memory_over(&full, &win, true);
+        run(&mut m, 0, 0, 48); // tokens 0..48; the window group pruned (cached blocks)
+        let toks: Vec<u32> = (0..48).collect();
+        let id = full.model_id();
+        let mut parent = ROOT_KEY;
+        let keys: Vec<Key> = toks
+            .chunks_exact(BS)
+            .map(|c| {
+                parent = block_key(id, parent, c);
+                parent
+            })
+            .collect();
+        let vals: Vec<f32> = (0..16).map(|i| i as f32 - 3.5).collect();
+        let r = m.recurrent().unwrap();
+        assert!(r.store_checkpoint(&mut full.lock_storage(), id, keys[2], &toks[32..], &vals));
+        // Shared prefixes, a copy-on-write of a partial tail and of a shared state.
+        m.seq_cp(0, 1, -1, -1).unwrap();
+        run(&mut m, 1, 48, 5);
+        run(&mut m, 2, 0, 20);
+        m.seq_cp(2, 3, -1, -1).unwrap();
+        run(&mut m, 3, 20, 3);
+        // A shift of cells seq 1 shares with seq 0: private copies, pending (pinned sources).
+        m.seq_add(1, 40, -1, 2).unwrap();
+        assert!(m.groups()[0].cache.table().has_updates());
+        // A batch planned and then abandoned, as a panic before its commit would.
+        m.seq_cp(2, 4, -1, -1).unwrap();
+        {
+            let shared = [Arc::clone(&full), Arc::clone(&win)];
+            let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
+            let planned = m.begin_batch(&Batch::prompt(&[9, 9], 20, 4), &mut storages);
+            assert!(planned.unwrap().rec.is_some());
+        }
+        audit(&m);
+        assert!(full.pool_stats().referenced > 8 && win.pool_stats().referenced > 4);
+        drop(m);
+        for (what, sh) in [("full", &full), ("window", &win)] {
+            let st = sh.pool_stats();
+            assert_eq!(st.referenced, 0, "{what}: {st:?}");
+            assert_eq!(st.free + st.cached, st.total, "{what}");
+            assert!(st.cached > 0, "{what}: keyed blocks stay cached");
+            sh.pool().audit().unwrap();
+        }
+        // 3 K/V blocks of the prompt and the checkpoint stay indexed in the full memory.
+        assert!(full.pool_stats().cached >= 4);
+        let mut m2 = memory_over(&full, &win, true);
+        let mut q = toks.clone();
+        q.push(99);
+        assert_eq!(m2.match_prefix(5, &q).unwrap(), 48);
+        let (pos, got) = m2
+            .recurrent()
+            .unwrap()
+            .read(5, &full.lock_storage())
+            .unwrap()
+            .unwrap();
+        assert_eq!((pos, got), (47, vals));
+        assert!(full.pool_stats().referenced >= 4 && win.pool_stats().referenced >= 2);
+        audit(&m2);
+        drop(m2);
+        assert_eq!(
+            full.pool_stats().referenced + win.pool_stats().referenced,
+            0
+        );
+    }
 }

@@ -1137,6 +1137,7 @@ pub fn bench_batched(
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::kv::PoolStats;
 
     fn real_model() -> GgufFile {
         let path = std::env::var("KVSERVE_TEST_MODEL")
@@ -1562,6 +1563,91 @@ mod tests {
             assert_eq!(ctx.blocks_short(&b).unwrap(), want, "{n} tokens");
             assert_eq!(ctx.decode(&b).is_ok(), want == 0, "{n} tokens");
             ctx.memory_mut().seq_rm(1, -1, -1).unwrap();
+        }
+    }
+
+    /// Dropping a context (what the binding does when a panic closes one) gives every block its
+    /// sequences held back to the model's shared pools, in every group: each pool's referenced
+    /// count returns to what another context alone holds, the blocks its prompt filled stay
+    /// cached and indexed, and a new context maps them and goes on as the dropped one would
+    /// have. SmolLM2 (one group) and Gemma 3 with a prompt past its 512-position window (the
+    /// window group pruned). (The recurrent group: `kv::memory`'s
+    /// `dropping_a_memory_gives_every_block_back`; a context's drop is its memory's.)
+    #[test]
+    fn dropping_a_context_releases_its_blocks_to_the_shared_pools() {
+        for (var, len) in [("KVSERVE_TEST_MODEL", 100), ("KVSERVE_TEST_GEMMA", 540)] {
+            let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+            let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+            let o = KvOptions {
+                n_ctx: 2048,
+                ..KvOptions::default()
+            };
+            let text = "Once upon a time, in a kingdom by the sea, there lived a keeper of \
+                        lighthouses who counted the ships that passed each night. ";
+            let mut prompt = Vec::new();
+            while prompt.len() < len {
+                prompt.extend(m.tokenizer.encode(text, prompt.is_empty(), false));
+            }
+            prompt.truncate(len);
+            let mut keep = Context::with_options(Arc::clone(&m), &o).unwrap();
+            keep.decode(&Batch::prompt(&prompt[..20], 0, 0)).unwrap();
+            let pools = |c: &Context| -> Vec<PoolStats> {
+                c.memory()
+                    .groups()
+                    .iter()
+                    .map(|g| g.cache.shared().pool_stats())
+                    .collect()
+            };
+            let base = pools(&keep);
+            let mut ctx = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let want = ctx.decode(&Batch::prompt(&prompt, 0, 0)).unwrap();
+            ctx.memory_mut().seq_cp(0, 1, -1, -1).unwrap();
+            ctx.decode(&Batch::prompt(&[prompt[3]], len as Pos, 1))
+                .unwrap();
+            ctx.decode(&Batch::prompt(&prompt[5..30], 0, 2)).unwrap();
+            audit(&ctx);
+            if var == "KVSERVE_TEST_GEMMA" {
+                let win = &ctx.memory().groups()[0];
+                assert!(matches!(win.kind, LayerKind::Window(512)), "{:?}", win.kind);
+                assert!(
+                    win.cache.table().seq_pos_min(0) > 0,
+                    "the window was pruned"
+                );
+            }
+            for (g, b) in pools(&ctx).iter().zip(&base) {
+                assert!(g.referenced > b.referenced, "{var}");
+            }
+            drop(ctx);
+            for (g, b) in pools(&keep).iter().zip(&base) {
+                assert_eq!(
+                    g.referenced, b.referenced,
+                    "{var}: {g:?} after, {b:?} before"
+                );
+                assert_eq!(g.free + g.cached + g.referenced, g.total);
+                assert!(
+                    g.cached > b.cached,
+                    "{var}: the prompt's blocks stay cached"
+                );
+            }
+            audit(&keep);
+            // A new context on the same model maps the prompt's cached blocks and continues.
+            let mut c2 = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let n = c2.match_prefix(0, &prompt).unwrap();
+            assert_eq!(n, (len - 1) / 16 * 16, "{var}");
+            let got = c2
+                .decode(&Batch::prompt(&prompt[n..], n as Pos, 0))
+                .unwrap();
+            let scale = want.data.iter().fold(0f32, |a, x| a.max(x.abs()));
+            let diff = want
+                .data
+                .iter()
+                .zip(&got.data)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                diff <= 1e-3 * scale,
+                "{var}: logits differ by {diff} (of {scale})"
+            );
+            audit(&c2);
         }
     }
 }
