@@ -137,6 +137,12 @@ class Context:
         tokens_stored, blocks_held)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""
+    def _inject_panic(self) -> None:
+        """Testing hook: the next call that runs on this context (any method but ``n_ctx``,
+        ``n_cells`` and ``stats``) panics inside the engine before doing anything, so the
+        context closes as after a real internal error: that call raises ``EngineError``, the
+        context's blocks go back to the model's shared pools at once (``stats()`` still reports
+        the pools; its own counts read 0), and every later call raises ``EngineError``."""
 
 class Logits:
     """Row-major float32 logits, ``n_rows`` x ``n_vocab``, exposed through the buffer protocol.
