@@ -86,6 +86,19 @@ class Context:
         seq_ids: list[int],
         logits: list[bool],
     ) -> Logits: ...
+    def blocks_short(self, positions: list[int], seq_ids: list[int]) -> int:
+        """Ask before decoding: whether a batch of these ``positions`` and ``seq_ids`` (as
+        :meth:`decode` would get them; the tokens do not matter) fits the K/V memory now,
+        counting every layer group (full attention, sliding window, recurrent states). ``0``:
+        it fits, and :meth:`decode` of it does not raise ``KvCacheFull`` unless another context
+        of the model takes blocks in between. Otherwise the largest number of blocks missing
+        in any group's pool, and :meth:`decode` of it raises ``KvCacheFull``: free and cached
+        (evictable) blocks count as available; a copy of a shared partly filled tail block
+        (copy-on-write) and a new or shared recurrent state need blocks; tokens beyond the
+        context's ``n_ctx`` count as ``ceil(excess / block_size)`` blocks. Changes nothing.
+        ``ValueError`` for a batch :meth:`decode` rejects as malformed (empty, lengths differ,
+        negative values, positions of a sequence not increasing past its last one, more than
+        ``n_batch`` tokens on a model with sliding-window layers)."""
     def clear(self) -> None: ...
     def seq_pos_min(self, seq: int) -> int: ...
     def seq_pos_max(self, seq: int) -> int: ...
@@ -108,12 +121,28 @@ class Context:
         """Writes a state from :meth:`seq_state_read` into the empty sequence ``seq`` without
         recomputing it; returns its token count. All or nothing (``ValueError``,
         ``KvCacheFull``)."""
+    def seq_state_check(self, data: bytes, tokens: list[int]) -> int:
+        """Check, writing nothing, that ``data`` (from :meth:`seq_state_read`) is a state of
+        this model, K/V format and layer groups that holds exactly ``tokens`` at positions
+        ``0..n-1`` (a saved session's state); returns ``n``. Everything
+        :meth:`seq_state_write` validates (every length exact, every header field in range,
+        every layer group consistent with the primary one), and: the primary group's cells
+        are ``tokens`` at positions ``0..n-1``, a sliding-window group holds the positions the
+        next token sees, and a hybrid model's recurrent state is at position ``n - 1`` (none
+        when ``n == 0``). ``ValueError`` saying what differs. A state that passes is written
+        by :meth:`seq_state_write` (given room) as the sequence of ``tokens``."""
     def stats(self) -> dict[str, Any]:
         """Pool and context counters; ``groups``: one dict per layer group (kind, window,
         layers, blocks_total/free/cached/referenced, bytes_per_block/total/referenced,
         tokens_stored, blocks_held)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""
+    def _inject_panic(self) -> None:
+        """Testing hook: the next call that runs on this context (any method but ``n_ctx``,
+        ``n_cells`` and ``stats``) panics inside the engine before doing anything, so the
+        context closes as after a real internal error: that call raises ``EngineError``, the
+        context's blocks go back to the model's shared pools at once (``stats()`` still reports
+        the pools; its own counts read 0), and every later call raises ``EngineError``."""
 
 class Logits:
     """Row-major float32 logits, ``n_rows`` x ``n_vocab``, exposed through the buffer protocol.

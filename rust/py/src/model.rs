@@ -1,6 +1,6 @@
 //! Binding of `kvserve_core::model`: `Model` (load, tokenizer, metadata) and `Context` (decode).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvserve_core::gguf::Value;
@@ -286,6 +286,22 @@ impl Published {
         }
     }
 
+    /// A closed context holds nothing: its current counts are 0 (prefix counters stay).
+    fn clear(&self) {
+        for a in [
+            &self.sequences,
+            &self.tokens,
+            &self.held_blocks,
+            &self.unused_slots,
+        ] {
+            a.store(0, Ordering::Relaxed);
+        }
+        for (tokens, held) in &self.groups {
+            tokens.store(0, Ordering::Relaxed);
+            held.store(0, Ordering::Relaxed);
+        }
+    }
+
     fn update(&self, c: &PagedCache) {
         let t = c.stats();
         let p = c.prefix_stats();
@@ -309,6 +325,8 @@ pub struct Context {
     n_ctx: usize,
     n_vocab: usize,
     published: Published,
+    /// Test hook: the next call through [`Context::with`] panics (`_inject_panic`).
+    panic_next: AtomicBool,
 }
 
 impl Context {
@@ -326,12 +344,24 @@ impl Context {
             n_vocab: ctx.model().n_vocab(),
             inner: Mutex::new(Some(ctx)),
             published,
+            panic_next: AtomicBool::new(false),
         }
     }
 
     /// Runs `f` on the context with the GIL released, then publishes its counters. A Rust panic
     /// in `f` (a bug: the core catches panics of the forward pass and rolls the batch back)
     /// closes the context: this and every later call raise `kvserve.EngineError`.
+    ///
+    /// Closing drops the core context at once, which gives every block its sequences held back
+    /// to the model's shared pools (keyed blocks stay cached and indexed for the next context;
+    /// a batch the panic interrupted gives back its pinned copy sources and fresh state blocks
+    /// as its transactions drop during the unwind). What a panic cannot break: the pools
+    /// themselves (every state change of a block is one atomic step, and the cached list's
+    /// critical sections cannot panic midway) and the ownership of blocks (the tables take a
+    /// pool reference before they record it and forget a record before they release it, so
+    /// a table broken midway by a panic releases at worst fewer references than it took:
+    /// such blocks stay referenced, lost to the pool until the process ends, never handed to
+    /// two owners). A drop that panics in turn is caught here too.
     fn with<T: Send>(
         &self,
         py: Python<'_>,
@@ -344,13 +374,22 @@ impl Context {
                     "this context was closed after an internal error; create a new one",
                 ));
             };
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx))) {
+            let inject = self.panic_next.swap(false, Ordering::Relaxed);
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if inject {
+                    panic!("panic injected by Context._inject_panic");
+                }
+                f(ctx)
+            }));
+            match run {
                 Ok(r) => {
                     self.published.update_all(ctx);
                     r.map_err(to_py)
                 }
                 Err(_) => {
-                    *guard = None;
+                    let dead = guard.take();
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(dead)));
+                    self.published.clear();
                     Err(EngineError::new_err(
                         "internal error in the KV cache; the context was closed",
                     ))
@@ -394,6 +433,30 @@ impl Context {
         };
         let out = self.with(py, |c| c.decode(&batch))?;
         Ok(Logits::new(out.data, out.n_rows, out.n_vocab))
+    }
+
+    /// Asks before decoding: whether a batch of these positions and sequence ids (the
+    /// `positions` and `seq_ids` that `decode` would get) fits the K/V memory now, counting
+    /// every layer group: 0 when it fits (then `decode` of it does not raise `KvCacheFull`,
+    /// unless another context of the model takes blocks in between), else the largest number
+    /// of blocks missing in any group's pool (then `decode` raises `KvCacheFull`). Changes
+    /// nothing. `ValueError` for a batch `decode` rejects as malformed.
+    fn blocks_short(
+        &self,
+        py: Python<'_>,
+        positions: Vec<i32>,
+        seq_ids: Vec<i32>,
+    ) -> PyResult<usize> {
+        let n = positions.len();
+        // The tokens do not matter to what a batch needs; token 0 stands for each (always in
+        // the vocabulary), so that the batch is checked exactly as `decode` checks it.
+        let batch = Batch {
+            tokens: vec![0; n],
+            positions,
+            seq_ids,
+            logits: vec![false; n],
+        };
+        self.with(py, |c| c.blocks_short(&batch))
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
@@ -478,6 +541,19 @@ impl Context {
         self.with(py, move |c| c.seq_state_write(seq, &data))
     }
 
+    /// Checks, writing nothing, that `data` (from `seq_state_read`) is a state of this model,
+    /// K/V format and layer groups holding exactly `tokens` at positions `0..n` (a saved
+    /// session's state); returns `n`. Everything `seq_state_write` validates, and the tokens:
+    /// `ValueError` saying what differs.
+    fn seq_state_check(&self, py: Python<'_>, data: &[u8], tokens: Vec<i64>) -> PyResult<usize> {
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_vocab(self.n_vocab, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let data = data.to_vec();
+        self.with(py, move |c| c.seq_state_check(&data, &tokens))
+    }
+
     /// Cache statistics (never waits for a running decode): the model's block pool for this
     /// K/V format (shared by all its contexts) by state, and this context's sequences, tokens,
     /// unused slots, prefix lookups and the tokens they mapped.
@@ -532,6 +608,15 @@ impl Context {
         }
         d.set_item("groups", groups)?;
         Ok(d)
+    }
+
+    /// Testing hook: the next call on this context that runs on it (every method but `n_ctx`,
+    /// `n_cells` and `stats`) panics inside the engine before doing anything, so the context
+    /// closes as after a real internal error: that call raises `EngineError`, the context's
+    /// blocks go back to the model's shared pools at once, and every later call raises
+    /// `EngineError`.
+    fn _inject_panic(&self) {
+        self.panic_next.store(true, Ordering::Relaxed);
     }
 
     /// Checks every invariant of this context's tables and of the model's pool (for tests; run

@@ -1,4 +1,4 @@
-//! The paged KV cache a [`crate::model::Context`] decodes into.
+//! The paged KV cache a model's context (`Context` in model/mod.rs) decodes into.
 //!
 //! - [`SharedKv`]: the K/V memory of one model, shared by all its contexts: the block pool, the
 //!   K/V data of every block ([`super::storage`]) and the prefix index ([`super::prefix`]). One
@@ -214,6 +214,16 @@ impl SharedKv {
     }
 }
 
+/// What a batch needs of one group's memory now ([`PagedCache::batch_need`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchNeed {
+    /// Fresh blocks the batch would take from the pool: new blocks and one copy of each
+    /// partly filled tail that is shared or keyed (copy-on-write).
+    pub blocks: usize,
+    /// Tokens by which the batch would exceed the context's token limit `n_ctx` (0: within).
+    pub tokens_over: usize,
+}
+
 /// One context's sequences over a model's [`SharedKv`].
 pub struct PagedCache {
     shared: Arc<SharedKv>,
@@ -312,6 +322,19 @@ impl PagedCache {
         let _ = self.table.take_updates();
     }
 
+    /// What [`PagedCache::begin_batch`] of a batch of these sequence ids and positions would
+    /// need now, changing nothing: it fails with `KvCacheFull` iff `blocks` exceeds the pool's
+    /// free and cached blocks or `tokens_over > 0` (when no other context of the memory
+    /// allocates in between); `InvalidInput` when it would reject the batch as malformed.
+    pub fn batch_need(&self, seq_ids: &[SeqId], positions: &[Pos]) -> Result<BatchNeed> {
+        let blocks = self.table.blocks_for_batch(seq_ids, positions)?;
+        let tokens_over = (self.n_cells() + seq_ids.len()).saturating_sub(self.n_ctx);
+        Ok(BatchNeed {
+            blocks,
+            tokens_over,
+        })
+    }
+
     /// Plans the batch's cells and applies pending storage work to `storage` (this cache's
     /// shared storage, locked by the caller); returns one `(block, slot)` per token and the
     /// transaction to commit or roll back. `KvCacheFull` / `InvalidInput`: nothing changed.
@@ -329,6 +352,9 @@ impl PagedCache {
         }
         let used = self.n_cells();
         if used + batch.len() > self.n_ctx {
+            // A malformed batch is `InvalidInput` whatever its size (as `batch_need` says).
+            self.table
+                .blocks_for_batch(&batch.seq_ids, &batch.positions)?;
             return Err(Error::KvCacheFull(format!(
                 "KV cache full: {used} of {} tokens stored, batch needs {}",
                 self.n_ctx,

@@ -1,6 +1,6 @@
 //! `Memory`: the sequence interface every memory kind implements, after llama.cpp's memory
 //! interface, and [`LayerGroups`], a context's memory as one group per layer kind
-//! (`model::LayerKind`: full attention, sliding window, recurrent state), which forwards each
+//! ([`LayerKind`]: full attention, sliding window, recurrent state), which forwards each
 //! call to its groups. A full-attention group and a window group are both a [`PagedCache`] over
 //! their own `SharedKv`; a window group is pruned after every batch. The recurrent group
 //! ([`RecurrentGroup`], LFM2's short convolutions) keeps one state per sequence in blocks of the
@@ -11,14 +11,17 @@
 //! partial `seq_rm` of a recurrent state) fails with a clear error and changes nothing.
 
 use std::collections::HashMap;
+use std::ops::DerefMut;
 use std::sync::Arc;
 
 use super::cache::PagedCache;
-use super::pool::BlockId;
+use super::pool::{BlockId, BlockPool};
 use super::prefix::Key;
 use super::prefix::{block_key, ROOT_KEY};
-use super::recurrent::RecurrentGroup;
+use super::recurrent::{RecurrentGroup, StateTx};
+use super::storage::KvStorage;
 use super::table::{BatchTx, Pos, SeqId};
+use crate::batch::Batch;
 use crate::error::Result;
 
 pub trait Memory {
@@ -75,8 +78,34 @@ impl Memory for PagedCache {
     }
 }
 
-/// Which memory a layer group is: the kinds a model's layers come in (`model::LayerKind`).
-pub use crate::model::config::LayerKind as GroupKind;
+/// How one layer keeps what it needs of earlier positions: the memory it needs. Layers of one
+/// kind form a memory group ([`Group`]; docs/ARCHITECTURE.md, "Layer groups"). A model's config
+/// says which kind each of its layers is (`model::config` re-exports this type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Attention over every earlier position of the sequence.
+    Full,
+    /// Attention over the last `n` positions only: a query at `p` sees keys at
+    /// `p - n + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`).
+    Window(usize),
+    /// No K/V: a fixed-size recurrent state per sequence (LFM2's short convolutions), kept by
+    /// the recurrent group (`kv/recurrent.rs`) in blocks of the full-attention group's pool.
+    Recurrent,
+}
+
+/// Which memory a layer group is: the kind its layers share (another name of [`LayerKind`]).
+pub use self::LayerKind as GroupKind;
+
+/// A batch planned in every group of a [`LayerGroups`] ([`LayerGroups::begin_batch`]), to
+/// commit or roll back in every group.
+#[must_use = "a planned batch must be committed or rolled back"]
+pub struct PlannedBatch {
+    /// Per K/V group, in group order: the batch's cells (one per token) and its transaction.
+    pub kv: Vec<(Vec<(BlockId, u16)>, BatchTx)>,
+    /// The recurrent group's transaction and the batch sequences' states, `layout.floats()`
+    /// values each in the order of `StateTx::seqs`.
+    pub rec: Option<(StateTx, Vec<f32>)>,
+}
 
 /// One memory group of a context: the layers sharing a memory kind and this context's cache
 /// over the group's own K/V memory (`SharedKv`, whose layers are exactly these, in order).
@@ -410,6 +439,82 @@ impl LayerGroups {
         }
     }
 
+    /// Plans `batch` in every K/V group (`storages[i]`: group `i`'s storage, locked by the
+    /// caller) and begins the recurrent group's transaction (its states live in the primary
+    /// group's storage), as `Context::decode` does before its forward pass. All or nothing:
+    /// `KvCacheFull` or `InvalidInput` with every group as before; else the plan, which the
+    /// caller commits ([`LayerGroups::commit_kv`] and `RecurrentGroup::commit`) or rolls back
+    /// ([`LayerGroups::rollback_kv`] and `RecurrentGroup::rollback`).
+    /// [`LayerGroups::blocks_short`] says beforehand whether it fails for want of blocks.
+    pub fn begin_batch<S: DerefMut<Target = KvStorage>>(
+        &mut self,
+        batch: &Batch,
+        storages: &mut [S],
+    ) -> Result<PlannedBatch> {
+        let mut kv = Vec::with_capacity(self.groups.len());
+        for (g, storage) in self.groups.iter_mut().zip(storages.iter_mut()) {
+            match g.cache.begin_batch(batch, storage) {
+                Ok(p) => kv.push(p),
+                Err(e) => {
+                    self.rollback_kv(kv.into_iter().map(|(_, tx)| tx).collect());
+                    return Err(e);
+                }
+            }
+        }
+        let pi = self.primary_index();
+        let begun = self.recurrent.as_mut().map(|r| {
+            r.state
+                .begin(&batch.seq_ids, &batch.positions, &storages[pi])
+        });
+        let rec = match begun {
+            None => None,
+            Some(Ok(x)) => Some(x),
+            Some(Err(e)) => {
+                self.rollback_kv(kv.into_iter().map(|(_, tx)| tx).collect());
+                return Err(e);
+            }
+        };
+        Ok(PlannedBatch { kv, rec })
+    }
+
+    /// Asks before decoding: how many blocks a batch of these sequence ids and positions would
+    /// be short of if it were planned now ([`LayerGroups::begin_batch`]), changing nothing.
+    /// `0`: the plan takes no more blocks than any pool has free or cached (evictable), so it
+    /// does not fail with `KvCacheFull`; else the largest number of blocks missing in any
+    /// group's pool. Every group counts: each K/V group's new blocks and its copies of partly
+    /// filled tails that are shared or keyed (copy-on-write), and the recurrent group's fresh
+    /// state blocks for new or shared states, which come from the primary group's pool (with
+    /// that group's blocks). A group whose context token limit (`n_ctx`) the batch would
+    /// exceed counts the excess as `⌈tokens over / block size⌉` blocks short. The answer is
+    /// exact (the same counts the plan reserves), for the state it is asked in: another
+    /// context of the model that allocates in between can make a batch that fitted fail.
+    /// `InvalidInput` when the plan would reject the batch as malformed.
+    pub fn blocks_short(&self, seq_ids: &[SeqId], positions: &[Pos]) -> Result<usize> {
+        // The blocks the batch takes from each pool, then summed per distinct pool.
+        let mut takes: Vec<(&Arc<BlockPool>, usize)> = Vec::new();
+        let mut short = 0;
+        for g in &self.groups {
+            let need = g.cache.batch_need(seq_ids, positions)?;
+            let t = g.cache.table();
+            short = short.max(need.tokens_over.div_ceil(t.block_size()));
+            takes.push((t.pool(), need.blocks));
+        }
+        if let Some(r) = &self.recurrent {
+            takes.push((r.state.pool(), r.state.blocks_for_batch(seq_ids)));
+        }
+        let mut pools: Vec<(&Arc<BlockPool>, usize)> = Vec::new();
+        for (pool, n) in takes {
+            match pools.iter_mut().find(|(p, _)| Arc::ptr_eq(p, pool)) {
+                Some((_, m)) => *m += n,
+                None => pools.push((pool, n)),
+            }
+        }
+        for (pool, n) in pools {
+            short = short.max(n.saturating_sub(pool.available()));
+        }
+        Ok(short)
+    }
+
     /// Tokens stored, summed over groups' primary view (the primary group's count).
     pub fn n_cells(&self) -> usize {
         self.primary().n_cells()
@@ -551,12 +656,16 @@ mod tests {
     use crate::kv::recurrent::StateLayout;
     use crate::kv::storage::{KvLayout, KvType};
     use crate::kv::SharedKv;
-    use crate::model::LayerKind;
     use crate::ops::{Rope, RopeScaling};
 
     const BS: usize = 16;
 
     fn shared(id: u128) -> Arc<SharedKv> {
+        shared_n(id, 64)
+    }
+
+    /// A one-layer K/V memory of `n` blocks.
+    fn shared_n(id: u128, n: usize) -> Arc<SharedKv> {
         let layout = KvLayout {
             ty: KvType::F32,
             n_layers: 1,
@@ -570,59 +679,77 @@ mod tests {
             scaling: RopeScaling::None,
             freq_factors: None,
         };
-        Arc::new(SharedKv::new(layout, 8, rope, 64, id).unwrap())
+        Arc::new(SharedKv::new(layout, 8, rope, n, id).unwrap())
     }
 
     /// Layers 0 full, 1 window of 20, 2 recurrent (llama.cpp's hybrid + ISWA composition).
     fn memory() -> LayerGroups {
-        let (full, win) = (shared(1), shared(2));
-        let state = RecurrentGroup::new(
-            Arc::clone(full.pool()),
-            Some(Arc::clone(full.index())),
-            StateLayout {
-                n_layers: 1,
-                per_layer: 16,
-            },
-            full.layout().bytes_per_block(),
-        )
-        .unwrap();
-        let group = |kind, layer, sh| Group {
+        memory_over(&shared(1), &shared(2), true)
+    }
+
+    /// One context's memory over the full and window memories `full` and `win`: layer 0 full,
+    /// 1 a window of 20, and (`rec`) 2 recurrent, its states in `full`'s pool.
+    fn memory_over(full: &Arc<SharedKv>, win: &Arc<SharedKv>, rec: bool) -> LayerGroups {
+        let recurrent = rec.then(|| {
+            let state = RecurrentGroup::new(
+                Arc::clone(full.pool()),
+                Some(Arc::clone(full.index())),
+                StateLayout {
+                    n_layers: 1,
+                    per_layer: 16,
+                },
+                full.layout().bytes_per_block(),
+            )
+            .unwrap();
+            RecurrentLayers {
+                layers: vec![2],
+                state,
+            }
+        });
+        let group = |kind, layer, sh: &Arc<SharedKv>| Group {
             kind,
             layers: vec![layer],
-            cache: PagedCache::new(sh, 4096).unwrap(),
+            cache: PagedCache::new(Arc::clone(sh), 4096).unwrap(),
         };
         LayerGroups::new(
             vec![
                 group(LayerKind::Full, 0, full),
                 group(LayerKind::Window(20), 1, win),
             ],
-            Some(RecurrentLayers {
-                layers: vec![2],
-                state,
-            }),
+            recurrent,
         )
         .unwrap()
     }
 
-    /// Commits a batch of `n` tokens from `pos0` of `seq` in every group (as `Context::decode`
-    /// does, without a forward pass: the states keep their values), then prunes the windows.
+    /// Plans `batch` in every group as `Context::decode` does ([`LayerGroups::begin_batch`])
+    /// and, if that worked, commits it without a forward pass (the states keep their values),
+    /// then prunes the windows.
+    fn try_run(m: &mut LayerGroups, batch: &Batch) -> Result<()> {
+        let shared: Vec<_> = m
+            .groups()
+            .iter()
+            .map(|g| Arc::clone(g.cache.shared()))
+            .collect();
+        let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
+        let PlannedBatch { kv, rec } = m.begin_batch(batch, &mut storages)?;
+        let pi = m.primary_index();
+        if let Some((tx, states)) = rec {
+            let r = m.recurrent_mut().unwrap();
+            r.commit(tx, &states, &mut storages[pi]).unwrap();
+        }
+        let mut seqs = batch.seq_ids.clone();
+        seqs.sort_unstable();
+        seqs.dedup();
+        m.commit_kv(kv.into_iter().map(|(_, tx)| tx).collect(), &seqs);
+        drop(storages);
+        m.prune_windows(&seqs);
+        Ok(())
+    }
+
+    /// Commits a batch of `n` tokens from `pos0` of `seq` in every group (see [`try_run`]).
     fn run(m: &mut LayerGroups, seq: SeqId, pos0: Pos, n: usize) {
         let toks: Vec<u32> = (0..n as u32).collect();
-        let batch = Batch::prompt(&toks, pos0, seq);
-        let mut txs = Vec::new();
-        for g in m.groups_mut() {
-            let sh = Arc::clone(g.cache.shared());
-            let (_, tx) = g.cache.begin_batch(&batch, &mut sh.lock_storage()).unwrap();
-            txs.push(tx);
-        }
-        let pi = m.primary_index();
-        let sh = Arc::clone(m.groups()[pi].cache.shared());
-        let mut storage = sh.lock_storage();
-        let r = m.recurrent_mut().unwrap();
-        let (tx, states) = r.begin(&batch.seq_ids, &batch.positions, &storage).unwrap();
-        r.commit(tx, &states, &mut storage).unwrap();
-        m.commit_kv(txs, &[seq]);
-        m.prune_windows(&[seq]);
+        try_run(m, &Batch::prompt(&toks, pos0, seq)).unwrap();
     }
 
     fn snapshot(m: &LayerGroups) -> Vec<(Pos, Pos, usize, usize)> {
@@ -767,5 +894,308 @@ mod tests {
         for g in m.groups() {
             g.cache.table().check().unwrap();
         }
+    }
+
+    /// Every group's tables and the recurrent states are consistent, and so is every pool.
+    fn audit(m: &LayerGroups) {
+        for g in m.groups() {
+            g.cache.table().check().unwrap();
+        }
+        if let Some(r) = m.recurrent() {
+            r.check().unwrap();
+            r.pool().audit().unwrap();
+        }
+    }
+
+    /// What a failed batch must leave as it was: every group's cells of every sequence, its
+    /// table's counts (blocks held) and the recurrent states. (Cached blocks a failed plan
+    /// evicted stay evicted, and copies pending from a shift were made and their sources
+    /// unpinned, so the pools' counts may move.)
+    fn state_of(m: &LayerGroups) -> Vec<String> {
+        let mut out: Vec<String> = m
+            .groups()
+            .iter()
+            .map(|g| {
+                let t = g.cache.table();
+                let cells: Vec<_> = (0..8).map(|s| t.cells(s)).collect();
+                format!("{cells:?} {:?}", t.stats())
+            })
+            .collect();
+        if let Some(r) = m.recurrent() {
+            out.push(format!(
+                "{:?}",
+                (0..8).map(|s| r.seq_pos(s)).collect::<Vec<_>>()
+            ));
+        }
+        out
+    }
+
+    /// `blocks_short` against what planning the batch does, over random cache states of small
+    /// pools (full, window and recurrent groups; shared prefixes by `seq_cp` and by prefix
+    /// matches; shifts; tail removals; another context on the same memories): it says 0
+    /// exactly when the plan succeeds, and more exactly when the plan fails with `KvCacheFull`
+    /// (which then changed nothing); a malformed batch is `InvalidInput` for both.
+    #[test]
+    fn blocks_short_says_what_planning_the_batch_does() {
+        let mut rng = crate::test_rng::Rng(0xb10c_5407);
+        let (mut fits, mut short) = (0, 0);
+        for trial in 0..40 {
+            let rec = trial % 2 == 0;
+            let full = shared_n(1, 6 + rng.below(14));
+            let win = shared_n(2, 4 + rng.below(12));
+            let mut m = memory_over(&full, &win, rec);
+            let mut other = memory_over(&full, &win, rec);
+            // Per sequence: its tokens at positions 0.. as far as they are known (prompts for
+            // prefix matches of other sequences).
+            let mut text: Vec<Vec<u32>> = vec![Vec::new(); 6];
+            for step in 0..80 {
+                let s = rng.below(6) as SeqId;
+                match rng.below(14) {
+                    0..=6 => {
+                        // A batch of 1-3 sequences, their tokens interleaved.
+                        let mut queues: Vec<Vec<(SeqId, Pos, u32)>> = Vec::new();
+                        for _ in 0..1 + rng.below(3) {
+                            let q = rng.below(6) as SeqId;
+                            if queues.iter().any(|x| x[0].0 == q) {
+                                continue;
+                            }
+                            let mut p = m.seq_pos_max(q) + 1 + rng.below(2) as Pos;
+                            if rng.below(20) == 0 {
+                                p = (p - 2).max(0); // not past its last position: malformed
+                            }
+                            let k = 1 + rng.below(BS + 8);
+                            queues.push(
+                                (0..k)
+                                    .map(|i| (q, p + i as Pos, rng.below(6) as u32))
+                                    .collect(),
+                            );
+                        }
+                        let mut b = Batch::default();
+                        while queues.iter().any(|x| !x.is_empty()) {
+                            let i = rng.below(queues.len());
+                            if queues[i].is_empty() {
+                                continue;
+                            }
+                            let (q, p, t) = queues[i].remove(0);
+                            b.seq_ids.push(q);
+                            b.positions.push(p);
+                            b.tokens.push(t);
+                            b.logits.push(false);
+                        }
+                        let want = m.blocks_short(&b.seq_ids, &b.positions);
+                        let before = state_of(&m);
+                        let got = try_run(&mut m, &b);
+                        match (&want, &got) {
+                            (Ok(0), Ok(())) => fits += 1,
+                            (Ok(n), Err(crate::Error::KvCacheFull(_))) if *n > 0 => {
+                                short += 1;
+                                assert_eq!(state_of(&m), before, "a failed batch changed nothing");
+                                // As an engine would: preempt one of the batch's sequences.
+                                let q = b.seq_ids[rng.below(b.len())];
+                                m.seq_rm(q, -1, -1).unwrap();
+                                text[q as usize].clear();
+                            }
+                            (
+                                Err(crate::Error::InvalidInput(_)),
+                                Err(crate::Error::InvalidInput(_)),
+                            ) => {
+                                assert_eq!(state_of(&m), before);
+                            }
+                            _ => panic!(
+                                "trial {trial} step {step}: blocks_short {want:?}, plan {got:?}"
+                            ),
+                        }
+                        if got.is_ok() {
+                            for (&q, (&p, &t)) in
+                                b.seq_ids.iter().zip(b.positions.iter().zip(&b.tokens))
+                            {
+                                let tx = &mut text[q as usize];
+                                // Known only while the sequence is a gapless run from 0.
+                                if tx.len() == p as usize {
+                                    tx.push(t);
+                                } else {
+                                    tx.clear();
+                                }
+                            }
+                        }
+                    }
+                    7 => {
+                        let d = rng.below(6) as SeqId;
+                        if m.seq_cp(s, d, -1, -1).is_ok() && d != s {
+                            text[d as usize] = if m.seq_pos_min(d) == 0 {
+                                text[s as usize].clone()
+                            } else {
+                                Vec::new()
+                            };
+                        }
+                    }
+                    8 => {
+                        m.seq_rm(s, -1, -1).unwrap();
+                        text[s as usize].clear();
+                    }
+                    9 => {
+                        let n = m.seq_pos_max(s) + 1;
+                        if n > 1 {
+                            let p0 = rng.range(1, n - 1);
+                            if m.seq_rm(s, p0, -1).is_ok() {
+                                text[s as usize].truncate(p0 as usize);
+                            }
+                        }
+                    }
+                    10 => {
+                        // A context shift: drop the first positions, move the rest down.
+                        let n = m.seq_pos_max(s) + 1;
+                        if n > 2 {
+                            let p0 = rng.range(1, n - 1);
+                            if m.seq_rm(s, 0, p0).is_ok() {
+                                let _ = m.seq_add(s, p0, -1, -p0);
+                            }
+                            text[s as usize].clear();
+                        }
+                    }
+                    11 => {
+                        // A new sequence from a prompt another one had: maps a cached prefix.
+                        let src = rng.below(6);
+                        if m.seq_pos_max(s) < 0 && text[src].len() > 1 {
+                            let prompt = text[src].clone();
+                            let n = m.match_prefix(s, &prompt).unwrap();
+                            text[s as usize] = prompt[..n].to_vec();
+                        }
+                    }
+                    12 => {
+                        // Another context of the model takes or gives back blocks.
+                        let toks: Vec<u32> = (0..1 + rng.below(3 * BS)).map(|i| i as u32).collect();
+                        let p = other.seq_pos_max(s) + 1;
+                        let _ = try_run(&mut other, &Batch::prompt(&toks, p, s));
+                    }
+                    _ => {
+                        other.seq_rm(s, -1, -1).unwrap();
+                    }
+                }
+                audit(&m);
+                audit(&other);
+            }
+        }
+        assert!(
+            fits > 300 && short > 100,
+            "{fits} batches fit, {short} did not"
+        );
+    }
+
+    /// The count itself: new blocks, copies of shared partly filled tails, states of new and
+    /// shared sequences (in the full group's pool) and the window group's own pool, each pool
+    /// against its free and cached blocks.
+    #[test]
+    fn blocks_short_counts_each_pool_s_missing_blocks() {
+        let (full, win) = (shared_n(1, 6), shared_n(2, 5));
+        let mut m = memory_over(&full, &win, true);
+        run(&mut m, 0, 0, 20); // 2 blocks in each group + 1 state block
+        m.seq_cp(0, 1, -1, -1).unwrap(); // shares both blocks and the state
+        assert_eq!(full.pool_stats().free, 3);
+        assert_eq!(win.pool_stats().free, 3);
+        let one = |s: SeqId, p: Pos| (vec![s], vec![p]);
+        // Seq 1 at 20: a copy of the shared tail and of the shared state: 2 of 3.
+        let (s, p) = one(1, 20);
+        assert_eq!(m.blocks_short(&s, &p).unwrap(), 0);
+        // Seqs 0 and 1, 13 tokens each: per K/V group 2 copies + 2 new blocks (4 of 3 free in
+        // either pool), and 2 state copies from the full pool: 6 of 3.
+        let mut b = Batch::prompt(&[1; 13], 20, 0);
+        let b1 = Batch::prompt(&[2; 13], 20, 1);
+        b.tokens.extend(&b1.tokens);
+        b.positions.extend(&b1.positions);
+        b.seq_ids.extend(&b1.seq_ids);
+        b.logits.extend(&b1.logits);
+        assert_eq!(m.blocks_short(&b.seq_ids, &b.positions).unwrap(), 3);
+        assert!(matches!(
+            try_run(&mut m, &b),
+            Err(crate::Error::KvCacheFull(_))
+        ));
+        // A new sequence of 3 tokens: one block per K/V group and one state block.
+        let (s, p) = (vec![2; 3], vec![0, 1, 2]);
+        assert_eq!(m.blocks_short(&s, &p).unwrap(), 0);
+        // Another owner takes all but one free block of the full pool: 1 short there.
+        let held: Vec<_> = (0..2).map(|_| full.pool().allocate().unwrap()).collect();
+        assert_eq!(m.blocks_short(&s, &p).unwrap(), 1);
+        assert!(try_run(&mut m, &Batch::prompt(&[3; 3], 0, 2)).is_err());
+        for b in held {
+            full.pool().release(b).unwrap();
+        }
+        try_run(&mut m, &Batch::prompt(&[3; 3], 0, 2)).unwrap();
+        // The context's token limit counts too: a window group of n_ctx 4096 is never the one.
+        assert_eq!(m.blocks_short(&[2], &[3]).unwrap(), 0);
+        audit(&m);
+    }
+
+    /// A context's memory that goes away (its context dropped; also after a panic closed the
+    /// context, which drops it) gives every block back to the model's pools, in every group:
+    /// nothing stays referenced, the keyed blocks stay cached and indexed, and a new context
+    /// maps them, with the recurrent state's checkpoint. Pending copy-on-write copies (from a
+    /// shift) and a batch planned but never committed or rolled back (a panic between the two)
+    /// are released too.
+    #[test]
+    fn dropping_a_memory_gives_every_block_back() {
+        let (full, win) = (shared_n(1, 24), shared_n(2, 16));
+        let mut m = memory_over(&full, &win, true);
+        run(&mut m, 0, 0, 48); // tokens 0..48; the window group pruned (cached blocks)
+        let toks: Vec<u32> = (0..48).collect();
+        let id = full.model_id();
+        let mut parent = ROOT_KEY;
+        let keys: Vec<Key> = toks
+            .chunks_exact(BS)
+            .map(|c| {
+                parent = block_key(id, parent, c);
+                parent
+            })
+            .collect();
+        let vals: Vec<f32> = (0..16).map(|i| i as f32 - 3.5).collect();
+        let r = m.recurrent().unwrap();
+        assert!(r.store_checkpoint(&mut full.lock_storage(), id, keys[2], &toks[32..], &vals));
+        // Shared prefixes, a copy-on-write of a partial tail and of a shared state.
+        m.seq_cp(0, 1, -1, -1).unwrap();
+        run(&mut m, 1, 48, 5);
+        run(&mut m, 2, 0, 20);
+        m.seq_cp(2, 3, -1, -1).unwrap();
+        run(&mut m, 3, 20, 3);
+        // A shift of cells seq 1 shares with seq 0: private copies, pending (pinned sources).
+        m.seq_add(1, 40, -1, 2).unwrap();
+        assert!(m.groups()[0].cache.table().has_updates());
+        // A batch planned and then abandoned, as a panic before its commit would.
+        m.seq_cp(2, 4, -1, -1).unwrap();
+        {
+            let shared = [Arc::clone(&full), Arc::clone(&win)];
+            let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
+            let planned = m.begin_batch(&Batch::prompt(&[9, 9], 20, 4), &mut storages);
+            assert!(planned.unwrap().rec.is_some());
+        }
+        audit(&m);
+        assert!(full.pool_stats().referenced > 8 && win.pool_stats().referenced > 4);
+        drop(m);
+        for (what, sh) in [("full", &full), ("window", &win)] {
+            let st = sh.pool_stats();
+            assert_eq!(st.referenced, 0, "{what}: {st:?}");
+            assert_eq!(st.free + st.cached, st.total, "{what}");
+            assert!(st.cached > 0, "{what}: keyed blocks stay cached");
+            sh.pool().audit().unwrap();
+        }
+        // 3 K/V blocks of the prompt and the checkpoint stay indexed in the full memory.
+        assert!(full.pool_stats().cached >= 4);
+        let mut m2 = memory_over(&full, &win, true);
+        let mut q = toks.clone();
+        q.push(99);
+        assert_eq!(m2.match_prefix(5, &q).unwrap(), 48);
+        let (pos, got) = m2
+            .recurrent()
+            .unwrap()
+            .read(5, &full.lock_storage())
+            .unwrap()
+            .unwrap();
+        assert_eq!((pos, got), (47, vals));
+        assert!(full.pool_stats().referenced >= 4 && win.pool_stats().referenced >= 2);
+        audit(&m2);
+        drop(m2);
+        assert_eq!(
+            full.pool_stats().referenced + win.pool_stats().referenced,
+            0
+        );
     }
 }

@@ -16,7 +16,8 @@
 //!   blocks, copy-on-write, llama.cpp's rules for what it cannot honour, state checkpoints at
 //!   block boundaries for prefix reuse).
 //!
-//! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements.
+//! - [`memory`]: the `Memory` trait (sequence operations) each memory kind implements, the
+//!   kinds of memory a layer needs ([`LayerKind`]) and a context's memory as layer groups.
 //! - [`cache`]: `SharedKv` (pool + storage + index of one model, shared by its contexts) and
 //!   `PagedCache` (one context's tables over it, batches as transactions).
 //!
@@ -45,8 +46,10 @@ pub(crate) fn try_vec<T: Clone>(n: usize, v: T, what: &str) -> crate::Result<Vec
     Ok(out)
 }
 
-pub use cache::{blocks_for_tokens, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE};
-pub use memory::{Group, GroupKind, LayerGroups, Memory, RecurrentLayers};
+pub use cache::{
+    blocks_for_tokens, BatchNeed, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE,
+};
+pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, PlannedBatch, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
 pub use table::{

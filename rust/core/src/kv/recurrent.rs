@@ -82,8 +82,11 @@ struct Slot {
     pos: Pos,
 }
 
-/// One batch's states: see [`RecurrentGroup::begin`].
+/// One batch's states: see [`RecurrentGroup::begin`]. Dropped without `commit` or `rollback`
+/// (a panic unwinding through the batch), it gives the fresh blocks it still holds back to the
+/// pool.
 #[derive(Debug)]
+#[must_use = "a begun batch must be committed or rolled back"]
 pub struct StateTx {
     /// Batch sequences in order of first appearance.
     pub seqs: Vec<SeqId>,
@@ -91,6 +94,17 @@ pub struct StateTx {
     fresh: Vec<Option<Vec<BlockId>>>,
     /// Per sequence of `seqs`: its last position in the batch.
     last_pos: Vec<Pos>,
+    pool: Arc<BlockPool>,
+}
+
+impl Drop for StateTx {
+    fn drop(&mut self) {
+        for bl in std::mem::take(&mut self.fresh).into_iter().flatten() {
+            for &b in bl.iter().rev() {
+                let _ = self.pool.release(b);
+            }
+        }
+    }
 }
 
 /// The recurrent states of one context's sequences, over the model's shared block pool.
@@ -296,6 +310,32 @@ impl RecurrentGroup {
         true
     }
 
+    /// The pool the states take their blocks from.
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    /// Fresh blocks [`RecurrentGroup::begin`] would take for a batch of these sequence ids now
+    /// (`blocks_per_state` for each distinct sequence without a state or with a shared one),
+    /// changing nothing.
+    pub fn blocks_for_batch(&self, seq_ids: &[SeqId]) -> usize {
+        let mut seen = std::collections::BTreeSet::new();
+        let needy = seq_ids
+            .iter()
+            .filter(|&&s| seen.insert(s))
+            .filter(|&&s| self.needs_blocks(s))
+            .count();
+        needy * self.blocks_per_state
+    }
+
+    /// Whether a batch of `s` takes fresh blocks: `s` has no state, or shares it.
+    fn needs_blocks(&self, s: SeqId) -> bool {
+        match self.seqs.get(&s) {
+            None => true,
+            Some(x) => x.blocks.iter().any(|&b| self.pool.refcount(b) > 1),
+        }
+    }
+
     /// Starts a batch: `seq_ids`/`positions` are the batch's tokens. Takes fresh blocks for
     /// each batch sequence without a state or with a shared one (all or nothing:
     /// `KvCacheFull`, nothing changed) and returns the transaction and every batch sequence's
@@ -322,11 +362,7 @@ impl RecurrentGroup {
         let mut taken: Vec<BlockId> = Vec::new();
         let mut ok = true;
         for &s in &seqs {
-            let need = match self.seqs.get(&s) {
-                None => true,
-                Some(x) => x.blocks.iter().any(|&b| self.pool.refcount(b) > 1),
-            };
-            if need {
+            if self.needs_blocks(s) {
                 let mut bl = Vec::with_capacity(self.blocks_per_state);
                 ok = self.take_blocks(self.blocks_per_state, &mut bl);
                 taken.extend_from_slice(&bl);
@@ -360,43 +396,50 @@ impl RecurrentGroup {
                 seqs,
                 fresh,
                 last_pos,
+                pool: Arc::clone(&self.pool),
             },
             states,
         ))
     }
 
     /// The batch ran: stores `states` and moves each sequence to its (new) blocks.
-    pub fn commit(&mut self, tx: StateTx, states: &[f32], storage: &mut KvStorage) -> Result<()> {
+    /// The batch ran: stores `states` and moves each sequence to its (new) blocks. (A store
+    /// that fails leaves the sequences before it committed; the fresh blocks of the rest go
+    /// back to the pool with the transaction.)
+    pub fn commit(
+        &mut self,
+        mut tx: StateTx,
+        states: &[f32],
+        storage: &mut KvStorage,
+    ) -> Result<()> {
         let n = self.layout.floats();
-        for (i, s) in tx.seqs.iter().enumerate() {
+        for i in 0..tx.seqs.len() {
+            let s = tx.seqs[i];
             let blocks = match &tx.fresh[i] {
                 Some(bl) => bl.clone(),
-                None => self.seqs[s].blocks.clone(),
+                None => self.seqs[&s].blocks.clone(),
             };
             self.store(storage, &blocks, &states[i * n..(i + 1) * n])?;
-            if tx.fresh[i].is_some() {
-                self.drop_state(*s);
+            if tx.fresh[i].take().is_some() {
+                self.drop_state(s);
                 self.seqs.insert(
-                    *s,
+                    s,
                     Slot {
                         blocks,
                         pos: tx.last_pos[i],
                     },
                 );
-            } else if let Some(x) = self.seqs.get_mut(s) {
+            } else if let Some(x) = self.seqs.get_mut(&s) {
                 x.pos = tx.last_pos[i];
             }
         }
         Ok(())
     }
 
-    /// The batch failed: gives its fresh blocks back; every state is as before.
+    /// The batch failed: gives its fresh blocks back (dropping the transaction does);
+    /// every state is as before.
     pub fn rollback(&mut self, tx: StateTx) {
-        for bl in tx.fresh.into_iter().flatten() {
-            for &b in bl.iter().rev() {
-                let _ = self.pool.release(b);
-            }
-        }
+        drop(tx);
     }
 
     fn load(&self, storage: &KvStorage, blocks: &[BlockId], out: &mut [f32]) -> Result<()> {

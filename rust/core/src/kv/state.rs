@@ -80,6 +80,12 @@
 //!   the commit; when they would start at position 0 the sequence is marked not clean first, so
 //!   they are never keyed.) A window sequence that does not start at position 0 gets no content
 //!   keys, as a pruned one never does.
+//! - **Check** (`seq_state_check`) runs the write's validation (the same parser) without writing
+//!   anything, and then checks the cells against the tokens the sequence must hold: the
+//!   primary group's cells are those tokens at positions `0..n`, another full group holds the
+//!   same cells, and a window group of `w` holds a run ending at `n - 1` from at most
+//!   `max(0, n - w + 1)` (what the next token sees). A session's state is checked so before it
+//!   is loaded; a state that passes is written as the sequence of those tokens.
 //! - Writing trusts that the rows are the K/V of those tokens under those weights (as loading
 //!   a model trusts its file): the identity checks reject other models, layouts and formats,
 //!   and the container's checksum rejects damage.
@@ -552,21 +558,18 @@ impl LayerGroups {
         Ok(sections)
     }
 
-    /// Validates `data` (a state from [`LayerGroups::seq_state_read`] of this model, any context
-    /// or process) completely and writes its cells into the empty sequence `seq` of every
-    /// group, without committing: nothing of it is visible to the prefix index yet. `InvalidInput`
-    /// for a bad state or a non-empty `seq`, `KvCacheFull` when some group cannot hold its
-    /// cells; on error nothing changed in any group.
-    pub fn seq_state_stage(
-        &mut self,
-        seq: SeqId,
-        data: &[u8],
+    /// Splits and validates `data` (a K/V state from [`LayerGroups::seq_state_read`]) against
+    /// these groups without changing anything: the container (identity, group count, kinds,
+    /// windows, layers, lengths), every group's section ([`PagedCache::parse_state`]: header,
+    /// exact length, increasing positions, tokens in the vocabulary), and that every cell of a
+    /// non-primary group is a cell of the primary group with the same token. One parser for
+    /// [`LayerGroups::seq_state_stage`] and [`LayerGroups::seq_state_check`].
+    fn parse_groups<'a>(
+        &self,
+        data: &'a [u8],
         n_vocab: usize,
         weights_id: Key,
-    ) -> Result<StagedState> {
-        for g in self.groups() {
-            g.cache.check_empty(seq)?;
-        }
+    ) -> Result<Vec<Parsed<'a>>> {
         let g = self.groups().len();
         let sections = if g == 1 {
             vec![data]
@@ -603,6 +606,102 @@ impl LayerGroups {
                 }
             }
         }
+        Ok(parsed)
+    }
+
+    /// Checks, without writing anything, that `data` (a K/V state from
+    /// [`LayerGroups::seq_state_read`]; a hybrid model's recurrent part already split off) is a
+    /// state of this model and K/V format ([`LayerGroups::parse_groups`]: every length exact,
+    /// every header field in range, every group consistent with the primary) that holds exactly
+    /// `tokens`: the primary group's cells are positions `0..n` holding `tokens` (`n =
+    /// tokens.len()`), another full-attention group holds the same cells, and a window group of
+    /// `w` positions holds a run of positions ending at `n - 1` that covers what the next token
+    /// sees (`max(0, n - w + 1) .. n`). Returns `n`; any mismatch is `InvalidInput`. A state
+    /// that passes is written by [`LayerGroups::seq_state_write`] (given room) as the sequence
+    /// of `tokens`.
+    pub fn seq_state_check(
+        &self,
+        data: &[u8],
+        n_vocab: usize,
+        weights_id: Key,
+        tokens: &[u32],
+    ) -> Result<usize> {
+        let parsed = self.parse_groups(data, n_vocab, weights_id)?;
+        let n = tokens.len();
+        let pi = self.primary_index();
+        let several = self.groups().len() > 1;
+        let group = |i: usize| {
+            if several {
+                format!("group {i}: ")
+            } else {
+                String::new()
+            }
+        };
+        let p = &parsed[pi];
+        if p.positions.len() != n {
+            return Err(bad(format!(
+                "{}{} cells, but the sequence has {n} tokens",
+                group(pi),
+                p.positions.len()
+            )));
+        }
+        if let Some(i) = (0..n).find(|&i| p.positions[i] != i as Pos) {
+            return Err(bad(format!(
+                "{}cell {i} is at position {}, expected {i} (a sequence's tokens are at \
+                 positions 0..{n})",
+                group(pi),
+                p.positions[i]
+            )));
+        }
+        if let Some(i) = (0..n).find(|&i| p.tokens[i] != tokens[i]) {
+            return Err(bad(format!(
+                "{}position {i} holds token {}, the sequence's token there is {}",
+                group(pi),
+                p.tokens[i],
+                tokens[i]
+            )));
+        }
+        // The other groups' cells are the primary's (parse_groups): each must hold what its
+        // layers need of them.
+        for (i, (grp, q)) in self.groups().iter().zip(&parsed).enumerate() {
+            let need = match grp.kind {
+                _ if i == pi => continue,
+                GroupKind::Full | GroupKind::Recurrent => 0,
+                GroupKind::Window(w) => (n + 1).saturating_sub(w.max(1)),
+            };
+            // Increasing positions within 0..n: `first + m == n` makes them the run first..n.
+            let m = q.positions.len();
+            let first = q.positions.first().map_or(n, |&x| x as usize);
+            if first + m != n || first > need {
+                return Err(bad(format!(
+                    "{}holds {m} cells from position {first}, but must hold every position \
+                     from {need} to {} (corrupt)",
+                    group(i),
+                    n as i64 - 1
+                )));
+            }
+        }
+        Ok(n)
+    }
+
+    /// Validates `data` (a state from [`LayerGroups::seq_state_read`] of this model, any context
+    /// or process) completely and writes its cells into the empty sequence `seq` of every
+    /// group, without committing: nothing of it is visible to the prefix index yet. `InvalidInput`
+    /// for a bad state or a non-empty `seq`, `KvCacheFull` when some group cannot hold its
+    /// cells; on error nothing changed in any group.
+    pub fn seq_state_stage(
+        &mut self,
+        seq: SeqId,
+        data: &[u8],
+        n_vocab: usize,
+        weights_id: Key,
+    ) -> Result<StagedState> {
+        for g in self.groups() {
+            g.cache.check_empty(seq)?;
+        }
+        let g = self.groups().len();
+        let parsed = self.parse_groups(data, n_vocab, weights_id)?;
+        let pi = self.primary_index();
         let n = parsed[pi].positions.len();
         let mut staged = Vec::with_capacity(g);
         for (grp, p) in self.groups_mut().iter_mut().zip(&parsed) {
@@ -1242,6 +1341,285 @@ mod tests {
                 dump(&a.groups()[gi].cache, 0)
             );
             b.groups()[gi].cache.table().check().unwrap();
+        }
+    }
+
+    // --- checking a state against the tokens it must hold (seq_state_check) ---
+
+    /// A one-group memory (layers 0 and 1 in one full-attention group) over `m`.
+    fn one(m: Arc<SharedKv>) -> LayerGroups {
+        use crate::kv::memory::Group;
+        let g = Group {
+            kind: GroupKind::Full,
+            layers: vec![0, 1],
+            cache: cache(&m),
+        };
+        LayerGroups::new(vec![g], None).unwrap()
+    }
+
+    /// Positions and tokens of `seq` in group `gi`, in position order.
+    fn cells_of(m: &LayerGroups, gi: usize, seq: SeqId) -> Vec<(Pos, u32)> {
+        dump(&m.groups()[gi].cache, seq)
+            .into_iter()
+            .map(|(p, t, _)| (p, t))
+            .collect()
+    }
+
+    #[test]
+    fn state_check_accepts_exactly_the_sequence_s_tokens() {
+        let mut a = one(memory(KvType::F16, 16, 31));
+        let t = tokens(10, 5);
+        decode_groups(&mut a, 0, &t[..6], 0);
+        decode_groups(&mut a, 0, &t[6..], 6);
+        let data = a.seq_state_read(0, MODEL).unwrap();
+        // Another memory of the same model (the identity is the memory's).
+        let b = one(memory(KvType::F16, 16, 31));
+        let before = snapshot_groups(&b);
+        assert_eq!(b.seq_state_check(&data, VOCAB, MODEL, &t).unwrap(), 10);
+        let empty = a.seq_state_read(5, MODEL).unwrap();
+        assert_eq!(b.seq_state_check(&empty, VOCAB, MODEL, &[]).unwrap(), 0);
+        let set = |at: usize, v: u32| with_u32(&data, at, v);
+        let mut longer = data.clone();
+        longer.push(0);
+        let mut t_more = t.clone();
+        t_more.push(1);
+        let mut t_other = t.clone();
+        t_other[3] += 1;
+        // A sequence at positions 1..11: the right tokens, one position off.
+        let mut c = one(memory(KvType::F16, 16, 31));
+        decode_groups(&mut c, 0, &t, 1);
+        let from_one = c.seq_state_read(0, MODEL).unwrap();
+        let cases: Vec<(&str, Vec<u8>, &[u32], &str)> = vec![
+            (
+                "one byte short",
+                data[..data.len() - 1].to_vec(),
+                &t,
+                "truncated",
+            ),
+            ("one byte more", longer, &t, "truncated or corrupt"),
+            ("header only", data[..HEADER].to_vec(), &t, "truncated"),
+            (
+                "empty state",
+                empty.clone(),
+                &t,
+                "0 cells, but the sequence has 10",
+            ),
+            (
+                "fewer tokens",
+                data.clone(),
+                &t[..9],
+                "10 cells, but the sequence has 9",
+            ),
+            ("more tokens", data.clone(), &t_more, "the sequence has 11"),
+            (
+                "another token expected",
+                data.clone(),
+                &t_other,
+                "position 3 holds token",
+            ),
+            (
+                "another token stored",
+                set(HEADER + 4 * 10 + 4 * 3, t[3] + 1),
+                &t,
+                "position 3 holds token",
+            ),
+            (
+                "last position one off",
+                set(HEADER + 4 * 9, 10),
+                &t,
+                "cell 9 is at position 10",
+            ),
+            ("positions from 1", from_one, &t, "cell 0 is at position 1"),
+            ("cell count", set(44, 9), &t, "truncated or corrupt"),
+            ("magic", with_bit_flipped(&data, 1), &t, "magic"),
+            ("version", set(4, 7), &t, "format version 7"),
+            ("unknown flag", set(40, 4), &t, "unknown flags"),
+            (
+                "token out of vocabulary",
+                set(HEADER + 40, VOCAB as u32),
+                &t,
+                "out of range",
+            ),
+        ];
+        for (what, d, want, why) in cases {
+            let e = b.seq_state_check(&d, VOCAB, MODEL, want).unwrap_err();
+            assert!(matches!(e, Error::InvalidInput(_)), "{what}: {e}");
+            assert!(e.to_string().contains(why), "{what}: {e}");
+        }
+        // Another model, another K/V type, a state of several groups.
+        let other = one(memory(KvType::F16, 16, 32)).seq_state_check(&data, VOCAB, MODEL, &t);
+        assert!(other.unwrap_err().to_string().contains("another model"));
+        let q8 = one(memory(KvType::Q8_0, 16, 31)).seq_state_check(&data, VOCAB, MODEL, &t);
+        assert!(q8.unwrap_err().to_string().contains("K/V type code"));
+        let mut g = groups(16, 16);
+        decode_groups(&mut g, 0, &t, 0);
+        let two = g.seq_state_read(0, MODEL).unwrap();
+        let e = b.seq_state_check(&two, VOCAB, MODEL, &t).unwrap_err();
+        assert!(e.to_string().contains("several K/V layer groups"), "{e}");
+        // Nothing was written, and the state still checks and loads.
+        assert_eq!(snapshot_groups(&b), before);
+        let mut b = b;
+        assert_eq!(b.seq_state_write(2, &data, VOCAB, MODEL).unwrap(), 10);
+        assert_eq!(cells_of(&b, 0, 2), cells_of(&a, 0, 0));
+    }
+
+    /// With a window group: the window must hold the positions the next token sees (exactly
+    /// the boundary), the groups' count and kinds must be this model's, and the window's cells
+    /// must be the full group's.
+    #[test]
+    fn layer_group_state_check_wants_the_window_the_next_token_sees() {
+        let t = tokens(19, 8);
+        let mut a = groups(16, 16);
+        decode_groups(&mut a, 0, &t[..9], 0);
+        decode_groups(&mut a, 0, &t[9..], 9);
+        // Pruned to 13..19 (W = 6 after the last token 18); the next token (19) sees 14..19.
+        assert_eq!(cells_of(&a, 0, 0)[0].0, 13);
+        let b = groups(16, 16);
+        let data = a.seq_state_read(0, MODEL).unwrap();
+        assert_eq!(b.seq_state_check(&data, VOCAB, MODEL, &t).unwrap(), 19);
+        assert!(b.seq_state_check(&data, VOCAB, MODEL + 1, &t).is_err());
+        let set = |at: usize, v: u32| with_u32(&data, at, v);
+        let win = GROUPS_HEADER + 2 * GROUP_ENTRY;
+        for (what, d, why) in [
+            ("group count", set(24, 1), "1 K/V layer groups"),
+            ("group kind", set(GROUPS_HEADER, 0), "another layout"),
+            ("window size", set(GROUPS_HEADER + 4, 5), "window 5"),
+            (
+                "window token",
+                set(win + HEADER + 4 * 6, 3),
+                "holds token 3",
+            ),
+        ] {
+            let e = b.seq_state_check(&d, VOCAB, MODEL, &t).unwrap_err();
+            assert!(e.to_string().contains(why), "{what}: {e}");
+        }
+        // The window pruned one position too far: seq_state_write takes it, the check does not.
+        for (cut, ok) in [(14, true), (15, false)] {
+            let mut c = groups(16, 16);
+            decode_groups(&mut c, 0, &t, 0);
+            c.groups_mut()[0].cache.table_mut().prune_front(0, cut);
+            let d = c.seq_state_read(0, MODEL).unwrap();
+            let r = b.seq_state_check(&d, VOCAB, MODEL, &t);
+            assert_eq!(r.is_ok(), ok, "window from {cut}: {r:?}");
+            if let Err(e) = r {
+                assert!(e.to_string().contains("from 14 to 18"), "{e}");
+            }
+            assert_eq!(
+                groups(16, 16).seq_state_write(0, &d, VOCAB, MODEL).unwrap(),
+                19
+            );
+        }
+        // Shorter than the window: the window group holds every position.
+        let mut c = groups(16, 16);
+        decode_groups(&mut c, 0, &t[..4], 0);
+        let d = c.seq_state_read(0, MODEL).unwrap();
+        assert_eq!(b.seq_state_check(&d, VOCAB, MODEL, &t[..4]).unwrap(), 4);
+        c.groups_mut()[0].cache.table_mut().prune_front(0, 1);
+        let d = c.seq_state_read(0, MODEL).unwrap();
+        let e = b.seq_state_check(&d, VOCAB, MODEL, &t[..4]).unwrap_err();
+        assert!(e.to_string().contains("from 0 to 3"), "{e}");
+    }
+
+    /// Where a one-bit flip of `data` is harmless to the check: the K/V rows (not checkable
+    /// without the model) and the clean flag (bit 0 of byte 40) of every version-1 section;
+    /// `sections` are the sections' (offset, length).
+    fn harmless(sections: &[(usize, usize)], data: &[u8], at: usize, bit: u32) -> bool {
+        sections.iter().any(|&(off, len)| {
+            let n = u32_at(data, off + 44) as usize;
+            (at >= off + HEADER + 8 * n && at < off + len) || (at == off + 40 && bit == 0)
+        })
+    }
+
+    /// Random corruptions of real states (one group; a window and a full group): every one-bit
+    /// flip fails the check exactly where the format leaves nothing to check (a simple model
+    /// of the layout says where: `harmless`); any corruption the check passes is written by
+    /// `seq_state_write` as the sequence of the expected tokens; none panics.
+    #[test]
+    fn random_corruptions_fail_the_check_or_load_as_the_tokens() {
+        let mut rng = crate::test_rng::Rng(0x5eed_cafe);
+        let t = tokens(11, 21);
+        let mut one_a = one(memory(KvType::Q8_0, 16, 31));
+        decode_groups(&mut one_a, 0, &t, 0);
+        let mut two_a = groups(16, 16);
+        decode_groups(&mut two_a, 0, &t[..5], 0);
+        decode_groups(&mut two_a, 0, &t[5..], 5);
+        let cases = [
+            (one_a.seq_state_read(0, MODEL).unwrap(), true),
+            (two_a.seq_state_read(0, MODEL).unwrap(), false),
+        ];
+        for (data, is_one) in cases {
+            let fresh = || {
+                if is_one {
+                    one(memory(KvType::Q8_0, 16, 31))
+                } else {
+                    groups(16, 16)
+                }
+            };
+            let sections: Vec<(usize, usize)> = if is_one {
+                vec![(0, data.len())]
+            } else {
+                let mut at = GROUPS_HEADER + 2 * GROUP_ENTRY;
+                (0..2)
+                    .map(|i| {
+                        let len = u64_at(&data, GROUPS_HEADER + GROUP_ENTRY * i + 12) as usize;
+                        at += len;
+                        (at - len, len)
+                    })
+                    .collect()
+            };
+            let checker = fresh();
+            let (mut passed, mut failed) = (0, 0);
+            for round in 0..1500 {
+                let mut d = data.clone();
+                let mut expect_ok = None;
+                match round % 5 {
+                    0..=2 => {
+                        let (at, bit) = (rng.below(d.len()), rng.below(8) as u32);
+                        d[at] ^= 1 << bit;
+                        expect_ok = Some(harmless(&sections, &data, at, bit));
+                    }
+                    3 => {
+                        // Several random bytes anywhere.
+                        for _ in 0..1 + rng.below(4) {
+                            let at = rng.below(d.len());
+                            d[at] = rng.next() as u8;
+                        }
+                    }
+                    _ => {
+                        let n = rng.below(2 * data.len());
+                        d.resize(n, rng.next() as u8);
+                        expect_ok = (n != data.len()).then_some(false);
+                    }
+                }
+                let r = checker.seq_state_check(&d, VOCAB, MODEL, &t);
+                if let Some(ok) = expect_ok {
+                    assert_eq!(r.is_ok(), ok, "round {round}: {r:?}");
+                }
+                match r {
+                    Ok(n) => {
+                        passed += 1;
+                        assert_eq!(n, t.len());
+                        let mut b = fresh();
+                        assert_eq!(b.seq_state_write(0, &d, VOCAB, MODEL).unwrap(), n);
+                        let want: Vec<(Pos, u32)> = (0..n as Pos).zip(t.iter().copied()).collect();
+                        let pi = b.primary_index();
+                        assert_eq!(cells_of(&b, pi, 0), want, "round {round}");
+                        for (gi, g) in b.groups().iter().enumerate() {
+                            g.cache.table().check().unwrap();
+                            let got = cells_of(&b, gi, 0);
+                            assert_eq!(got[..], want[want.len() - got.len()..], "group {gi}");
+                        }
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        assert!(matches!(e, Error::InvalidInput(_)), "round {round}: {e}");
+                    }
+                }
+            }
+            assert!(
+                passed > 100 && failed > 100,
+                "{passed} passed, {failed} failed"
+            );
         }
     }
 }

@@ -147,12 +147,24 @@ enum Removal {
 
 /// Undo record of one planned batch (see the module docs): per sequence, its cell count before
 /// the batch and the copy-on-write move of its tail (old block, new block), if any; the old
-/// blocks stay pinned until `commit` or `rollback`.
-#[derive(Debug, Default)]
+/// blocks stay pinned until `commit` or `rollback`. A transaction dropped without either (a
+/// panic unwinding between the plan and its end) gives its pins back to the pool, so that a
+/// context dropped after such a panic releases every block (the batch's cells are the
+/// table's, released with it).
+#[derive(Debug)]
 #[must_use = "a planned batch must be committed or rolled back"]
 pub struct BatchTx {
     seqs: Vec<TxSeq>,
     pins: Vec<BlockId>,
+    pool: Arc<BlockPool>,
+}
+
+impl Drop for BatchTx {
+    fn drop(&mut self) {
+        for b in std::mem::take(&mut self.pins).into_iter().rev() {
+            let _ = self.pool.release(b);
+        }
+    }
 }
 
 /// A sequence in a batch: its id, its cell count before, and its copied tail (old, new block).
@@ -884,19 +896,12 @@ impl KvTable {
         copy + (k.saturating_sub(avail)).div_ceil(self.bs)
     }
 
-    /// Plans the writes of one token per `(seq_ids[i], positions[i])`: allocates blocks on
-    /// demand, copies shared or keyed partly filled tail blocks first. All or nothing: on
-    /// `KvCacheFull` or `InvalidInput` nothing changed. The returned plan also carries all
-    /// pending [`Updates`]; the [`BatchTx`] must be committed or rolled back.
-    ///
-    /// Validation (as llama.cpp's batch check): every sequence id `>= 0`, every position
-    /// `>= 0`, and the positions of each sequence strictly increase through the batch and start
-    /// after the sequence's last stored position (gaps are allowed).
-    pub fn prepare_batch(
-        &mut self,
-        seq_ids: &[SeqId],
-        positions: &[Pos],
-    ) -> Result<(WritePlan, BatchTx)> {
+    /// Fresh blocks [`KvTable::prepare_batch`] would take from the pool for this batch now
+    /// (the same count it reserves: new blocks, plus one copy of each partly filled tail that is
+    /// shared or keyed), changing nothing; `InvalidInput` exactly when it would reject the
+    /// batch. The batch fits the pool iff this is at most `pool().available()` (when no other
+    /// owner of the pool allocates in between).
+    pub fn blocks_for_batch(&self, seq_ids: &[SeqId], positions: &[Pos]) -> Result<usize> {
         if seq_ids.len() != positions.len() {
             return Err(Error::InvalidInput(format!(
                 "batch has {} sequence ids but {} positions",
@@ -938,14 +943,34 @@ impl KvTable {
             }
             *e = (e.0 + 1, p);
         }
-        let need: usize = count
+        Ok(count
             .iter()
             .map(|(&s, &(k, _))| self.blocks_needed(s, k))
-            .sum();
+            .sum())
+    }
+
+    /// Plans the writes of one token per `(seq_ids[i], positions[i])`: allocates blocks on
+    /// demand, copies shared or keyed partly filled tail blocks first. All or nothing: on
+    /// `KvCacheFull` or `InvalidInput` nothing changed. The returned plan also carries all
+    /// pending [`Updates`]; the [`BatchTx`] must be committed or rolled back.
+    ///
+    /// Validation (as llama.cpp's batch check): every sequence id `>= 0`, every position
+    /// `>= 0`, and the positions of each sequence strictly increase through the batch and start
+    /// after the sequence's last stored position (gaps are allowed).
+    pub fn prepare_batch(
+        &mut self,
+        seq_ids: &[SeqId],
+        positions: &[Pos],
+    ) -> Result<(WritePlan, BatchTx)> {
+        let need = self.blocks_for_batch(seq_ids, positions)?;
         let mut fresh = self.take_blocks(need)?;
         let pins_before = self.pins.len();
-        let mut tx = BatchTx::default();
-        let mut tx_at: HashMap<SeqId, usize> = HashMap::with_capacity(count.len());
+        let mut tx = BatchTx {
+            seqs: Vec::new(),
+            pins: Vec::new(),
+            pool: Arc::clone(&self.pool),
+        };
+        let mut tx_at: HashMap<SeqId, usize> = HashMap::new();
         let mut slots = Vec::with_capacity(seq_ids.len());
         for (&s, &p) in seq_ids.iter().zip(positions) {
             let k = *tx_at.entry(s).or_insert_with(|| {
@@ -1018,17 +1043,17 @@ impl KvTable {
     /// the full layers' too).
     pub fn commit_upto(
         &mut self,
-        tx: BatchTx,
+        mut tx: BatchTx,
         model_id: Option<Key>,
         limit: impl Fn(SeqId) -> usize,
     ) -> Vec<(BlockId, Key, Key)> {
-        for b in tx.pins.into_iter().rev() {
+        for b in std::mem::take(&mut tx.pins).into_iter().rev() {
             let _ = self.pool.release(b);
         }
         let mut keyed = Vec::new();
         if let Some(id) = model_id {
             self.key_model = Some(id);
-            for (s, _, _) in tx.seqs {
+            for (s, _, _) in std::mem::take(&mut tx.seqs) {
                 self.extend_chain(s, id, limit(s), &mut keyed);
             }
         }
@@ -1100,9 +1125,9 @@ impl KvTable {
     /// Undoes a planned batch whose K/V could not be written: removes the cells it added and
     /// moves copied tails back to their original blocks, so that every sequence holds exactly
     /// what it held before (blocks the batch evicted from the cache stay evicted).
-    pub fn rollback(&mut self, tx: BatchTx) {
-        let mut pins = tx.pins;
-        for (s, n_before, cow) in tx.seqs.into_iter().rev() {
+    pub fn rollback(&mut self, mut tx: BatchTx) {
+        let mut pins = std::mem::take(&mut tx.pins);
+        for (s, n_before, cow) in std::mem::take(&mut tx.seqs).into_iter().rev() {
             if let Some(mut q) = self.seqs.remove(&s) {
                 let bs = self.bs;
                 let mut released = Vec::new();

@@ -1,5 +1,6 @@
 //! Hyper-parameters of a model, read and validated from GGUF metadata: the llama family and
-//! Gemma 3, with each layer's memory kind ([`LayerKind`]: full attention or a sliding window).
+//! Gemma 3, with each layer's memory kind ([`LayerKind`]: full attention, a sliding window or a
+//! recurrent state).
 
 use crate::error::{model_err, Error, Result};
 use crate::gguf::GgufFile;
@@ -24,19 +25,9 @@ pub enum Arch {
 
 pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "gemma3", "lfm2"];
 
-/// How one layer keeps what it needs of earlier positions. Layers of one kind form a memory
-/// group (docs/ARCHITECTURE.md, "Layer groups").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LayerKind {
-    /// Attention over every earlier position of the sequence.
-    Full,
-    /// Attention over the last `n` positions only: a query at `p` sees keys at
-    /// `p - n + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`).
-    Window(usize),
-    /// No K/V: a fixed-size recurrent state per sequence (LFM2's short convolutions), kept by
-    /// the recurrent group (`kv/recurrent.rs`) in blocks of the full-attention group's pool.
-    Recurrent,
-}
+/// Each layer's memory kind is the K/V cache's notion ([`crate::kv::LayerKind`]): what memory a
+/// layer needs belongs to `kv`; the config only reads which kind each layer is.
+pub use crate::kv::LayerKind;
 
 impl Arch {
     pub fn from_name(name: &str) -> Result<Arch> {

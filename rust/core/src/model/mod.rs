@@ -15,7 +15,7 @@ use std::time::Instant;
 use crate::batch::Batch;
 use crate::error::{invalid, Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv::memory::{Group, LayerGroups, Memory, RecurrentLayers};
+use crate::kv::memory::{Group, LayerGroups, Memory, PlannedBatch, RecurrentLayers};
 use crate::kv::recurrent::{RecurrentGroup, StateLayout};
 use crate::kv::storage::KvStorage;
 use crate::kv::storage::{KvLayout, KvType};
@@ -606,14 +606,9 @@ impl Context {
         self.memory.peek_prefix(tokens)
     }
 
-    /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
-    ///
-    /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
-    /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
-    /// in every case the cache is left as before the call (the batch is rolled back in every
-    /// layer group, and no block it touched was given a content key). After a committed batch,
-    /// window groups drop the cells that left every later token's window.
-    pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
+    /// The checks of `batch` that `decode` makes before planning it: its columns and values
+    /// ([`Batch::validate`]) and, with sliding-window layers, its size (`n_batch`).
+    fn check_batch(&self, batch: &Batch) -> Result<()> {
         batch.validate(self.model.n_vocab())?;
         if batch.len() > self.n_batch && self.memory.has_window() {
             return Err(invalid(format!(
@@ -624,6 +619,34 @@ impl Context {
                 self.n_batch
             )));
         }
+        Ok(())
+    }
+
+    /// Asks before decoding: whether `batch` fits the K/V memory now, counting every layer
+    /// group (full attention, sliding window, recurrent) — `0` when it fits, else the largest
+    /// number of blocks missing in any group's pool ([`LayerGroups::blocks_short`]: free and
+    /// cached blocks count as available; a copy-on-write of a shared or keyed partly filled
+    /// tail needs a block; a recurrent state for a new or shared sequence needs its blocks in
+    /// the primary group's pool; tokens over the context's `n_ctx` count as blocks short).
+    /// Changes nothing. When it says `0`, [`Context::decode`] of the same batch does not fail
+    /// with `KvCacheFull` as long as nothing else changes the memory in between (another
+    /// context of the model allocating from the shared pools could); when it says more, decode
+    /// fails with `KvCacheFull` (the count is exact: the blocks the plan reserves). The
+    /// tokens themselves do not matter. `InvalidInput` for a batch decode rejects as malformed.
+    pub fn blocks_short(&self, batch: &Batch) -> Result<usize> {
+        self.check_batch(batch)?;
+        self.memory.blocks_short(&batch.seq_ids, &batch.positions)
+    }
+
+    /// Runs one batch; returns logits for the tokens that asked for them, in batch order.
+    ///
+    /// All or nothing: a batch that does not fit fails with `KvCacheFull`, a malformed one with
+    /// `InvalidInput`, and a failure inside the forward pass (a worker panic) with `Internal`;
+    /// in every case the cache is left as before the call (the batch is rolled back in every
+    /// layer group, and no block it touched was given a content key). After a committed batch,
+    /// window groups drop the cells that left every later token's window.
+    pub fn decode(&mut self, batch: &Batch) -> Result<Logits> {
+        self.check_batch(batch)?;
         let shared: Vec<Arc<SharedKv>> = self
             .memory
             .groups()
@@ -632,63 +655,50 @@ impl Context {
             .collect();
         // Locked in group order (every decode of the model takes them in this order).
         let mut storages: Vec<_> = shared.iter().map(|s| s.lock_storage()).collect();
-        let mut planned = Vec::with_capacity(shared.len());
-        for (g, storage) in self.memory.groups_mut().iter_mut().zip(storages.iter_mut()) {
-            match g.cache.begin_batch(batch, storage) {
-                Ok(p) => planned.push(p),
-                Err(e) => {
-                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
-                        g.cache.rollback(tx);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        // The recurrent states of the batch's sequences (fresh blocks for new or shared ones, in
-        // the primary group's pool) and the tokens after which a state checkpoint is taken (the
-        // last of each block of the primary group).
+        // Every group plans the batch (all or nothing: nothing changed on error); the recurrent
+        // group takes fresh blocks for the states of new or shared sequences (in the primary
+        // group's pool) and loads the batch's states. `Context::blocks_short` says beforehand
+        // whether this fails for want of blocks.
+        let PlannedBatch {
+            kv: planned,
+            rec: rec_tx,
+        } = self.memory.begin_batch(batch, &mut storages)?;
+        // The tokens after which a state checkpoint is taken (the last of each block of the
+        // primary group).
         let pi = self.memory.primary_index();
         let bs = self.memory.primary().table().block_size() as Pos;
         let prefix_on = self.memory.primary().prefix_cache();
-        let mut rec = match self.memory.recurrent_mut() {
-            Some(r) => match r.begin(&batch.seq_ids, &batch.positions, &storages[pi]) {
-                Ok((tx, states)) => {
-                    let state_of: Vec<usize> = batch
-                        .seq_ids
-                        .iter()
-                        .map(|s| tx.seqs.iter().position(|x| x == s).unwrap_or(0))
-                        .collect();
-                    let on = prefix_on && r.can_checkpoint();
-                    let mut n_ckpt = 0;
-                    let ckpt_of: Vec<usize> = batch
-                        .positions
-                        .iter()
-                        .map(|&p| {
-                            if on && (p + 1) % bs == 0 {
-                                n_ckpt += 1;
-                                n_ckpt - 1
-                            } else {
-                                lfm2::NO_CHECKPOINT
-                            }
-                        })
-                        .collect();
-                    let ckpts = vec![0.0f32; n_ckpt * r.layout().floats()];
-                    Some(RecBatch {
-                        tx,
-                        states,
-                        state_of,
-                        ckpts,
-                        ckpt_of,
+        let mut rec = match (rec_tx, self.memory.recurrent()) {
+            (Some((tx, states)), Some(r)) => {
+                let state_of: Vec<usize> = batch
+                    .seq_ids
+                    .iter()
+                    .map(|s| tx.seqs.iter().position(|x| x == s).unwrap_or(0))
+                    .collect();
+                let on = prefix_on && r.can_checkpoint();
+                let mut n_ckpt = 0;
+                let ckpt_of: Vec<usize> = batch
+                    .positions
+                    .iter()
+                    .map(|&p| {
+                        if on && (p + 1) % bs == 0 {
+                            n_ckpt += 1;
+                            n_ckpt - 1
+                        } else {
+                            lfm2::NO_CHECKPOINT
+                        }
                     })
-                }
-                Err(e) => {
-                    for (g, (_, tx)) in self.memory.groups_mut().iter_mut().zip(planned) {
-                        g.cache.rollback(tx);
-                    }
-                    return Err(e);
-                }
-            },
-            None => None,
+                    .collect();
+                let ckpts = vec![0.0f32; n_ckpt * r.layout().floats()];
+                Some(RecBatch {
+                    tx,
+                    states,
+                    state_of,
+                    ckpts,
+                    ckpt_of,
+                })
+            }
+            _ => None,
         };
         let primary_cells = planned[pi].0.clone();
         let mut seqs: Vec<SeqId> = batch.seq_ids.clone();
@@ -841,41 +851,21 @@ impl Context {
         let Some(r) = self.memory.recurrent() else {
             return self.memory.seq_state_write(seq, data, n_vocab, id);
         };
-        let bad = |why: &str| invalid(format!("sequence state: {why}"));
-        let len = data.len();
-        if len < REC_FOOTER || &data[len - 4..] != REC_MAGIC {
-            return Err(bad("no recurrent state (not a state of a hybrid model)"));
-        }
-        let f = &data[len - REC_FOOTER..];
-        let word = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().expect("4 bytes"));
-        if word(12) != REC_VERSION {
-            return Err(bad(&format!(
-                "unsupported recurrent state version {}",
-                word(12)
-            )));
-        }
-        let pos = word(0) as i32;
-        let nf = u64::from_le_bytes(f[4..12].try_into().expect("8 bytes"));
-        let want = r.layout().floats() as u64;
-        if !((nf == 0 && pos == -1) || (nf == want && pos >= 0)) {
-            return Err(bad(&format!(
-                "recurrent state of {nf} values at position {pos} (this model's: {want})"
-            )));
-        }
-        let Some(start) = (len - REC_FOOTER).checked_sub(nf as usize * 4) else {
-            return Err(bad("truncated recurrent state"));
-        };
+        let (kv, rec) = split_recurrent(data, r.layout().floats())?;
         if seq < 0 || self.memory.seq_pos_max(seq) >= 0 {
-            return Err(bad(&format!("sequence {seq} must be >= 0 and empty")));
+            return Err(invalid(format!(
+                "sequence state: sequence {seq} must be >= 0 and empty"
+            )));
         }
-        let vals: Vec<f32> = data[start..len - REC_FOOTER]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
-        let staged = self
-            .memory
-            .seq_state_stage(seq, &data[..start], n_vocab, id)?;
-        if nf > 0 {
+        let (pos, vals) = rec.map_or((-1, Vec::new()), |(pos, raw)| {
+            let vals = raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect();
+            (pos, vals)
+        });
+        let staged = self.memory.seq_state_stage(seq, kv, n_vocab, id)?;
+        if !vals.is_empty() {
             let shared = Arc::clone(self.cache().shared());
             let r = self.memory.recurrent_mut().expect("checked above");
             let written = r.write(seq, pos, &vals, &mut shared.lock_storage());
@@ -886,6 +876,83 @@ impl Context {
         }
         Ok(self.memory.seq_state_commit(staged))
     }
+
+    /// Checks, writing nothing, that `data` (from [`Context::seq_state_read`]) is a state of
+    /// this model, K/V format and layer groups that holds exactly `tokens` at positions
+    /// `0..n` (`n = tokens.len()`), as a saved session's state must: everything
+    /// [`Context::seq_state_write`] validates (every length exact, every header field in range,
+    /// every group's cells consistent with the primary group's), and also that the primary
+    /// group holds `tokens` at positions `0..n`, every other group what its layers need of them
+    /// ([`LayerGroups::seq_state_check`]), and for a hybrid model a recurrent state at position
+    /// `n - 1` (none when `n == 0`). Returns `n`; any mismatch is `InvalidInput` saying what
+    /// differs. A state that passes is written by `seq_state_write` into an empty sequence
+    /// (given room in the pools) as the sequence of `tokens`.
+    pub fn seq_state_check(&self, data: &[u8], tokens: &[u32]) -> Result<usize> {
+        let n_vocab = self.model.n_vocab();
+        let id = self.model.id();
+        let kv = match self.memory.recurrent() {
+            None => data,
+            Some(r) => kv_part_for_tokens(data, r.layout().floats(), tokens.len())?,
+        };
+        self.memory.seq_state_check(kv, n_vocab, id, tokens)
+    }
+}
+
+/// A hybrid model's recurrent state in a sequence state: its position and its values' bytes.
+type RecState<'a> = Option<(Pos, &'a [u8])>;
+
+/// Splits a hybrid model's sequence state (see [`Context::seq_state_read`]) into its K/V part
+/// and its recurrent state: `None` (no state, position -1) or its position and the raw bytes of
+/// its `floats` values. `InvalidInput` unless the footer is exactly one of those two shapes
+/// (magic, version, a value count of 0 with position -1 or `floats` with a position >= 0, and
+/// enough bytes before it).
+fn split_recurrent(data: &[u8], floats: usize) -> Result<(&[u8], RecState<'_>)> {
+    let bad = |why: &str| invalid(format!("sequence state: {why}"));
+    let len = data.len();
+    if len < REC_FOOTER || &data[len - 4..] != REC_MAGIC {
+        return Err(bad("no recurrent state (not a state of a hybrid model)"));
+    }
+    let f = &data[len - REC_FOOTER..];
+    let word = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().expect("4 bytes"));
+    if word(12) != REC_VERSION {
+        return Err(bad(&format!(
+            "unsupported recurrent state version {}",
+            word(12)
+        )));
+    }
+    let pos = word(0) as i32;
+    let nf = u64::from_le_bytes(f[4..12].try_into().expect("8 bytes"));
+    if !((nf == 0 && pos == -1) || (nf == floats as u64 && pos >= 0)) {
+        return Err(bad(&format!(
+            "recurrent state of {nf} values at position {pos} (this model's: {floats})"
+        )));
+    }
+    // `nf` is 0 or `floats` (checked above), so this cannot overflow.
+    let Some(start) = (len - REC_FOOTER).checked_sub(nf as usize * 4) else {
+        return Err(bad("truncated recurrent state"));
+    };
+    let state = &data[start..len - REC_FOOTER];
+    Ok((&data[..start], (nf > 0).then_some((pos, state))))
+}
+
+/// The K/V part of a hybrid model's state (see [`split_recurrent`]) that must be the state of a
+/// sequence of `n` tokens: its recurrent state at position `n - 1`, or none when `n == 0`.
+fn kv_part_for_tokens(data: &[u8], floats: usize, n: usize) -> Result<&[u8]> {
+    let (kv, rec) = split_recurrent(data, floats)?;
+    let pos = rec.map_or(-1, |(p, _)| p as i64);
+    if pos != n as i64 - 1 {
+        let got = if pos < 0 {
+            "absent".to_string()
+        } else {
+            format!("at position {pos}")
+        };
+        return Err(invalid(format!(
+            "sequence state: the recurrent state is {got}, but the sequence has {n} tokens (its \
+             state must be at position {})",
+            n as i64 - 1
+        )));
+    }
+    Ok(kv)
 }
 
 /// Throughput measured like llama-bench: `pp` is one batch of `n_prompt` tokens, `tg` is
@@ -1070,6 +1137,7 @@ pub fn bench_batched(
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::kv::PoolStats;
 
     fn real_model() -> GgufFile {
         let path = std::env::var("KVSERVE_TEST_MODEL")
@@ -1202,6 +1270,384 @@ mod tests {
             };
             let mut c = Context::with_options(Arc::clone(&m2), &other).unwrap();
             assert!(c.seq_state_write(0, &state).is_err());
+        }
+    }
+
+    /// A hybrid state's footer: split exactly (values, position) or refused, and checked
+    /// against the sequence's token count (the state after its last token, or none).
+    #[test]
+    fn recurrent_footer_is_split_and_checked() {
+        let footer = |vals: &[f32], pos: i32, nf: u64, version: u32, magic: &[u8; 4]| {
+            let mut d = b"K/V part".to_vec();
+            for v in vals {
+                d.extend_from_slice(&v.to_le_bytes());
+            }
+            d.extend_from_slice(&pos.to_le_bytes());
+            d.extend_from_slice(&nf.to_le_bytes());
+            d.extend_from_slice(&version.to_le_bytes());
+            d.extend_from_slice(magic);
+            d
+        };
+        let vals = [1.5f32, -2.0, 3.25];
+        let good = footer(&vals, 4, 3, REC_VERSION, REC_MAGIC);
+        let (kv, rec) = split_recurrent(&good, 3).unwrap();
+        let (pos, raw) = rec.unwrap();
+        assert_eq!((kv, pos), (&b"K/V part"[..], 4));
+        assert_eq!(raw.len(), 12);
+        assert_eq!(&raw[4..8], &(-2.0f32).to_le_bytes());
+        assert_eq!(kv_part_for_tokens(&good, 3, 5).unwrap(), b"K/V part");
+        for n in [0, 4, 6] {
+            let e = kv_part_for_tokens(&good, 3, n).unwrap_err();
+            assert!(e.to_string().contains("at position 4"), "{n}: {e}");
+        }
+        let none = footer(&[], -1, 0, REC_VERSION, REC_MAGIC);
+        assert_eq!(split_recurrent(&none, 3).unwrap(), (&b"K/V part"[..], None));
+        assert_eq!(kv_part_for_tokens(&none, 3, 0).unwrap(), b"K/V part");
+        let e = kv_part_for_tokens(&none, 3, 2).unwrap_err();
+        assert!(e.to_string().contains("absent"), "{e}");
+        let cases = [
+            (
+                "magic",
+                footer(&vals, 4, 3, REC_VERSION, b"KVRX"),
+                "no recurrent state",
+            ),
+            ("version", footer(&vals, 4, 3, 2, REC_MAGIC), "version 2"),
+            (
+                "value count",
+                footer(&vals[..2], 4, 2, REC_VERSION, REC_MAGIC),
+                "2 values",
+            ),
+            (
+                "values without a position",
+                footer(&vals, -1, 3, REC_VERSION, REC_MAGIC),
+                "-1",
+            ),
+            (
+                "a position without values",
+                footer(&[], 3, 0, REC_VERSION, REC_MAGIC),
+                "0 values",
+            ),
+            (
+                "short",
+                good[..REC_FOOTER - 1].to_vec(),
+                "no recurrent state",
+            ),
+            ("truncated", good[8 + 10..].to_vec(), "truncated"),
+        ];
+        for (what, d, why) in cases {
+            let e = split_recurrent(&d, 3).unwrap_err();
+            assert!(matches!(e, Error::InvalidInput(_)), "{what}: {e}");
+            assert!(e.to_string().contains(why), "{what}: {e}");
+        }
+    }
+
+    /// `seq_state_check` on real states (SmolLM2: one K/V group; Gemma 3: a window group and
+    /// a full group): the sequence's tokens pass, and writing nothing; other tokens, another
+    /// K/V type and a corrupted header fail; any corruption that passes loads as the tokens.
+    #[test]
+    fn seq_state_check_on_real_models() {
+        let mut rng = crate::test_rng::Rng(0x0bad_5eed);
+        for var in ["KVSERVE_TEST_MODEL", "KVSERVE_TEST_GEMMA"] {
+            let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+            let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+            let o = KvOptions {
+                n_ctx: 256,
+                ..KvOptions::default()
+            };
+            let mut a = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let toks = m.tokenizer.encode(
+                "The quick brown fox jumps over the lazy dog, and then it",
+                true,
+                false,
+            );
+            a.decode(&Batch::prompt(&toks, 0, 0)).unwrap();
+            let data = a.seq_state_read(0).unwrap();
+            let cells = |c: &Context, s: SeqId| -> Vec<(Pos, u32)> {
+                let t = c.cache().table();
+                let mut v: Vec<_> = t
+                    .cells(s)
+                    .into_iter()
+                    .map(|(p, b, sl)| (p, t.cell_token(b, sl)))
+                    .collect();
+                v.sort_unstable();
+                v
+            };
+            let before = (cells(&a, 0), a.cache().shared().pool_stats());
+            assert_eq!(
+                a.seq_state_check(&data, &toks).unwrap(),
+                toks.len(),
+                "{var}"
+            );
+            assert_eq!((cells(&a, 0), a.cache().shared().pool_stats()), before);
+            let mut other = toks.clone();
+            other[2] = (other[2] + 1) % m.n_vocab() as u32;
+            assert!(a.seq_state_check(&data, &other).is_err());
+            assert!(a.seq_state_check(&data, &toks[1..]).is_err());
+            let q8 = KvOptions {
+                kv_type: KvType::Q8_0,
+                ..o
+            };
+            let c = Context::with_options(Arc::clone(&m), &q8).unwrap();
+            assert!(c.seq_state_check(&data, &toks).is_err(), "{var}: q8_0");
+            let want: Vec<(Pos, u32)> = (0..toks.len() as Pos).zip(toks.iter().copied()).collect();
+            let mut b = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let mut passed = 0;
+            for round in 0..400 {
+                let mut d = data.clone();
+                let at = rng.below(if round % 2 == 0 { 48 } else { d.len() });
+                let bit = rng.below(8);
+                d[at] ^= 1 << bit;
+                match b.seq_state_check(&d, &toks) {
+                    Ok(n) => {
+                        passed += 1;
+                        // Every byte of the first 48 counts (a one-group state's header; the
+                        // container's header and group table with two groups) but the clean
+                        // flag of a one-group state (bit 0 of byte 40).
+                        assert!(
+                            at >= 48 || (at == 40 && bit == 0),
+                            "{var}: byte {at} bit {bit}"
+                        );
+                        assert_eq!(b.seq_state_write(1, &d).unwrap(), n);
+                        assert_eq!(cells(&b, 1), want, "{var}: round {round}");
+                        b.memory_mut().seq_rm(1, -1, -1).unwrap();
+                    }
+                    Err(e) => assert!(matches!(e, Error::InvalidInput(_)), "{e}"),
+                }
+            }
+            assert!(passed > 50, "{var}: {passed} corruptions passed");
+            for g in b.memory().groups() {
+                g.cache.table().check().unwrap();
+            }
+        }
+    }
+
+    /// Checks every layer group's tables and the model's pools (the binding's `audit`).
+    fn audit(c: &Context) {
+        for g in c.memory().groups() {
+            g.cache.table().check().unwrap();
+        }
+        if let Some(r) = c.memory().recurrent() {
+            r.check().unwrap();
+        }
+    }
+
+    /// `blocks_short` against what `decode` then does, on real models over small pools
+    /// (SmolLM2: full attention only; Gemma 3: a window group beside the full one), through
+    /// random batches of several sequences, shared prefixes (`seq_cp`, prefix matches of
+    /// earlier prompts), removals and another context on the same memory: 0 exactly when
+    /// decode succeeds, more exactly when it raises `KvCacheFull`; the tables stay consistent.
+    #[test]
+    fn blocks_short_agrees_with_decode_on_real_models() {
+        let mut rng = crate::test_rng::Rng(0x5407_b10c);
+        for (var, steps) in [("KVSERVE_TEST_MODEL", 140), ("KVSERVE_TEST_GEMMA", 50)] {
+            let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+            let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+            // 10 blocks of 16 tokens in every group's pool.
+            let per_block: usize = m
+                .layer_groups()
+                .iter()
+                .map(|(_, layers)| {
+                    KvLayout {
+                        ty: KvType::F16,
+                        n_layers: layers.len(),
+                        kv_dim: m.config.kv_dim(),
+                        block_size: 16,
+                    }
+                    .bytes_per_block()
+                })
+                .sum();
+            let o = KvOptions {
+                kv_memory: Some(10 * per_block),
+                n_seq_max: 4,
+                n_batch: 128,
+                ..KvOptions::default()
+            };
+            let mut ctx = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let mut other = Context::with_options(Arc::clone(&m), &o).unwrap();
+            for g in ctx.group_usage() {
+                assert_eq!(g.blocks_total, 10, "{var}");
+            }
+            let n_vocab = m.n_vocab() as u32;
+            let mut text: Vec<Vec<u32>> = vec![Vec::new(); 4];
+            let (mut fits, mut short) = (0, 0);
+            for step in 0..steps {
+                let s = rng.below(4) as SeqId;
+                match rng.below(10) {
+                    0..=5 => {
+                        let mut b = Batch::default();
+                        for q in 0..4 {
+                            if rng.below(2) == 0 {
+                                continue;
+                            }
+                            let p0 = ctx.memory().seq_pos_max(q) + 1;
+                            for i in 0..1 + rng.below(24) {
+                                b.tokens.push(100 + rng.below(8) as u32 % n_vocab);
+                                b.positions.push(p0 + i as Pos);
+                                b.seq_ids.push(q);
+                                b.logits.push(i == 0);
+                            }
+                        }
+                        if b.is_empty() {
+                            continue;
+                        }
+                        let want = ctx.blocks_short(&b).unwrap();
+                        let got = ctx.decode(&b);
+                        match (want, &got) {
+                            (0, Ok(_)) => fits += 1,
+                            (n, Err(Error::KvCacheFull(_))) if n > 0 => {
+                                short += 1;
+                                // Preempt one of the batch's sequences.
+                                let q = b.seq_ids[rng.below(b.len())];
+                                ctx.memory_mut().seq_rm(q, -1, -1).unwrap();
+                                text[q as usize].clear();
+                            }
+                            _ => panic!("{var} step {step}: blocks_short {want}, decode {got:?}"),
+                        }
+                        if got.is_ok() {
+                            for (&q, &t) in b.seq_ids.iter().zip(&b.tokens) {
+                                text[q as usize].push(t);
+                            }
+                        }
+                    }
+                    6 => {
+                        let d = rng.below(4) as SeqId;
+                        if d != s && ctx.memory().seq_pos_max(d) < 0 {
+                            ctx.memory_mut().seq_cp(s, d, -1, -1).unwrap();
+                            text[d as usize] = text[s as usize].clone();
+                        }
+                    }
+                    7 => {
+                        ctx.memory_mut().seq_rm(s, -1, -1).unwrap();
+                        text[s as usize].clear();
+                    }
+                    8 => {
+                        let src = rng.below(4);
+                        if ctx.memory().seq_pos_max(s) < 0 && text[src].len() > 1 {
+                            let prompt = text[src].clone();
+                            let n = ctx.match_prefix(s, &prompt).unwrap();
+                            text[s as usize] = prompt[..n].to_vec();
+                        }
+                    }
+                    _ => {
+                        // Another context takes blocks of the pool, or gives them back.
+                        if other.memory().seq_pos_max(0) < 0 {
+                            let _ = other.decode(&Batch::prompt(&[7; 20], 0, 0));
+                        } else {
+                            other.memory_mut().seq_rm(0, -1, -1).unwrap();
+                        }
+                    }
+                }
+                audit(&ctx);
+                audit(&other);
+            }
+            assert!(
+                fits > steps / 10 && short > steps / 20,
+                "{var}: {fits} fit, {short} short"
+            );
+            // A malformed batch: InvalidInput from both.
+            let bad = Batch::prompt(&[1, 2], 0, 0);
+            let q = Batch {
+                positions: vec![3, 3],
+                ..bad.clone()
+            };
+            assert!(matches!(ctx.blocks_short(&q), Err(Error::InvalidInput(_))));
+            assert!(matches!(ctx.decode(&q), Err(Error::InvalidInput(_))));
+        }
+        // The context's token limit counts as blocks short: 40 tokens of a larger pool.
+        let path = std::env::var("KVSERVE_TEST_MODEL").unwrap();
+        let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+        let mut ctx = Context::new(Arc::clone(&m), 40).unwrap();
+        ctx.decode(&Batch::prompt(&[5; 30], 0, 0)).unwrap();
+        for (n, want) in [(10, 0), (11, 1), (26, 1), (27, 2)] {
+            let b = Batch::prompt(&vec![6; n], 0, 1);
+            assert_eq!(ctx.blocks_short(&b).unwrap(), want, "{n} tokens");
+            assert_eq!(ctx.decode(&b).is_ok(), want == 0, "{n} tokens");
+            ctx.memory_mut().seq_rm(1, -1, -1).unwrap();
+        }
+    }
+
+    /// Dropping a context (what the binding does when a panic closes one) gives every block its
+    /// sequences held back to the model's shared pools, in every group: each pool's referenced
+    /// count returns to what another context alone holds, the blocks its prompt filled stay
+    /// cached and indexed, and a new context maps them and goes on as the dropped one would
+    /// have. SmolLM2 (one group) and Gemma 3 with a prompt past its 512-position window (the
+    /// window group pruned). (The recurrent group: `kv::memory`'s
+    /// `dropping_a_memory_gives_every_block_back`; a context's drop is its memory's.)
+    #[test]
+    fn dropping_a_context_releases_its_blocks_to_the_shared_pools() {
+        for (var, len) in [("KVSERVE_TEST_MODEL", 100), ("KVSERVE_TEST_GEMMA", 540)] {
+            let path = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+            let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+            let o = KvOptions {
+                n_ctx: 2048,
+                ..KvOptions::default()
+            };
+            let text = "Once upon a time, in a kingdom by the sea, there lived a keeper of \
+                        lighthouses who counted the ships that passed each night. ";
+            let mut prompt = Vec::new();
+            while prompt.len() < len {
+                prompt.extend(m.tokenizer.encode(text, prompt.is_empty(), false));
+            }
+            prompt.truncate(len);
+            let mut keep = Context::with_options(Arc::clone(&m), &o).unwrap();
+            keep.decode(&Batch::prompt(&prompt[..20], 0, 0)).unwrap();
+            let pools = |c: &Context| -> Vec<PoolStats> {
+                c.memory()
+                    .groups()
+                    .iter()
+                    .map(|g| g.cache.shared().pool_stats())
+                    .collect()
+            };
+            let base = pools(&keep);
+            let mut ctx = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let want = ctx.decode(&Batch::prompt(&prompt, 0, 0)).unwrap();
+            ctx.memory_mut().seq_cp(0, 1, -1, -1).unwrap();
+            ctx.decode(&Batch::prompt(&[prompt[3]], len as Pos, 1))
+                .unwrap();
+            ctx.decode(&Batch::prompt(&prompt[5..30], 0, 2)).unwrap();
+            audit(&ctx);
+            if var == "KVSERVE_TEST_GEMMA" {
+                let win = &ctx.memory().groups()[0];
+                assert!(matches!(win.kind, LayerKind::Window(512)), "{:?}", win.kind);
+                assert!(
+                    win.cache.table().seq_pos_min(0) > 0,
+                    "the window was pruned"
+                );
+            }
+            for (g, b) in pools(&ctx).iter().zip(&base) {
+                assert!(g.referenced > b.referenced, "{var}");
+            }
+            drop(ctx);
+            for (g, b) in pools(&keep).iter().zip(&base) {
+                assert_eq!(
+                    g.referenced, b.referenced,
+                    "{var}: {g:?} after, {b:?} before"
+                );
+                assert_eq!(g.free + g.cached + g.referenced, g.total);
+                assert!(
+                    g.cached > b.cached,
+                    "{var}: the prompt's blocks stay cached"
+                );
+            }
+            audit(&keep);
+            // A new context on the same model maps the prompt's cached blocks and continues.
+            let mut c2 = Context::with_options(Arc::clone(&m), &o).unwrap();
+            let n = c2.match_prefix(0, &prompt).unwrap();
+            assert_eq!(n, (len - 1) / 16 * 16, "{var}");
+            let got = c2
+                .decode(&Batch::prompt(&prompt[n..], n as Pos, 0))
+                .unwrap();
+            let scale = want.data.iter().fold(0f32, |a, x| a.max(x.abs()));
+            let diff = want
+                .data
+                .iter()
+                .zip(&got.data)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                diff <= 1e-3 * scale,
+                "{var}: logits differ by {diff} (of {scale})"
+            );
+            audit(&c2);
         }
     }
 }
