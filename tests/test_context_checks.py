@@ -59,7 +59,7 @@ def test_seq_state_check_holds_a_state_to_its_tokens(any_model: _core.Model) -> 
     assert b.seq_state_check(data, toks) == 37
     other = list(toks)
     other[10] = (other[10] + 1) % any_model.n_vocab
-    for why, d, t in [
+    for _why, d, t in [
         ("another token", data, other),
         ("fewer tokens", data, toks[:36]),
         ("more tokens", data, toks + [1]),

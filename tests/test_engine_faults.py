@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvserve import Engine, GenerateResult, Model
+from kvserve import Engine, EngineError, GenerateResult, Model
 from kvserve.testing import InjectedFault, inject, prompt_is, session_is
 
 PROMPTS = [f"Fact {i} about {w} is that" for i, w in enumerate(["cats", "tea", "rain", "maps"])]
@@ -273,3 +273,46 @@ def test_a_thread_that_stops_fails_every_caller_and_says_why(model_path: Path) -
     with pytest.raises(RuntimeError, match="persistent bug"):
         eng.generate("Hello", 4)
     eng.close()
+
+
+def test_a_panic_that_closes_the_context_gets_a_new_one(model_path: Path) -> None:
+    """A real Rust panic inside the context (``Context._inject_panic``) closes it for good:
+    the engine makes a new one, recomputes every running request (their outputs equal an
+    undisturbed run) and keeps its sessions' tokens (their K/V is recomputed on next use)."""
+    with Engine(Model.load(model_path, threads=2), parallel=8, ctx_size=256) as eng:
+        reference = [eng.generate(p, N).text for p in PROMPTS]
+        eng.generate("My name is Ada.", 4, session_id="s")
+        (before,) = eng.sessions()
+        assert before.resident
+        with inject(eng, "panic", times=1) as f:
+            out = run_all(eng, PROMPTS)
+        assert f.fired == 1
+        assert [r.text if isinstance(r, GenerateResult) else r for r in out] == reference
+        st = eng.stats()
+        assert st["context_resets"] == 1 and st["failed_requests"] == 0
+        (after,) = eng.sessions()
+        assert (after.tokens, after.resident) == (before.tokens, False)
+        turn = eng.generate(" I live in", 4, session_id="s")
+        assert turn.cached_tokens < before.tokens  # recomputed (from what the cache still had)
+        eng.drop_session("s")
+        settled(eng, 0)
+
+
+def test_a_request_that_panics_every_time_fails_alone(model_path: Path) -> None:
+    """A request whose batches always close the context: after the first loss every request
+    of that batch is decoded alone; the one that closes it again fails, the others finish as
+    in an undisturbed run."""
+    with Engine(Model.load(model_path, threads=2), parallel=8, ctx_size=256) as eng:
+        reference = [eng.generate(p, N).text for p in PROMPTS]
+        victim = 1
+        with inject(eng, "panic", times=None, request=prompt_is(ids(eng, PROMPTS[victim]))):
+            out = run_all(eng, PROMPTS)
+        for i, r in enumerate(out):
+            if i == victim:
+                assert isinstance(r, EngineError), r
+            else:
+                assert isinstance(r, GenerateResult) and r.text == reference[i], (i, r)
+        st = eng.stats()
+        assert st["context_resets"] == 2 and st["failed_requests"] == 1
+        settled(eng, 0)
+        assert eng.generate(PROMPTS[victim], N).text == reference[victim]

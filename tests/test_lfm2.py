@@ -433,6 +433,27 @@ def test_engine_sessions_with_save_and_restore(f32: Tiny, tmp_path: Path):
         assert r3b.cached_tokens == r3.cached_tokens
 
 
+def test_engine_reports_the_recurrent_group(f32: Tiny):
+    """stats() reports the hybrid model's recurrent group beside its attention group: one state
+    (of ``blocks_per_state`` pool blocks) per sequence holding one, back to 0 when it goes."""
+    from kvserve import Engine, Model
+
+    m = Model(str(f32.path), threads=2)
+    with Engine(m, parallel=2, ctx_size=256) as e:
+        st = e.stats()
+        assert st["kv_recurrent_blocks_used"] == 0 and st["kv_full_blocks_used"] == 0
+        assert st["kv_recurrent_layers"] + st["kv_full_layers"] == m.core.n_layer
+        e.generate("the cat in the hat", max_tokens=4, session_id="a")
+        e.generate("a dog ran", max_tokens=4, session_id="b")
+        per_state = e.stats()["kv_recurrent_blocks_used"] // 2
+        assert per_state >= 1
+        assert e.stats()["kv_recurrent_blocks_used"] == 2 * per_state  # two parked sessions
+        e.drop_session("a")
+        assert e.stats()["kv_recurrent_blocks_used"] == per_state
+        e.drop_session("b")
+        assert e.stats()["kv_recurrent_blocks_used"] == 0
+
+
 def test_server_serves_lfm2_with_sessions_and_prefix_reuse(f32: Tiny, tmp_path: Path):
     """`kvserve serve` on the tiny LFM2 file: a shared prompt is reused (cached tokens), a
     session turn continues from its state, and a saved, dropped and restored session goes on

@@ -1263,7 +1263,15 @@ def test_priority_serves_a_later_higher_request_first(inproc: Live, model: Model
     the completion still waits (kvserve_waiting by priority class), so it was served in
     priority order, not arrival order. The completion then gets its greedy text."""
     url = inproc.url
-    long = {"prompt": STORY, "max_tokens": CTX - 40, "ignore_eos": True, "stream": True}
+    # The running stream has the high request's priority, so it is not preempted (only a
+    # lower priority is; tests/test_engine.py covers preemption).
+    long = {
+        "prompt": STORY,
+        "max_tokens": CTX - 40,
+        "ignore_eos": True,
+        "stream": True,
+        "priority": 5,
+    }
     low = {"prompt": PROMPT, "max_tokens": 4, "priority": -5}
     high = {"messages": CHAT, "max_tokens": CTX - 80, "ignore_eos": True, "priority": 5}
     low_response: list[httpx.Response] = []

@@ -457,7 +457,7 @@ def test_bad_session_files_raise_and_load_nothing(
     header, kv = read_session_file(good)
     header["tokens"] = [t + 1 for t in header["tokens"]]
     write_session_file(tmp_path / "mismatch.kvs", header, kv)
-    cases.append((tmp_path / "mismatch.kvs", "does not hold the session's"))
+    cases.append((tmp_path / "mismatch.kvs", "position 0 holds token"))
 
     before = (engine.sessions(), engine.stats()["kv_blocks_used"])
     for path, match in cases:

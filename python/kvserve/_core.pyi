@@ -134,7 +134,9 @@ class Context:
     def stats(self) -> dict[str, Any]:
         """Pool and context counters; ``groups``: one dict per layer group (kind, window,
         layers, blocks_total/free/cached/referenced, bytes_per_block/total/referenced,
-        tokens_stored, blocks_held)."""
+        tokens_stored, blocks_held); a hybrid model's recurrent group comes last (kind
+        ``recurrent``, ``states``: sequences holding a state; its blocks are the primary pool's,
+        ``blocks_referenced``/``blocks_held``: those this context's states take)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""
     def _inject_panic(self) -> None:

@@ -195,6 +195,23 @@ class Engine:
         """Stop the engine thread; requests still queued or running fail with RuntimeError."""
         self._loop.close()
 
+    # The session settings, as given (read-only).
+    @property
+    def kv_high_watermark(self) -> float:
+        return self._sessions.kv_high_watermark
+
+    @property
+    def kv_low_watermark(self) -> float:
+        return self._sessions.kv_low_watermark
+
+    @property
+    def session_ttl(self) -> float | None:
+        return self._sessions.session_ttl
+
+    @property
+    def max_sessions(self) -> int | None:
+        return self._sessions.max_sessions
+
     @property
     def faults(self) -> Faults:
         """Fault injection for tests (:mod:`kvserve.testing`)."""

@@ -6,11 +6,8 @@ see rust/py/src/model.rs, ``Context::with``)."""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from .._model import EngineError, KvCacheFull, StrPath
 from ..sessions import SessionFileError
@@ -116,6 +113,11 @@ class KvManager:
             return False
         return True
 
+    def blocks_short(self, positions: list[int], seqs: list[int]) -> int:
+        """Blocks the pool lacks for a batch (0: it fits), in whichever layer group is
+        shortest, asked before the forward pass (the core plans it as decode would)."""
+        return self.ctx.blocks_short(positions, seqs)
+
     def decode(
         self, tokens: list[int], positions: list[int], seqs: list[int], flags: list[bool]
     ) -> Logits:
@@ -129,8 +131,13 @@ class KvManager:
         return self.ctx.seq_state_write(seq, data)
 
     def state_check(self, kv: bytes, tokens: list[int], path: StrPath) -> None:
-        """A session's K/V state must hold exactly ``tokens`` at positions ``0..n-1``."""
-        _check_state(kv, tokens, path)
+        """A session's K/V state must be this model's and K/V format's and hold exactly
+        ``tokens`` at positions ``0..n-1`` in every layer group (the core checks it all,
+        writing nothing): else a :class:`SessionFileError`."""
+        try:
+            self.ctx.seq_state_check(kv, tokens)
+        except ValueError as e:
+            raise SessionFileError(f"session file {path}: {e}") from e
 
     # -- memory ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -169,38 +176,3 @@ class KvManager:
             self.ctx.clear()
         except EngineError:
             pass  # a closed context holds nothing
-
-
-def _primary_section(kv: bytes) -> int:
-    """Offset of the cells of the primary (first full-attention, else first) K/V group in a
-    sequence state (rust/core/src/kv/state.rs): 0 for a one-group state (version 1); in a
-    layer-group state (version 2: the group count at byte 24, then 20 bytes per group — kind,
-    window and layers as u32, section length as u64 — then the sections in that order) the
-    offset of that group's section. -1 if the bytes are too short to say."""
-    if len(kv) < 28 or int.from_bytes(kv[4:8], "little") != 2:
-        return 0
-    n = int.from_bytes(kv[24:28], "little")
-    table = 28 + 20 * n
-    if n == 0 or len(kv) < table:
-        return -1
-    entries = [struct.unpack_from("<IIIQ", kv, 28 + 20 * i) for i in range(n)]
-    primary = next((i for i, e in enumerate(entries) if e[0] == 0), 0)
-    return table + sum(e[3] for e in entries[:primary])
-
-
-def _check_state(kv: bytes, tokens: list[int], path: StrPath) -> None:
-    """A session's K/V state must hold exactly ``tokens`` at positions ``0..n-1`` in its primary
-    group (the core's sequence state layout, rust/core/src/kv/state.rs: from the section's
-    start, the cell count at byte 44, then the positions and the token ids as little-endian
-    32-bit integers). The core checks the rest (every other group's cells are the primary's)."""
-    n = len(tokens)
-    at = _primary_section(kv)
-    ok = at >= 0 and len(kv) >= at + 48 + 8 * n
-    ok = ok and int.from_bytes(kv[at + 44 : at + 48], "little") == n
-    if ok and n:
-        cells = np.frombuffer(kv, dtype="<i4", count=2 * n, offset=at + 48)
-        ok = bool(np.array_equal(cells[:n], np.arange(n))) and cells[n:].tolist() == tokens
-    if not ok:
-        raise SessionFileError(
-            f"session file {path}: its K/V state does not hold the session's {n} tokens"
-        )

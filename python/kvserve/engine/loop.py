@@ -628,15 +628,24 @@ class EngineLoop:
                 return []
             if any(e[0].faults for e in plan):
                 return self._decode_suspects(plan)
+            batch = _batch(plan)
             try:
-                return [(plan, self._forward(plan))]
-            except KvCacheFull as e:
-                if not self._make_room(e):
+                short = self.kv.blocks_short(batch[1], batch[2])
+            except Exception as e:  # a bad plan (a bug) or a closed context: as a failed decode
+                return self._decode_failed(plan, e)
+            if short > 0:  # asked before computing: make room, then plan again
+                if not self._make_room(f"{short} more blocks"):
+                    return []
+                continue
+            try:
+                return [(plan, self._forward(plan, batch))]
+            except KvCacheFull as e:  # another context of the model took blocks meanwhile
+                if not self._make_room(str(e)):
                     return []
             except Exception as e:
                 return self._decode_failed(plan, e)
 
-    def _make_room(self, error: KvCacheFull) -> bool:
+    def _make_room(self, why: str) -> bool:
         """The pool cannot hold the batch: evict an idle session, else preempt the victim;
         False when the one running request does not fit even alone (it failed)."""
         if self.sessions.evict_one():  # idle sessions go before any running request
@@ -645,7 +654,7 @@ class EngineLoop:
             (req,) = self.sched.running.values()
             msg = (
                 f"the request needs {req.n_tokens} tokens of K/V and does not fit the"
-                f" KV pool even alone ({error})"
+                f" KV pool even alone ({why})"
             )
             self.fail(req, KvCacheFull(msg))
             return False
@@ -684,16 +693,12 @@ class EngineLoop:
                 out += done
         return out
 
-    def _forward(self, plan: list[PlanEntry]) -> Logits:
-        tokens: list[int] = []
-        positions: list[int] = []
-        seqs: list[int] = []
-        flags: list[bool] = []
-        for req, start, k, want in plan:
-            tokens += req.context(start, start + k)
-            positions += range(start, start + k)
-            seqs += [req.seq] * k
-            flags += [False] * (k - 1) + [want]
+    def _forward(
+        self,
+        plan: list[PlanEntry],
+        batch: tuple[list[int], list[int], list[int], list[bool]] | None = None,
+    ) -> Logits:
+        tokens, positions, seqs, flags = batch or _batch(plan)
         if self.faults.armed:
             reqs = [e[0] for e in plan]
             if self.faults.hit("panic", reqs) is not None:
@@ -802,3 +807,17 @@ class EngineLoop:
         if not ok:
             self.sched.preempt(self, req)
         return True
+
+
+def _batch(plan: list[PlanEntry]) -> tuple[list[int], list[int], list[int], list[bool]]:
+    """A plan as ``decode``'s parallel lists: tokens, positions, sequence ids, logits flags."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    seqs: list[int] = []
+    flags: list[bool] = []
+    for req, start, k, want in plan:
+        tokens += req.context(start, start + k)
+        positions += range(start, start + k)
+        seqs += [req.seq] * k
+        flags += [False] * (k - 1) + [want]
+    return tokens, positions, seqs, flags

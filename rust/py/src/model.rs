@@ -260,6 +260,8 @@ struct Published {
     hit_tokens: AtomicU64,
     /// Per layer group: (tokens stored, blocks held) by this context.
     groups: Vec<(AtomicUsize, AtomicUsize)>,
+    /// Sequences holding a recurrent state (hybrid models).
+    recurrent_states: AtomicUsize,
 }
 
 impl Published {
@@ -284,6 +286,9 @@ impl Published {
             tokens.store(t.live_cells, Ordering::Relaxed);
             held.store(t.held_blocks, Ordering::Relaxed);
         }
+        if let Some(r) = ctx.memory().recurrent() {
+            self.recurrent_states.store(r.n_states(), Ordering::Relaxed);
+        }
     }
 
     /// A closed context holds nothing: its current counts are 0 (prefix counters stay).
@@ -293,6 +298,7 @@ impl Published {
             &self.tokens,
             &self.held_blocks,
             &self.unused_slots,
+            &self.recurrent_states,
         ] {
             a.store(0, Ordering::Relaxed);
         }
@@ -322,6 +328,9 @@ pub struct Context {
     shared: Arc<SharedKv>,
     /// Per layer group: its kind and layer count, and its K/V memory.
     groups: Vec<(LayerKind, usize, Arc<SharedKv>)>,
+    /// The recurrent group of a hybrid model: (layers, pool blocks one state takes); its states
+    /// take blocks of the primary pool (`shared`).
+    recurrent: Option<(usize, usize)>,
     n_ctx: usize,
     n_vocab: usize,
     published: Published,
@@ -340,6 +349,10 @@ impl Context {
                 .iter()
                 .map(|g| (g.kind, g.layers.len(), Arc::clone(g.cache.shared())))
                 .collect(),
+            recurrent: ctx
+                .memory()
+                .recurrent()
+                .map(|r| (ctx.memory().n_recurrent_layers(), r.blocks_per_state())),
             n_ctx: ctx.n_ctx(),
             n_vocab: ctx.model().n_vocab(),
             inner: Mutex::new(Some(ctx)),
@@ -604,6 +617,28 @@ impl Context {
             g.set_item("bytes_referenced", p.referenced * bpb)?;
             g.set_item("tokens_stored", tokens.load(Ordering::Relaxed))?;
             g.set_item("blocks_held", held.load(Ordering::Relaxed))?;
+            groups.append(g)?;
+        }
+        // A hybrid model's recurrent group: one state per sequence, in blocks of the primary
+        // pool (its usage: the blocks this context's states take of that pool).
+        if let Some((n_layers, per_state)) = self.recurrent {
+            let g = PyDict::new(py);
+            let p = self.shared.pool_stats();
+            let bpb = self.shared.layout().bytes_per_block();
+            let states = pb.recurrent_states.load(Ordering::Relaxed);
+            g.set_item("kind", "recurrent")?;
+            g.set_item("window", None::<usize>)?;
+            g.set_item("layers", n_layers)?;
+            g.set_item("states", states)?;
+            g.set_item("blocks_total", p.total)?;
+            g.set_item("blocks_free", p.free)?;
+            g.set_item("blocks_cached", 0)?;
+            g.set_item("blocks_referenced", states * per_state)?;
+            g.set_item("bytes_per_block", bpb)?;
+            g.set_item("bytes_total", p.total * bpb)?;
+            g.set_item("bytes_referenced", states * per_state * bpb)?;
+            g.set_item("tokens_stored", states)?;
+            g.set_item("blocks_held", states * per_state)?;
             groups.append(g)?;
         }
         d.set_item("groups", groups)?;

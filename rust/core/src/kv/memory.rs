@@ -198,6 +198,11 @@ impl LayerGroups {
         self.recurrent.as_ref().map(|r| &r.state)
     }
 
+    /// Layers whose memory is the recurrent group (0 without one).
+    pub fn n_recurrent_layers(&self) -> usize {
+        self.recurrent.as_ref().map_or(0, |r| r.layers.len())
+    }
+
     pub fn recurrent_mut(&mut self) -> Option<&mut RecurrentGroup> {
         self.recurrent.as_mut().map(|r| &mut r.state)
     }
