@@ -309,6 +309,17 @@ def test_aging_promotes_but_never_preempts() -> None:
     assert s.admit(res, 10.0) == [old]
 
 
+def test_a_request_admitted_by_aging_is_not_preempted_for_priority() -> None:
+    s, res = make(parallel=1, aging=5.0)
+    old = req(priority=-5)
+    s.queue.push(old, 0.0)
+    assert s.admit(res, 6.0) == [old] and old.protected
+    high = req(priority=9)
+    s.queue.push(high, 6.0)
+    assert s.admit(res, 6.0) == [] and res.preempted == []
+    assert s.victim() is old  # memory shortage may still take it
+
+
 def test_a_promoted_request_is_not_starved_by_a_stream_of_higher_priorities() -> None:
     s, res = make(parallel=1, aging=3.0)
     low = req(priority=-10)

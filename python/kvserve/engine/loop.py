@@ -781,8 +781,14 @@ class EngineLoop:
         """Hands ``tok`` to ``req`` and finishes it when it is done; returns 1 if the token
         counts as generated (counted in ``stats()`` before the request can see its result)."""
         self.faults.check("deliver", req)
-        generated, reason = deliver(req, tok, self._piece, self._is_eog, self.seq_limit)
+        # Counted before the text goes out, so stats() never shows less than a caller saw.
+        generated = req.ignore_eos or not self._is_eog(tok)
         self.generated_tokens += generated
+        try:
+            reason = deliver(req, tok, self._piece, self._is_eog, self.seq_limit)
+        except BaseException:
+            self.generated_tokens -= generated
+            raise
         if reason == FINISH_CONTEXT and self._shift_context(req):
             reason = None
         if reason is not None:

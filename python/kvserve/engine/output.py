@@ -45,12 +45,12 @@ def deliver(
     piece: Callable[[int], bytes],
     is_eog: Callable[[int], bool],
     seq_limit: int,
-) -> tuple[bool, str | None]:
-    """Hands ``tok`` to ``req``: (whether it counts as generated, the finish reason when the
-    request is done now, else None). ``FINISH_CONTEXT`` means the sequence is full: the caller
-    shifts its context or finishes it."""
+) -> str | None:
+    """Hands ``tok`` to ``req``: the finish reason when the request is done now, else None.
+    ``FINISH_CONTEXT`` means the sequence is full: the caller shifts its context or finishes
+    it. An end-of-generation token (unless ``ignore_eos``) is not delivered: it ends it."""
     if not req.ignore_eos and is_eog(tok):
-        return False, FINISH_STOP
+        return FINISH_STOP
     req.ids.append(tok)
     if req.logprobs is not None and req.pending_logprob is not None:
         req.logprobs.append(req.pending_logprob)
@@ -60,9 +60,9 @@ def deliver(
         req.pieces.append(out)
         req.sink.piece(out, req.unsent_logprobs())
     if req.text.stopped:
-        return True, FINISH_STOP
+        return FINISH_STOP
     if req.n_generated >= req.max_tokens:
-        return True, FINISH_LENGTH
+        return FINISH_LENGTH
     if req.n_tokens - 1 >= seq_limit:
-        return True, FINISH_CONTEXT
-    return True, None
+        return FINISH_CONTEXT
+    return None

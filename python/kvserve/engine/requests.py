@@ -213,6 +213,7 @@ class Request:
         self.entry = 0  # its live entry in the waiting queue (0: not queued)
         self.queued_at: float | None = None  # time.monotonic() of its first queueing (aging)
         self.faults = 0  # failed or lost decodes it took part in (containment)
+        self.protected = False  # admitted by aging: never preempted for priority
         self.seq = -1  # sequence id in the context while running
         self.n_done = 0  # ids[:n_done] have their K/V in the context
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)

@@ -9,7 +9,8 @@ within a priority, except:
 
 - *aging*: a request that has waited ``aging_s`` seconds is *promoted*: it goes before every
   request that is not, in arrival order among the promoted, so low priority is never starved
-  while higher priorities keep arriving (it still does not preempt anyone);
+  while higher priorities keep arriving (it does not preempt anyone, and once admitted it is
+  not preempted for priority either);
 - *the fast lane*: while the step's prompt budget is taken, a request of the head's rank with
   at most ``fast_lane`` prompt tokens left to compute (the rest cached) is admitted out of
   turn if memory and a slot allow, leaving one slot for the head;
@@ -245,11 +246,16 @@ class Scheduler:
     ) -> Request | None:
         """The running request to preempt: lowest priority, latest arrival. With ``below`` (a
         waiting request's priority): only one of lower priority, never a closing session turn
-        (it frees nothing worth a slot) nor one in ``spare`` (admitted in this step)."""
+        (it frees nothing worth a slot), one in ``spare`` (admitted in this step), nor one
+        admitted by aging (``protected``: a flood of higher priorities cannot starve it by
+        preempting it again and again; memory shortage still can preempt it)."""
         best: Request | None = None
         for r in self.running.values():
             if below is not None and (
-                r.priority >= below or id(r) in spare or (r.turn is not None and r.turn.closing)
+                r.priority >= below
+                or r.protected
+                or id(r) in spare
+                or (r.turn is not None and r.turn.closing)
             ):
                 continue
             if best is None or r.key > best.key:
@@ -307,6 +313,7 @@ class Scheduler:
                 deferred.append(req)  # its blocks come cached in a step or two
                 continue
             if self._start(res, req):
+                req.protected = req.protected or promoted
                 admitted.append(req)
                 room -= need
                 slots += need_slots
