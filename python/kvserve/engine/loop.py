@@ -763,14 +763,27 @@ class EngineLoop:
         wanting = [req for req, _s, _k, want in plan if want]
         greedy = argmax_rows(wanting, rows)
         n_generated = 0
-        for i, req in enumerate(wanting):
-            if req.cancel_requested or req.state != RUNNING:
-                continue  # dropped at the next step (or failed meanwhile)
-            n_generated += self.contain(req, self._emit, req, rows[i], greedy.get(i)) or 0
+        first = 0
+        while first < len(wanting):
+            # One try around the rows (not a call per row: this is the per-token hot path);
+            # the row that raises fails alone and the loop goes on after it.
+            i = first
+            try:
+                for i in range(first, len(wanting)):
+                    req = wanting[i]
+                    if req.cancel_requested or req.state != RUNNING:
+                        continue  # dropped at the next step (or failed meanwhile)
+                    n_generated += self._emit(req, rows[i], greedy.get(i))
+                first = len(wanting)
+            except Exception as e:
+                self._check_context(wanting[i])
+                self.fail(wanting[i], e)
+                first = i + 1
         return n_generated
 
     def _emit(self, req: Request, row: np.ndarray, greedy: int | None) -> int:
-        self.faults.check("sample", req)
+        if self.faults.armed:
+            self.faults.check("sample", req)
         tok = self.pick(self.model, req, row, greedy)
         n = 0
         if req.children:  # before req may finish and release its sequence
@@ -780,12 +793,14 @@ class EngineLoop:
     def _deliver(self, req: Request, tok: int) -> int:
         """Hands ``tok`` to ``req`` and finishes it when it is done; returns 1 if the token
         counts as generated (counted in ``stats()`` before the request can see its result)."""
-        self.faults.check("deliver", req)
+        if self.faults.armed:
+            self.faults.check("deliver", req)
         # Counted before the text goes out, so stats() never shows less than a caller saw.
-        generated = req.ignore_eos or not self._is_eog(tok)
+        eog = not req.ignore_eos and self._is_eog(tok)
+        generated = not eog
         self.generated_tokens += generated
         try:
-            reason = deliver(req, tok, self._piece, self._is_eog, self.seq_limit)
+            reason = deliver(req, tok, eog, self._piece, self.seq_limit)
         except BaseException:
             self.generated_tokens -= generated
             raise

@@ -40,16 +40,13 @@ def pick(model: Model, req: Request, row: np.ndarray, greedy: int | None) -> int
 
 
 def deliver(
-    req: Request,
-    tok: int,
-    piece: Callable[[int], bytes],
-    is_eog: Callable[[int], bool],
-    seq_limit: int,
+    req: Request, tok: int, eog: bool, piece: Callable[[int], bytes], seq_limit: int
 ) -> str | None:
     """Hands ``tok`` to ``req``: the finish reason when the request is done now, else None.
     ``FINISH_CONTEXT`` means the sequence is full: the caller shifts its context or finishes
-    it. An end-of-generation token (unless ``ignore_eos``) is not delivered: it ends it."""
-    if not req.ignore_eos and is_eog(tok):
+    it. ``eog``: ``tok`` ends the generation (an end-of-generation token, ``ignore_eos``
+    off); it is not delivered."""
+    if eog:
         return FINISH_STOP
     req.ids.append(tok)
     if req.logprobs is not None and req.pending_logprob is not None:
