@@ -866,6 +866,36 @@ def test_prompt_too_long_names_both_numbers(server: Server, model: Model) -> Non
     assert str(n) in error["message"] and str(CTX) in error["message"], error
 
 
+def test_the_default_body_limit_follows_the_context() -> None:
+    """256 bytes per token of context (more than any prompt that fits, JSON-escaped), at
+    least 1 MiB; --max-body overrides it."""
+    assert ServerConfig(ctx_size=4096).body_limit() == 1 << 20
+    assert ServerConfig(ctx_size=8192).body_limit() == 2 << 20
+    assert ServerConfig(ctx_size=8192).body_limit(ctx_size=64) == 1 << 20
+    assert ServerConfig(ctx_size=8192, max_body=100).body_limit() == 100
+
+
+def test_a_multi_megabyte_body_is_refused_unread(inproc: Live) -> None:
+    """A body over the default limit is a 413 on its Content-Length: the server answers
+    before the client has sent it (a flood of them costs the engine nothing)."""
+    size = 3 << 20
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        left = size - 14
+        while left > 0:
+            yield b"x" * min(65536, left)
+            left -= min(65536, left)
+        yield b'"}'
+
+    headers = {"content-type": "application/json", "content-length": str(size)}
+    try:
+        r = httpx.post(f"{inproc.url}/v1/completions", content=chunks(), headers=headers)
+    except httpx.HTTPError:  # the server may close before the client is done sending
+        return
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
 def test_body_too_large_is_413(server: Server) -> None:
     big = json.dumps({"prompt": "x" * MAX_BODY})
     r = httpx.post(f"{server.url}/v1/completions", content=big)
@@ -1412,8 +1442,9 @@ def test_a_huge_prompt_is_refused_before_tokenizing(inproc: Live, model: Model) 
         calls.append(len(text))
         return original(text, *args, **kwargs)
 
-    huge = "All work and no play makes Jack a dull boy. " * 70_000
-    assert len(huge) > 3_000_000
+    # Longer than the limit, shorter than the body limit (a body past that is a 413 unread).
+    huge = "All work and no play makes Jack a dull boy. " * (limit // 44 + 100)
+    assert limit < len(huge) < 2 * limit
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(inproc.engine.model, "tokenize", counting)
         for route, body, param in (

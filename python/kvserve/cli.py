@@ -337,8 +337,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "require 'Authorization: Bearer KEY' on every route but /health"),
     (("--api-key-file",), "PATH", "KVSERVE_API_KEY_FILE", str, None,
      "read the API key from the first line of this file"),
-    (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, "8MiB",
-     "largest request body (413 beyond it)"),
+    (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, None,
+     "largest request body (413 beyond it; default: 256 bytes per token of --ctx-size, at"
+     " least 1MiB)"),
     (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
      "log lines as text, or one JSON object per line"),
 ]  # fmt: skip

@@ -994,7 +994,7 @@ def create_app(
         routes=lambda: app.routes,
         metrics=server.metrics,
         api_key=config.api_key,
-        max_body=config.max_body,
+        max_body=config.body_limit(engine.ctx_size if engine is not None else None),
     )
 
 

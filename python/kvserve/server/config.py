@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BODY", "ServerConfig"]
+__all__ = ["MIN_DEFAULT_MAX_BODY", "ServerConfig"]
 
-DEFAULT_MAX_BODY = 8 * 1024 * 1024
+# The default body limit is 256 bytes per token of context, at least this (1 MiB).
+MIN_DEFAULT_MAX_BODY = 1 << 20
 
 
 @dataclass
@@ -22,7 +23,11 @@ class ServerConfig:
     ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
     sessions live in memory only).
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
-    ``max_body``: the largest request body in bytes (413 beyond). ``model_id``: the id that
+    ``max_body``: the largest request body in bytes (413 beyond, refused on its Content-Length
+    before it is read); None: 256 bytes per token of ``ctx_size``, at least 1 MiB (a body past
+    that holds more text than the context, even JSON-escaped, so the server need not read and
+    parse it: a flood of multi-megabyte bodies costs it next to nothing). ``model_id``: the id
+    that
     ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
     ``chat_template``: a Jinja chat template (its source) to use instead of the model's.
     ``max_tokens_limit``: the most tokens one request may generate (an explicit
@@ -51,10 +56,17 @@ class ServerConfig:
     max_queue: int = 256
     api_key: str | None = None
     log_format: str = "text"
-    max_body: int = DEFAULT_MAX_BODY
+    max_body: int | None = None
     model_id: str | None = None
     max_tokens_limit: int | None = None
     max_prompt_chars: int | None = None
+
+    def body_limit(self, ctx_size: int | None = None) -> int:
+        """``max_body``, or its default for ``ctx_size`` (the engine's; default: this config's
+        ``ctx_size``; see the class docs)."""
+        if self.max_body is not None:
+            return self.max_body
+        return max(MIN_DEFAULT_MAX_BODY, 256 * (ctx_size or self.ctx_size))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The :class:`kvserve.Engine` arguments (everything but the model)."""

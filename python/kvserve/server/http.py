@@ -160,6 +160,8 @@ class Gate:
             413,
             f"the request body is larger than the server's limit of {self.max_body} bytes",
             code="body_too_large",
+            # The rest of the body is not read: the connection ends with the answer.
+            headers={"Connection": "close"},
         )
         for name, value in scope["headers"]:
             if name == b"content-length":
