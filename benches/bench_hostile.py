@@ -266,7 +266,11 @@ def main() -> None:
     )
     print(table)
     if args.write:
-        cmd = "python benches/bench_hostile.py " + " ".join(sys.argv[1:])
+        shown = [
+            "MODEL" if a == args.model else "OLD/python" if a == args.pythonpath else a
+            for a in sys.argv[1:]
+        ]
+        cmd = "python benches/bench_hostile.py " + " ".join(shown)
         append_section(
             Path(REPO_ROOT) / "BENCHMARKS.md", "## Streams beside hostile requests", table, cmd
         )
