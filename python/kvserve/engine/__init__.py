@@ -24,11 +24,14 @@ One step:
    prompts still being prefilled (short remainders first, then highest priority, earliest
    first) up to ``batch_tokens`` tokens in all (chunked prefill: a long prompt never stalls
    the running streams for more than one chunk);
-4. ``decode`` it (the GIL is released). If the pool cannot hold the batch (``KvCacheFull``),
-   idle sessions are evicted, then the lowest-priority, latest-arrived sequence is
-   *preempted* (its blocks released; it goes back to the waiting queue with its place and is
-   later resumed by recomputing its prompt and generated tokens, with prefix reuse), and the
-   batch is rebuilt and retried. Only a request that cannot fit when it runs alone fails
+4. ask the core whether the pool can hold the batch in every layer group
+   (``Context.blocks_short``), and if not evict idle sessions, then preempt the
+   lowest-priority, latest-arrived sequence, and plan again; then ``decode`` it (the GIL is
+   released). A ``KvCacheFull`` from the decode itself (another context of the model took
+   blocks meanwhile) is handled the same way. A preempted sequence is
+   released and goes back to the waiting queue with its place; it is later resumed by
+   recomputing its prompt and generated tokens, with prefix reuse. Only a request that cannot
+   fit when it runs alone fails
    (``KvCacheFull``). Any other failure is contained (:mod:`kvserve.engine.loop`): retried
    once, then the batch is split so that only the failing requests fail;
 5. sample every row at once (greedy rows without logit bias or penalties with one argmax over

@@ -687,8 +687,9 @@ class EngineLoop:
             except KvCacheFull:
                 pass  # planned again next step
             except Exception as e:
+                lost = self.kv.reopened
                 done = self._decode_failed(rest, e)
-                if self.kv.reopened and not self.sched.running:
+                if self.kv.reopened != lost:
                     return []  # the context was lost meanwhile: everything was requeued
                 out += done
         return out
