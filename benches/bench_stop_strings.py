@@ -1,6 +1,7 @@
 """Per-token cost of stop-string matching: ``TextStream.push`` with 1, 100 and 150,000 stop
 strings, the Aho-Corasick stream (kvserve.textstream) against the previous implementation
-(re-scanning the held text against every stop string on every push, copied below).
+(re-scanning the held text against every stop string on every push: the tests' oracle,
+``NaiveTextStream`` in tests/test_textstream.py).
 
     python benches/bench_stop_strings.py [--tokens N] [--stops 1,100,150000]
 
@@ -16,55 +17,18 @@ slow (at least 20). On a shared machine compare lines of one run only.
 from __future__ import annotations
 
 import argparse
-import codecs
 import random
 import statistics
+import sys
 import time
-from collections.abc import Iterable
+from pathlib import Path
 
 from kvserve import textstream
 from kvserve.textstream import TextStream
 
-
-def _held_suffix(text: str, stops: list[str]) -> int:
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
-
-
-class OldTextStream:
-    """kvserve.textstream.TextStream before the Aho-Corasick matcher."""
-
-    def __init__(self, stop: Iterable[str] = ()) -> None:
-        self.stops = [s for s in stop if s]
-        self.stopped = False
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pending = ""
-
-    def push(self, piece: bytes) -> str:
-        if self.stopped:
-            return ""
-        return self._release(self._decoder.decode(piece), final=False)
-
-    def _release(self, text: str, final: bool) -> str:
-        pending = self._pending + text
-        if not self.stops:
-            self._pending = ""
-            return pending
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            self._pending = ""
-            return pending[: min(hits)]
-        keep = 0 if final else _held_suffix(pending, self.stops)
-        ready = len(pending) - keep
-        self._pending = pending[ready:]
-        return pending[:ready]
-
+# The previous implementation is the tests' oracle (tests/test_textstream.py): one copy.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_textstream import NaiveTextStream as OldTextStream  # noqa: E402
 
 WORDS = (
     "the of and to in is that it was for on are as with his they at be this from have or by "

@@ -15,7 +15,7 @@ from typing_extensions import Unpack
 
 from .. import models
 from .._model import GenerateResult, Model, StrPath, prompt_ids
-from ..options import RequestOptions, resolve
+from ..options import RequestOptions, Resolved, resolve
 from ..sessions import SessionInfo, Turn, check_header, read_session_file, write_session_file
 from ..testing import Faults
 from .kv import KvManager
@@ -50,6 +50,18 @@ def _load_model(model: Model | StrPath | None, threads: int | None) -> Model:
     if isinstance(model, str) and model in models.REGISTRY and not Path(model).exists():
         return Model(models.pull(model, quiet=True), threads)
     return Model(model, threads)
+
+
+def _new_request(ids: list[int], max_tokens: int, opts: Resolved) -> Request:
+    return Request(
+        ids,
+        max_tokens,
+        opts.sampler,
+        opts.stops,
+        opts.ignore_eos,
+        opts.priority,
+        logprobs=opts.logprobs,
+    )
 
 
 def _group_stats(st: dict[str, Any]) -> dict[str, float | int]:
@@ -255,15 +267,7 @@ class Engine:
         if n > self._seq_limit:
             what = "the prompt" if n == len(ids) else "the session with this prompt"
             raise ValueError(f"{what} has {n} tokens, more than {self._limit_name} allows")
-        req = Request(
-            ids,
-            max_tokens,
-            opts.sampler,
-            opts.stops,
-            opts.ignore_eos,
-            opts.priority,
-            logprobs=opts.logprobs,
-        )
+        req = _new_request(ids, max_tokens, opts)
         req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
         req.keep = self._keep(opts.n_keep)
         req.turn = turn
@@ -406,15 +410,7 @@ class Engine:
                 n_vocab=self.model.n_vocab,
                 engine=True,
             )
-            child = Request(
-                list(req.ids),
-                max_tokens,
-                opts.sampler,
-                opts.stops,
-                opts.ignore_eos,
-                opts.priority,
-                logprobs=opts.logprobs,
-            )
+            child = _new_request(list(req.ids), max_tokens, opts)
             child.context_shift, child.keep = req.context_shift, req.keep
             req.children.append(child)
         return [req, *req.children]

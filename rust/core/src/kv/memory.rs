@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use super::cache::PagedCache;
 use super::pool::{BlockId, BlockPool};
+use super::prefix::chain_keys;
 use super::prefix::Key;
-use super::prefix::{block_key, ROOT_KEY};
 use super::recurrent::{RecurrentGroup, StateTx};
 use super::storage::KvStorage;
 use super::table::{BatchTx, Pos, SeqId};
@@ -297,12 +297,7 @@ impl LayerGroups {
         let model_id = primary.model_id();
         let shared = Arc::clone(primary.shared());
         let mut storage = shared.lock_storage();
-        let mut keys = Vec::with_capacity(n / bs);
-        let mut parent = ROOT_KEY;
-        for chunk in tokens[..n].chunks_exact(bs) {
-            parent = block_key(model_id, parent, chunk);
-            keys.push(parent);
-        }
+        let keys = chain_keys(model_id, &tokens[..n], bs);
         let mut found = None;
         for i in (0..keys.len()).rev() {
             let m = (i + 1) * bs;
@@ -870,14 +865,7 @@ mod tests {
         let pi = m.primary_index();
         let full = Arc::clone(m.groups()[pi].cache.shared());
         let id = m.groups()[pi].cache.model_id();
-        let mut parent = ROOT_KEY;
-        let keys: Vec<Key> = toks
-            .chunks_exact(BS)
-            .map(|c| {
-                parent = block_key(id, parent, c);
-                parent
-            })
-            .collect();
+        let keys = chain_keys(id, &toks, BS);
         // A checkpoint after block 2 only (positions 0..48).
         let vals: Vec<f32> = (0..16).map(|i| i as f32 * 0.5).collect();
         let r = m.recurrent().unwrap();
@@ -1144,14 +1132,7 @@ mod tests {
         run(&mut m, 0, 0, 48); // tokens 0..48; the window group pruned (cached blocks)
         let toks: Vec<u32> = (0..48).collect();
         let id = full.model_id();
-        let mut parent = ROOT_KEY;
-        let keys: Vec<Key> = toks
-            .chunks_exact(BS)
-            .map(|c| {
-                parent = block_key(id, parent, c);
-                parent
-            })
-            .collect();
+        let keys = chain_keys(id, &toks, BS);
         let vals: Vec<f32> = (0..16).map(|i| i as f32 - 3.5).collect();
         let r = m.recurrent().unwrap();
         assert!(r.store_checkpoint(&mut full.lock_storage(), id, keys[2], &toks[32..], &vals));

@@ -118,6 +118,19 @@ impl KeyHasher {
 
 const DOMAIN_BLOCK: u64 = 0x6b76_7365_7276_6542; // "kvserveB"
 
+/// The chain of content keys of the whole blocks of `tokens` (blocks of `block_size`; a
+/// partial last block has none): key `i` is [`block_key`] of block `i` under key `i - 1`.
+pub fn chain_keys(model_id: Key, tokens: &[u32], block_size: usize) -> Vec<Key> {
+    let mut parent = ROOT_KEY;
+    tokens
+        .chunks_exact(block_size)
+        .map(|c| {
+            parent = block_key(model_id, parent, c);
+            parent
+        })
+        .collect()
+}
+
 /// Content key of a full block: `tokens` are its token ids in slot order, `parent` the key of the
 /// previous block of the sequence ([`ROOT_KEY`] for the first), `model_id` identifies the model
 /// and K/V format that computed the K/V. Never [`ROOT_KEY`].
