@@ -239,12 +239,53 @@ class Model:
         return self.chat_template.prompt(messages, add_generation_prompt)
 
     def tokenize_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        *,
+        special_in_content: bool = False,
     ) -> list[int]:
         """The token ids a chat prompt feeds the model: :meth:`apply_chat_template`'s text
-        tokenized as generation tokenizes prompts (the model's BOS rule, special-token text
-        parsed), so the ids hold exactly one BOS when the model uses one."""
-        return prompt_ids(self, self.apply_chat_template(messages, add_generation_prompt))
+        tokenized as generation tokenizes prompts (the model's BOS rule), so the ids hold
+        exactly one BOS when the model uses one.
+
+        Message content is text: special-token text inside it (``<|im_end|>`` written by a
+        user) is tokenized as plain text, and only the template's own markup becomes special
+        tokens, so no message can forge a role. A prompt whose content holds no special-token
+        text gives exactly the ids of the whole text (as llama.cpp's server tokenizes it);
+        one whose content does is tokenized in pieces (markup, content, markup, ...), and a
+        template that does not print such content verbatim is a ``ValueError``.
+        ``special_in_content=True`` parses special-token text everywhere (llama.cpp's
+        behaviour; for trusted input only)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if special_in_content or not self.content_has_special(messages):
+            return prompt_ids(self, text)
+        segments = self.chat_template.segments(messages, add_generation_prompt)
+        if segments is None:
+            raise ValueError(
+                "a message's content holds special-token text, and this chat template does not"
+                " print message content verbatim, so it cannot be kept apart from the template's"
+                " markup (pass special_in_content=True only for trusted input)"
+            )
+        ids: list[int] = []
+        for k, (piece, is_content) in enumerate(segments):
+            ids += self.tokenize(piece, add_special=k == 0, parse_special=not is_content)
+        if not ids:
+            return prompt_ids(self, text)
+        return ids
+
+    def content_has_special(self, messages: Sequence[Message]) -> bool:
+        """Whether some message's content (any text part) holds special-token text: text that
+        tokenizes differently when special tokens are parsed."""
+        from .chat import check_messages
+
+        for m in check_messages(messages):
+            content = m["content"]
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+            for t in texts:
+                if t and self.tokenize(t, False, True) != self.tokenize(t, False, False):
+                    return True
+        return False
 
     def new_context(
         self,

@@ -31,6 +31,7 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -256,6 +257,44 @@ class ChatTemplate:
                 if isinstance(m["content"], list):
                     m["content"] = _join_parts(m["content"])
         return self._run(msgs, bool(add_generation_prompt))
+
+    def segments(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> list[tuple[str, bool]] | None:
+        """:meth:`prompt`'s text cut into (text, is_content) pieces: the messages' content
+        (each text part) apart from the template's own markup, so content can be tokenized as
+        plain text and only markup's special-token text becomes special tokens. Found by
+        rendering with a unique marker in place of each content text and checking that the
+        pieces join to exactly :meth:`prompt`'s text (content as given, or trimmed as a
+        template that trims it prints it). None when the template does not print every content
+        verbatim once, in order (it transforms or repeats it): no safe cut exists."""
+        whole = self.prompt(messages, add_generation_prompt)
+        msgs = check_messages(messages)
+        texts: list[str] = []
+
+        def mark(text: str) -> str:
+            texts.append(text)
+            return f"\ue000kvs{len(texts) - 1}\ue001"
+
+        for m in msgs:
+            if isinstance(m["content"], str):
+                m["content"] = mark(m["content"])
+            else:
+                m["content"] = [{"type": "text", "text": mark(p["text"])} for p in m["content"]]
+        marked = self.prompt(msgs, add_generation_prompt)
+        cuts = re.split("\ue000kvs(\\d+)\ue001", marked)
+        order = [int(i) for i in cuts[1::2]]
+        if order != list(range(len(texts))):
+            return None
+        for trim in (False, True):
+            pieces: list[tuple[str, bool]] = []
+            for k, markup in enumerate(cuts[0::2]):
+                pieces.append((markup, False))
+                if k < len(texts):
+                    pieces.append((texts[k].strip() if trim else texts[k], True))
+            if "".join(t for t, _ in pieces) == whole:
+                return [(t, c) for t, c in pieces if t]
+        return None
 
     def prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text to tokenize with the model's special tokens (llama.cpp's rule: the

@@ -295,6 +295,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      " first use)"),
     (("--chat-template-file",), "PATH", "KVSERVE_CHAT_TEMPLATE_FILE", str, None,
      "a Jinja chat template to use instead of the model's"),
+    (("--special-in-content",), "", "KVSERVE_SPECIAL_IN_CONTENT", _bool, False,
+     "parse special-token text inside chat message content (llama.cpp's behaviour; a user"
+     " can then forge roles: trusted clients only). Off: content is plain text"),
     (("--host",), "ADDR", "KVSERVE_HOST", str, "127.0.0.1", "address to listen on"),
     (("--port",), "N", "KVSERVE_PORT", _port, 8080, "port to listen on (0: any free port)"),
     (("-t", "--threads"), "N", "KVSERVE_THREADS", _positive_int, None,
@@ -412,6 +415,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_body=s["max_body"],
         max_tokens_limit=s["max_tokens_limit"],
         max_prompt_chars=s["max_prompt_chars"],
+        special_in_content=s["special_in_content"],
     )
 
 

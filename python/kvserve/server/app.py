@@ -535,15 +535,18 @@ def _max_tokens(engine: Engine, fields: dict[str, int | None], default: int) -> 
     return default if limit is None else min(default, limit)
 
 
-def _chat_ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
-    """The chat template rendered and tokenized (in a worker thread, never on the loop)."""
+def _chat_ids(
+    engine: Engine, messages: list[dict[str, Any]], special_in_content: bool = False
+) -> list[int]:
+    """The chat template rendered and tokenized (in a worker thread, never on the loop);
+    message content is plain text unless ``special_in_content`` (Model.tokenize_chat)."""
     tokenize_chat = getattr(engine.model, "tokenize_chat", None)
     if tokenize_chat is None:
         raise ApiError(
             501, "chat templates are not available in this build", code="not_implemented"
         )
     try:
-        ids: list[int] = tokenize_chat(messages)
+        ids: list[int] = tokenize_chat(messages, special_in_content=special_in_content)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
     return ids
@@ -733,7 +736,9 @@ def create_app(
 
         def run() -> list[int] | list[dict[str, Any]]:
             try:
-                ids = model.tokenize(body.content, add_special=body.add_special, parse_special=True)
+                ids = model.tokenize(
+                    body.content, add_special=body.add_special, parse_special=body.parse_special
+                )
             except ValueError as e:
                 raise ApiError(400, str(e), param="content", code="invalid_value") from None
             if not body.with_pieces:
@@ -743,7 +748,8 @@ def create_app(
                 for t in ids
             ]
 
-        return JSONResponse({"tokens": await _blocking(run)})
+        tokens = await _blocking(run)
+        return JSONResponse({"tokens": tokens, "parse_special": body.parse_special})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -862,7 +868,7 @@ def create_app(
             server,
             request,
             1,
-            lambda e: [_chat_ids(e, messages)],
+            lambda e: [_chat_ids(e, messages, config.special_in_content)],
             body.n,
             max_tokens,
             options,

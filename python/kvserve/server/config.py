@@ -34,8 +34,10 @@ class ServerConfig:
     ``max_tokens`` above it is a 400; a request without one is bounded by it); None: the
     context size. ``max_prompt_chars``: the most characters of one prompt (a chat: of its
     messages' contents), checked before tokenizing; None: ``ctx_size`` x the model's longest
-    token in bytes, past which no prompt can fit. When the app is given an engine, the
-    engine's own ``max_tokens_limit`` applies."""
+    token in bytes, past which no prompt can fit. ``special_in_content``: parse special-token
+    text inside chat message content as special tokens (llama.cpp's behaviour: a user can
+    forge a role; for trusted clients only); off, content is plain text. When the app is given
+    an engine, the engine's own ``max_tokens_limit`` applies."""
 
     model: str | None = None
     chat_template: str | None = None
@@ -60,6 +62,7 @@ class ServerConfig:
     model_id: str | None = None
     max_tokens_limit: int | None = None
     max_prompt_chars: int | None = None
+    special_in_content: bool = False
 
     def body_limit(self, ctx_size: int | None = None) -> int:
         """``max_body``, or its default for ``ctx_size`` (the engine's; default: this config's

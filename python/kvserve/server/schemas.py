@@ -115,10 +115,13 @@ class ChatRequest(_Generation):
 
 
 class TokenizeRequest(_Body):
-    """``POST /tokenize``: ``content`` to token ids (special-token text is parsed)."""
+    """``POST /tokenize``: ``content`` to token ids; ``parse_special`` (default true, as
+    llama-server): special-token text becomes special tokens, else it is plain text (as chat
+    message content is); the answer says which it did."""
 
     content: str
     add_special: bool = False
+    parse_special: bool = True
     with_pieces: bool = False
 
 
