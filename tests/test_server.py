@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -1925,3 +1926,189 @@ def test_a_forged_role_in_message_content_stays_text(inproc: Live, model: Model)
             "tokens": model.tokenize(forged, False, parse),
             "parse_special": parse,
         }
+
+
+# -- tenants -----------------------------------------------------------------------------------
+
+KEYS = """
+[tenants.alice]
+key = "alice-secret-key"
+max_priority = 0
+
+[tenants.bob]
+key = "bob-secret-key"
+
+[tenants.carol]
+key = "carol-secret-key"
+requests_per_minute = 2
+max_concurrent = 1
+"""
+
+
+def _as(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {name}-secret-key"}
+
+
+@pytest.fixture(scope="module")
+def tenants_app(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, Path]]:
+    """One engine behind an app with three tenants (keys file above) and a session dir."""
+    root = tmp_path_factory.mktemp("tenants")
+    keys = root / "keys.toml"
+    keys.write_text(KEYS, encoding="utf-8")
+    sessions = root / "sessions"
+    config = ServerConfig(api_keys_file=str(keys), session_dir=str(sessions))
+    with Engine(model_path, threads=1, parallel=2, ctx_size=CTX, kv_memory="8MiB") as engine:
+        with _live(create_app(config, engine=engine)) as url:
+            yield url, sessions, keys
+
+
+def test_tenants_need_their_keys(tenants_app: tuple[str, Path, Path]) -> None:
+    url = tenants_app[0]
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer nope-nope-nope"}, {"Authorization": "x"}):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/health").status_code == 200  # no key needed
+    for name in ("alice", "bob"):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=_as(name))
+        assert r.status_code == 200, r.text
+
+
+def test_a_tenants_sessions_are_its_own(tenants_app: tuple[str, Path, Path]) -> None:
+    """Every session route of another tenant is 404; its 'continue' starts a session of its
+    own under the same id; files go to the tenant's directory, mode 0600, and restore reads
+    only from there."""
+    url, sessions, _ = tenants_app
+    chat = {"messages": [{"role": "user", "content": "My name is Ada."}], "max_tokens": 4}
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={**chat, "session_id": "s"}, headers=_as("alice")
+    )
+    assert r.status_code == 200, r.text
+    alice = httpx.get(f"{url}/v1/sessions/s", headers=_as("alice")).json()
+    assert alice["id"] == "s" and alice["tokens"] > 0
+    for method, path in (
+        ("GET", "/v1/sessions/s"),
+        ("DELETE", "/v1/sessions/s"),
+        ("POST", "/v1/sessions/s/save"),
+    ):
+        r = httpx.request(method, f"{url}{path}", headers=_as("bob"))
+        assert r.status_code == 404, (method, path, r.text)
+    assert httpx.get(f"{url}/v1/sessions", headers=_as("bob")).json()["data"] == []
+    listed = httpx.get(f"{url}/v1/sessions", headers=_as("alice")).json()["data"]
+    assert [s["id"] for s in listed] == ["s"]
+    # Bob "continuing" s gets a new session of his own: nothing of Alice's is reused.
+    other = {"messages": [{"role": "user", "content": "What is my name?"}], "max_tokens": 4}
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={**other, "session_id": "s"}, headers=_as("bob")
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["session_cached_tokens"] == 0
+    again = httpx.get(f"{url}/v1/sessions/s", headers=_as("alice")).json()
+    assert again["tokens"] == alice["tokens"]
+    # Files: the tenant's directory (0700), the file 0600; restore reads one's own only.
+    r = httpx.post(f"{url}/v1/sessions/s/save", headers=_as("alice"))
+    assert r.status_code == 200, r.text
+    saved = sessions / "alice" / "s.kvs"
+    assert saved.is_file() and (saved.stat().st_mode & 0o777) == 0o600
+    assert ((sessions / "alice").stat().st_mode & 0o777) == 0o700
+    assert not (sessions / "s.kvs").exists()
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "s"}, headers=_as("bob"))
+    assert r.status_code == 404, r.text
+    assert httpx.delete(f"{url}/v1/sessions/s", headers=_as("alice")).status_code == 200
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "s"}, headers=_as("alice"))
+    assert r.status_code == 200 and r.json()["id"] == "s", r.text
+    for name in ("alice", "bob"):
+        httpx.delete(f"{url}/v1/sessions/s", headers=_as(name))
+
+
+def test_a_tenants_priority_is_capped(tenants_app: tuple[str, Path, Path]) -> None:
+    """Alice's max_priority is 0: her priority-7 request is served as priority 0 (the TTFT
+    histogram's priority label counts it there)."""
+    url = tenants_app[0]
+    name = "kvserve_time_to_first_token_seconds_count"
+    before = _metrics(url, headers=_as("alice")).get(name, {})
+    body = {"prompt": PROMPT, "max_tokens": 1, "priority": 7}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=_as("alice"))
+    assert r.status_code == 200, r.text
+    after = _metrics(url, headers=_as("alice"))[name]
+    grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert grew == {(("priority", "0"),): 1}
+
+
+def test_a_tenant_past_its_limits_gets_429(tenants_app: tuple[str, Path, Path]) -> None:
+    """Carol: one request at a time (a second while a stream runs is a 429) and two a
+    minute (the third is a 429 with Retry-After); others are not affected."""
+    url = tenants_app[0]
+    long = {"prompt": STORY, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=long, headers=_as("carol")) as s:
+            assert s.status_code == 200
+            r = http.post(
+                f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 1},
+                headers=_as("carol"),
+            )
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+            assert r.headers["retry-after"] == "1"
+        body = {"prompt": PROMPT, "max_tokens": 1}
+        # Once the server has seen the stream end (a refusal counts nothing): the second.
+        _wait_until(
+            "carol's stream to end",
+            lambda: (
+                http.post(f"{url}/v1/completions", json=body, headers=_as("carol")).status_code
+                == 200
+            ),
+        )
+        r = http.post(f"{url}/v1/completions", json=body, headers=_as("carol"))
+        assert r.status_code == 429 and int(r.headers["retry-after"]) > 1
+        r = http.post(f"{url}/v1/completions", json=body, headers=_as("bob"))
+        assert r.status_code == 200
+
+
+def test_a_keys_file_reload_takes_new_keys_and_keeps_bad_files_out(
+    model_path: Path, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[tenants.a]\nkey = "first-key-123"\n', encoding="utf-8")
+    with Engine(model_path, threads=1, parallel=1, ctx_size=64, kv_memory="4MiB") as engine:
+        app = create_app(ServerConfig(api_keys_file=str(keys)), engine=engine)
+        with _live(app) as url:
+
+            def status(key: str) -> int:
+                headers = {"Authorization": f"Bearer {key}"}
+                return httpx.get(f"{url}/v1/models", headers=headers).status_code
+
+            assert (status("first-key-123"), status("second-key-456")) == (200, 401)
+            keys.write_text('[tenants.a]\nkey = "second-key-456"\n', encoding="utf-8")
+            app.reload(str(keys))  # type: ignore[attr-defined]  # what SIGHUP does
+            assert (status("first-key-123"), status("second-key-456")) == (401, 200)
+            keys.write_text("[tenants.a]\nkey = 1\n", encoding="utf-8")
+            app.reload(str(keys))  # type: ignore[attr-defined]  # refused: the old keys stay
+            assert status("second-key-456") == 200
+
+
+def test_sighup_reloads_the_keys_file(model_path: Path, tmp_path: Path) -> None:
+    """`kvserve serve --api-keys-file`: SIGHUP reads the file again, in the running server."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[tenants.a]\nkey = "first-key-123"\n', encoding="utf-8")
+    srv = Server(
+        ["--model", str(model_path), "--threads", "1", "--parallel", "1", "--ctx-size", "64",
+         "--kv-memory", "4MiB", "--api-keys-file", str(keys)],
+        tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+
+        def status(key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.get(f"{srv.url}/v1/models", headers=headers).status_code
+
+        assert (status("first-key-123"), status("second-key-456")) == (200, 401)
+        keys.write_text('[tenants.a]\nkey = "second-key-456"\n', encoding="utf-8")
+        srv.proc.send_signal(signal.SIGHUP)
+        _wait_until("the new key to be taken", lambda: status("second-key-456") == 200)
+        assert status("first-key-123") == 401
+        assert srv.proc.poll() is None  # SIGHUP did not stop it
+    finally:
+        srv.stop()

@@ -340,6 +340,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "require 'Authorization: Bearer KEY' on every route but /health"),
     (("--api-key-file",), "PATH", "KVSERVE_API_KEY_FILE", str, None,
      "read the API key from the first line of this file"),
+    (("--api-keys-file",), "PATH", "KVSERVE_API_KEYS_FILE", str, None,
+     "tenants, their keys and limits (TOML, [tenants.NAME] tables; read again on SIGHUP);"
+     " session ids are then scoped by tenant"),
     (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, None,
      "largest request body (413 beyond it; default: 256 bytes per token of --ctx-size, at"
      " least 1MiB)"),
@@ -411,6 +414,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_sessions=s["max_sessions"],
         max_queue=s["max_queue"],
         api_key=api_key,
+        api_keys_file=s["api_keys_file"],
         log_format=s["log_format"],
         max_body=s["max_body"],
         max_tokens_limit=s["max_tokens_limit"],

@@ -246,7 +246,8 @@ def write_session_file(path: StrPath, header: dict[str, Any], kv: bytes) -> None
         digest.update(part)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        # Owner-only (0600) from the start: a session file holds a conversation.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             _write_all(f, prefix + head)
             _write_all(f, kv)
             _write_all(f, digest.digest())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 from typing import Any
@@ -86,6 +87,9 @@ def serve(config: ServerConfig) -> None:
             timeout_graceful_shutdown=5,
         )
     )
+    if config.api_keys_file is not None and hasattr(signal, "SIGHUP"):
+        keys_file = config.api_keys_file
+        signal.signal(signal.SIGHUP, lambda *_: app.reload(keys_file))  # type: ignore[attr-defined]
     server.run()
     if failure:
         raise failure[0]

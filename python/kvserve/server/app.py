@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -56,7 +57,16 @@ from ..options import RequestOptions
 from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo
 from .config import ServerConfig
-from .http import ACCESS, ARRIVAL, REQUEST_ID, ApiError, EventStream, Gate, error_response
+from .http import (
+    ACCESS,
+    ARRIVAL,
+    REQUEST_ID,
+    TENANT,
+    ApiError,
+    EventStream,
+    Gate,
+    error_response,
+)
 from .metrics import CONTENT_TYPE, Metrics, priority_label
 from .schemas import (
     SESSION_ID,
@@ -67,6 +77,7 @@ from .schemas import (
     TemplateRequest,
     TokenizeRequest,
 )
+from .tenants import Tenant, Tenants
 
 __all__ = ["create_app"]
 
@@ -799,7 +810,7 @@ def create_app(
                 raise ApiError(
                     400, f"{field} is not supported", param=field, code="unsupported_parameter"
                 )
-        options = _logprobs_option(_options(body), body.logprobs)
+        options = scoped(request, _logprobs_option(_options(body), body.logprobs))
         _common_checks(request, body)
         prompts = _prompts(body.prompt)
         _check_prompt_sizes(server, engine, prompts)
@@ -846,7 +857,7 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
         engine = server.ready()
-        options = _options(body)
+        options = scoped(request, _options(body))
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(
                 400,
@@ -916,41 +927,97 @@ def create_app(
         return JSONResponse({**base, "choices": choices, "usage": job.usage()})
 
     # -- sessions -----------------------------------------------------------------------------
-    def session_dir() -> Path:
+    def session_dir(request: Request) -> Path:
+        """Where this request's tenant's session files are: ``--session-dir``, or with an API
+        keys file its ``<tenant>`` subdirectory (mode 0700, made on first use)."""
         if config.session_dir is None:
             raise ApiError(
                 400,
                 "session files need the server started with --session-dir",
                 code="no_session_dir",
             )
-        return Path(config.session_dir)
+        base = Path(config.session_dir)
+        tenant = scoped_tenant(request)
+        if tenant is None:
+            return base
+        path = base / tenant.name
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def scoped(request: Request, options: RequestOptions) -> RequestOptions:
+        """The request's options as its tenant may have them: ``priority`` capped at the
+        tenant's ``max_priority``, ``session_id`` in the tenant's namespace."""
+        tenant: Tenant | None = request.scope.get(TENANT)
+        if tenant is not None and options.get("priority", 0) > tenant.max_priority:
+            options["priority"] = tenant.max_priority
+        sid = options.get("session_id")
+        if sid is not None:
+            options["session_id"] = internal_id(request, sid)
+        return options
+
+    def scoped_tenant(request: Request) -> Tenant | None:
+        """The tenant whose namespace the request's session ids are in (None: one namespace,
+        without an API keys file)."""
+        if config.api_keys_file is None:
+            return None
+        tenant: Tenant | None = request.scope.get(TENANT)
+        return tenant
+
+    def internal_id(request: Request, session_id: str) -> str:
+        """The engine's id of the request's tenant's session ``session_id`` (``~`` cannot
+        be in a session id, so tenants' ids never meet)."""
+        tenant = scoped_tenant(request)
+        return session_id if tenant is None else f"{tenant.name}~{session_id}"
+
+    def own(request: Request, info: SessionInfo) -> SessionInfo | None:
+        """``info`` with the id its tenant knows, or None for another tenant's session."""
+        tenant = scoped_tenant(request)
+        if tenant is None:
+            return info
+        prefix = f"{tenant.name}~"
+        if not info.id.startswith(prefix):
+            return None
+        return dataclasses.replace(info, id=info.id[len(prefix) :])
+
+    async def find(request: Request, session_id: str) -> SessionInfo:
+        _check_session_id(session_id)
+        want = internal_id(request, session_id)
+        for info in await _blocking(server.ready().sessions):
+            if info.id == want:
+                mine = own(request, info)
+                assert mine is not None
+                return mine
+        raise _no_session(session_id)
 
     @app.get("/v1/sessions")
-    async def list_sessions() -> Response:
+    async def list_sessions(request: Request) -> Response:
         infos = await _blocking(server.ready().sessions)
-        return JSONResponse({"object": "list", "data": [_session_json(i) for i in infos]})
+        mine = [m for m in (own(request, i) for i in infos) if m is not None]
+        return JSONResponse({"object": "list", "data": [_session_json(m) for m in mine]})
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str) -> Response:
-        return JSONResponse(_session_json(await _find_session(server.ready(), session_id)))
+    async def get_session(request: Request, session_id: str) -> Response:
+        return JSONResponse(_session_json(await find(request, session_id)))
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str) -> Response:
+    async def delete_session(request: Request, session_id: str) -> Response:
         engine = server.ready()
         _check_session_id(session_id)
+        sid = internal_id(request, session_id)
         try:
-            await _blocking(lambda: engine.drop_session(session_id))
+            await _blocking(lambda: engine.drop_session(sid))
         except KeyError:
             raise _no_session(session_id) from None
         return JSONResponse({"id": session_id, "object": "session", "deleted": True})
 
     @app.post("/v1/sessions/{session_id}/save")
-    async def save_session(session_id: str) -> Response:
+    async def save_session(request: Request, session_id: str) -> Response:
         engine = server.ready()
         _check_session_id(session_id)
-        path = session_dir() / f"{session_id}.kvs"
+        path = session_dir(request) / f"{session_id}.kvs"
+        sid = internal_id(request, session_id)
         try:
-            await _blocking(lambda: engine.save_session(session_id, path))
+            await _blocking(lambda: engine.save_session(sid, path))
         except KeyError:
             raise _no_session(session_id) from None
         except OSError as e:
@@ -971,8 +1038,9 @@ def create_app(
     async def restore_session(request: Request) -> Response:
         body = await _parse(request, RestoreRequest)
         engine = server.ready()
-        path = session_dir() / f"{body.id}.kvs"
-        sid = body.session_id or body.id
+        path = session_dir(request) / f"{body.id}.kvs"
+        name = body.session_id or body.id
+        sid = internal_id(request, name)
         if not path.is_file():
             raise ApiError(
                 404, f"no saved session {body.id!r}", param="id", code="session_not_found"
@@ -993,13 +1061,14 @@ def create_app(
             raise ApiError(409, str(e), param="session_id", code="session_exists") from None
         except RuntimeError as e:  # max_sessions reached with every session busy
             raise ApiError(503, str(e), code="too_many_sessions") from None
-        return JSONResponse(_session_json(await _find_session(engine, sid)))
+        return JSONResponse(_session_json(await find(request, name)))
 
+    app.state.tenants_file = config.api_keys_file
     return Gate(  # type: ignore[return-value]
         app,
         routes=lambda: app.routes,
         metrics=server.metrics,
-        api_key=config.api_key,
+        tenants=_tenants(config),
         max_body=config.body_limit(engine.ctx_size if engine is not None else None),
     )
 
@@ -1141,12 +1210,15 @@ def _session_json(info: SessionInfo) -> dict[str, Any]:
     }
 
 
-async def _find_session(engine: Engine, session_id: str) -> SessionInfo:
-    _check_session_id(session_id)
-    for info in await _blocking(engine.sessions):
-        if info.id == session_id:
-            return info
-    raise _no_session(session_id)
+def _tenants(config: ServerConfig) -> Tenants | None:
+    """Who may call: the API keys file's tenants, one tenant for ``--api-key``, or anyone."""
+    if config.api_keys_file is not None:
+        if config.api_key is not None:
+            raise ValueError("give --api-key or --api-keys-file, not both")
+        return Tenants.load(config.api_keys_file)
+    if config.api_key is not None:
+        return Tenants.single(config.api_key)
+    return None
 
 
 async def _blocking(fn: Callable[[], _T]) -> _T:

@@ -23,6 +23,8 @@ class ServerConfig:
     ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
     sessions live in memory only).
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
+    ``api_keys_file``: tenants and their keys and limits instead (TOML;
+    python/kvserve/server/tenants.py); session ids are then scoped by tenant.
     ``max_body``: the largest request body in bytes (413 beyond, refused on its Content-Length
     before it is read); None: 256 bytes per token of ``ctx_size``, at least 1 MiB (a body past
     that holds more text than the context, even JSON-escaped, so the server need not read and
@@ -57,6 +59,7 @@ class ServerConfig:
     max_sessions: int | None = None
     max_queue: int = 256
     api_key: str | None = None
+    api_keys_file: str | None = None
     log_format: str = "text"
     max_body: int | None = None
     model_id: str | None = None

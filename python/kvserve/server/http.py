@@ -9,7 +9,6 @@ buffered and a client's disconnect reaches the route.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -21,6 +20,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import Metrics
+from .tenants import Tenant, Tenants
 
 __all__ = ["ApiError", "EventStream", "Gate", "error_response"]
 
@@ -31,6 +31,9 @@ access_log = logging.getLogger("kvserve.access")
 REQUEST_ID = "kvserve.request_id"
 ARRIVAL = "kvserve.arrival"  # time.monotonic() when the request arrived
 ACCESS = "kvserve.access"  # dict of extra access-log fields a route fills in
+TENANT = "kvserve.tenant"  # the request's Tenant (None without API keys)
+# The generation routes: a tenant's rate and concurrency limits count these.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 def _error_type(status: int) -> str:
@@ -96,14 +99,27 @@ class Gate:
         *,
         routes: Callable[[], list[BaseRoute]],
         metrics: Metrics,
-        api_key: str | None,
+        tenants: Tenants | None,
         max_body: int,
     ) -> None:
         self.app = app
         self.routes = routes
         self.metrics = metrics
-        self.key = None if api_key is None else api_key.encode()
+        self.tenants = tenants  # replaced whole on a reload (SIGHUP)
         self.max_body = max_body
+
+    def reload(self, path: str) -> None:
+        """Reads the API keys file again; a bad file keeps the tenants in force (logged).
+        Requests in flight finish under the tenant they started as."""
+        try:
+            fresh = Tenants.load(path)
+        except (OSError, ValueError) as e:
+            log.error("the API keys file %s was not reloaded: %s", path, e)
+            return
+        if self.tenants is not None:
+            fresh.adopt_counts(self.tenants)
+        self.tenants = fresh
+        log.info("reloaded %d tenant(s) from %s", len(fresh.by_name), path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -124,16 +140,36 @@ class Gate:
                 message = {**message, "headers": headers}
             await send(message)
 
+        tenants = self.tenants
+        tenant: Tenant | None = None
+        admitted = False
         try:
-            if self.key is not None and scope["path"] != "/health" and not self._authorized(scope):
-                error = ApiError(
-                    401,
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await error_response(error)(scope, receive, send_with_id)
-                return
+            if tenants is not None and scope["path"] != "/health":
+                tenant = tenants.authenticate(_bearer(scope))
+                if tenant is None:
+                    error = ApiError(
+                        401,
+                        "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                    await error_response(error)(scope, receive, send_with_id)
+                    return
+                scope[ACCESS]["tenant"] = tenant.name
+                if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+                    wait = tenants.admit(tenant)
+                    if wait is not None:
+                        error = ApiError(
+                            429,
+                            f"tenant {tenant.name!r} is at its request rate or concurrency"
+                            " limit; retry later",
+                            code="rate_limited",
+                            headers={"Retry-After": str(int(wait))},
+                        )
+                        await error_response(error)(scope, receive, send_with_id)
+                        return
+                    admitted = True
+            scope[TENANT] = tenant
             body = await self._read_body(scope, receive)
             if isinstance(body, ApiError):
                 await error_response(body)(scope, receive, send_with_id)
@@ -142,18 +178,13 @@ class Gate:
                 return
             await self.app(scope, _replay(body, receive), send_with_id)
         finally:
+            if admitted:
+                assert tenants is not None and tenant is not None
+                tenants.release(tenant)
             label = route_label(self.routes(), scope)
             # A response that never started failed inside the app (the error was logged).
             self.metrics.requests.labels(label, str(status or 500)).inc()
             self._log(scope, label, status or 500, arrival)
-
-    def _authorized(self, scope: Scope) -> bool:
-        assert self.key is not None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
-        return False
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | ApiError | None:
         too_large = ApiError(
@@ -258,3 +289,12 @@ class EventStream(StreamingResponse):
         error = results[0]
         if isinstance(error, Exception) and not isinstance(error, OSError):
             log.error("stream failed", exc_info=error)
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header, else None."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
