@@ -1127,6 +1127,8 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
 # exported even while they have no sample.
 _FAMILIES = {
     ("kvserve_requests", "counter"),
+    ("kvserve_tenant_requests", "counter"),
+    ("kvserve_tenant_tokens", "counter"),
     ("kvserve_time_to_first_token_seconds", "histogram"),
     ("kvserve_inter_token_latency_seconds", "histogram"),
     ("kvserve_request_duration_seconds", "histogram"),
@@ -2035,6 +2037,31 @@ def test_a_tenants_priority_is_capped(tenants_app: tuple[str, Path, Path]) -> No
     after = _metrics(url, headers=_as("alice"))[name]
     grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     assert grew == {(("priority", "0"),): 1}
+
+
+def test_per_tenant_accounting(tenants_app: tuple[str, Path, Path]) -> None:
+    """A tenant's requests (by status) and tokens (prompt, cached, generated) in /metrics,
+    equal to what its responses said."""
+    url = tenants_app[0]
+    before = _metrics(url, headers=_as("bob"))
+    body = {"prompt": STORY, "max_tokens": 3, "ignore_eos": True}
+    usages = []
+    for _ in range(2):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=_as("bob"))
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    after = _metrics(url, headers=_as("bob"))
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...]) -> float:
+        return after[name].get(labels, 0) - before.get(name, {}).get(labels, 0)
+
+    assert grew("kvserve_tenant_requests_total", (("status", "200"), ("tenant", "bob"))) >= 2
+    for kind, total in (
+        ("prompt", sum(u["prompt_tokens"] for u in usages)),
+        ("cached", sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)),
+        ("generated", sum(u["completion_tokens"] for u in usages)),
+    ):
+        assert grew("kvserve_tenant_tokens_total", (("kind", kind), ("tenant", "bob"))) == total
 
 
 def test_a_tenant_past_its_limits_gets_429(tenants_app: tuple[str, Path, Path]) -> None:

@@ -181,10 +181,25 @@ class Gate:
             if admitted:
                 assert tenants is not None and tenant is not None
                 tenants.release(tenant)
+            if tenant is not None:
+                self._account(tenant.name, status or 500, scope[ACCESS])
             label = route_label(self.routes(), scope)
             # A response that never started failed inside the app (the error was logged).
             self.metrics.requests.labels(label, str(status or 500)).inc()
             self._log(scope, label, status or 500, arrival)
+
+    def _account(self, tenant: str, status: int, access: dict[str, Any]) -> None:
+        """A tenant's request in its counters (the token counts a generation route left in
+        the access fields)."""
+        self.metrics.tenant_requests.labels(tenant, str(status)).inc()
+        for kind, field in (
+            ("prompt", "prompt_tokens"),
+            ("cached", "cached_tokens"),
+            ("generated", "completion_tokens"),
+        ):
+            n = access.get(field)
+            if n:
+                self.metrics.tenant_tokens.labels(tenant, kind).inc(n)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | ApiError | None:
         too_large = ApiError(

@@ -196,6 +196,22 @@ class Metrics:
             ["route", "status"],
             registry=self.registry,
         )
+        # Per tenant (API keys file): label values are the configured tenant names, so the
+        # cardinality is the file's; requests refused before a tenant is known (401) are not
+        # attributed.
+        self.tenant_requests = Counter(
+            "kvserve_tenant_requests",
+            "HTTP requests by tenant and status",
+            ["tenant", "status"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "kvserve_tenant_tokens",
+            "Tokens of a tenant's generation requests by kind: prompt, cached (of the prompt),"
+            " generated",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "kvserve_time_to_first_token_seconds",
             "From a request's arrival to its first text (per choice), by priority class",
