@@ -37,6 +37,8 @@ Stop = Union[str, Sequence[str], None]
 MAX_STOPS = 256  # entries of ``stop``
 MAX_STOP_CHARS = 512  # characters of one stop string
 MAX_LOGIT_BIAS = 1024  # entries of ``logit_bias``
+MAX_TENANT_CHARS = 64  # ``tenant`` length
+MAX_CACHE_SALT_CHARS = 256  # ``cache_salt`` length
 PRIORITY_MIN = -1000  # ``priority`` range (an int; higher is served first)
 PRIORITY_MAX = 1000
 
@@ -96,12 +98,20 @@ class RequestOptions(SamplingOptions, total=False):
       ``--context-shift``); default: the engine's ``context_shift``.
     - ``n_keep``: prompt tokens a context shift keeps, besides the BOS (always kept when the
       model adds one); default 0; ``0 <= n_keep < ctx_size``.
+    - ``tenant``: who the request is for (1 to 64 characters; default None, the engine's own
+      namespace). Tenants share compute fairly (the engine's ``tenants`` policies: weight,
+      KV share), and the prefix cache of a tenant is its own unless its policy shares it.
+    - ``cache_salt``: a string (1 to 256 characters) mixed into the content keys of the
+      request's K/V blocks, so that it reuses cached prefixes only of requests with the same
+      salt (and tenant), as vLLM's ``cache_salt``; default None.
     """
 
     priority: int
     session_id: str | None
     context_shift: bool
     n_keep: int
+    tenant: str | None
+    cache_salt: str | None
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -120,6 +130,8 @@ class Resolved:
     context_shift: bool | None = None  # None: the engine's default
     n_keep: int = 0
     logprobs: int | None = None  # alternatives per token, None: no logprobs
+    tenant: str | None = None
+    cache_salt: str | None = None
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -190,6 +202,8 @@ def resolve(
     n_keep = options.get("n_keep", 0)
     if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
         raise ValueError(f"n_keep must be an integer >= 0, got {n_keep!r}")
+    tenant = _opt_str(options, "tenant", MAX_TENANT_CHARS)
+    cache_salt = _opt_str(options, "cache_salt", MAX_CACHE_SALT_CHARS)
     context_shift = options.get("context_shift")
     if context_shift is not None and not isinstance(context_shift, bool):
         raise ValueError(f"context_shift must be True or False, got {context_shift!r}")
@@ -210,4 +224,16 @@ def resolve(
         context_shift=context_shift,
         n_keep=n_keep,
         logprobs=None if logprobs is None else int(logprobs),
+        tenant=tenant,
+        cache_salt=cache_salt,
     )
+
+
+def _opt_str(options: RequestOptions, name: str, limit: int) -> str | None:
+    """Option ``name``: None or a string of 1 to ``limit`` characters (else ``ValueError``)."""
+    value = options.get(name)
+    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= limit):
+        raise ValueError(
+            f"{name} must be a string of 1 to {limit} characters or None, got {value!r}"
+        )
+    return value

@@ -94,5 +94,6 @@ from __future__ import annotations
 from ..sessions import SessionFileError, SessionInfo
 from .api import Engine
 from .requests import Delta, parse_size
+from .tenancy import TenantPolicy
 
-__all__ = ["Delta", "Engine", "SessionFileError", "SessionInfo", "parse_size"]
+__all__ = ["Delta", "Engine", "SessionFileError", "SessionInfo", "TenantPolicy", "parse_size"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
@@ -31,6 +31,7 @@ from .requests import (
     parse_size,
 )
 from .scheduler import Scheduler
+from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy, check_policies, salt_for
 
 if TYPE_CHECKING:
     from ..chat import Message
@@ -52,7 +53,7 @@ def _load_model(model: Model | StrPath | None, threads: int | None) -> Model:
     return Model(model, threads)
 
 
-def _new_request(ids: list[int], max_tokens: int, opts: Resolved) -> Request:
+def _new_request(ids: list[int], max_tokens: int, opts: Resolved, salt: bytes) -> Request:
     return Request(
         ids,
         max_tokens,
@@ -61,6 +62,8 @@ def _new_request(ids: list[int], max_tokens: int, opts: Resolved) -> Request:
         opts.ignore_eos,
         opts.priority,
         logprobs=opts.logprobs,
+        tenant=opts.tenant,
+        salt=salt,
     )
 
 
@@ -102,6 +105,9 @@ class Engine:
     sessions held at once (None: no limit). ``max_tokens_limit``: the most tokens one request
     may ask to generate (``max_tokens`` above it is a ``ValueError``; None: no limit), so that
     neither ``ignore_eos`` nor ``context_shift`` holds a slot without end.
+    ``tenants``: a :class:`kvserve.engine.tenancy.TenantPolicy` per tenant name (a request's
+    ``tenant`` option; a tenant without one gets the default policy: weight 1, its prefix
+    cache isolated); :meth:`set_tenants` replaces them.
     ``priority_aging_s``: a request that has waited this long is admitted before every request
     that has not, whatever their priorities (None: never), so low priority is never starved.
     The engine's context may use the whole K/V pool, so idle sessions can hold whatever the
@@ -126,6 +132,7 @@ class Engine:
         max_sessions: int | None = None,
         max_tokens_limit: int | None = None,
         priority_aging_s: float | None = 30.0,
+        tenants: Mapping[str, TenantPolicy] | None = None,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -146,6 +153,7 @@ class Engine:
         if max_tokens_limit is not None and max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1 or None, got {max_tokens_limit}")
         kv_bytes = None if kv_memory is None else parse_size(kv_memory)
+        self._tenants = check_policies(tenants)
         if priority_aging_s is not None and not priority_aging_s > 0:
             raise ValueError(
                 f"priority_aging_s must be > 0 seconds or None, got {priority_aging_s}"
@@ -235,6 +243,18 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- tenants -------------------------------------------------------------------------------
+    def set_tenants(self, tenants: Mapping[str, TenantPolicy] | None) -> None:
+        """Replaces the tenants' policies (any thread; requests already made keep theirs)."""
+        self._tenants = check_policies(tenants)
+
+    def tenant_policy(self, tenant: str | None) -> TenantPolicy:
+        """The policy of ``tenant`` (the default one for a tenant without its own; requests
+        without a tenant share the unsalted cache)."""
+        if tenant is None:
+            return SHARED_POLICY
+        return self._tenants.get(tenant, DEFAULT_POLICY)
+
     # -- requests ------------------------------------------------------------------------------
     def _request(
         self, prompt: str | Sequence[int], max_tokens: int, options: RequestOptions
@@ -267,7 +287,8 @@ class Engine:
         if n > self._seq_limit:
             what = "the prompt" if n == len(ids) else "the session with this prompt"
             raise ValueError(f"{what} has {n} tokens, more than {self._limit_name} allows")
-        req = _new_request(ids, max_tokens, opts)
+        shared = self.tenant_policy(opts.tenant).share_prefix_cache
+        req = _new_request(ids, max_tokens, opts, salt_for(opts.tenant, opts.cache_salt, shared))
         req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
         req.keep = self._keep(opts.n_keep)
         req.turn = turn

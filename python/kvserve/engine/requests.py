@@ -198,6 +198,8 @@ class Request:
         ignore_eos: bool,
         priority: int,
         logprobs: int | None = None,
+        tenant: str | None = None,
+        salt: bytes = b"",
     ) -> None:
         self.ids = ids  # prompt, then the generated tokens (the penalties' history)
         self.n_prompt = len(ids)
@@ -206,6 +208,9 @@ class Request:
         self.stops = stops
         self.ignore_eos = ignore_eos
         self.priority = priority
+        self.tenant = tenant  # who it is for (None: the engine's own namespace)
+        # The salt of its K/V blocks' content keys (b"": unsalted; see tenancy.salt_for).
+        self.salt = salt
         self.key: tuple[int, int] = (-priority, 0)  # set on submission: (-priority, arrival)
         self.sink: Sink = FutureSink()
         self.state = NEW
