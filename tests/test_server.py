@@ -23,6 +23,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -2139,3 +2140,61 @@ def test_sighup_reloads_the_keys_file(model_path: Path, tmp_path: Path) -> None:
         assert srv.proc.poll() is None  # SIGHUP did not stop it
     finally:
         srv.stop()
+
+
+def test_a_cross_tenant_probe_sees_no_hit(model_path: Path, tmp_path: Path) -> None:
+    """The prefix cache as a timing side channel: Bob sends a prompt Alice just sent. Within
+    Alice's tenant it is a hit (reported, and many times faster than computing it: so a hit
+    is visible to a clock); for Bob it is a miss reported as one (0 cached tokens) and as
+    slow as a prompt nobody sent. A cache_salt splits a tenant's own cache the same way."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS, encoding="utf-8")
+    config = ServerConfig(api_keys_file=str(keys))
+
+    def words(tag: str) -> str:
+        return " ".join(f"{tag}{i}" for i in range(100))  # ~330 tokens
+
+    def timed(url: str, who: str, prompt: str, **extra: Any) -> tuple[float, int]:
+        body = {"prompt": prompt, "max_tokens": 1, **extra}
+        t0 = time.perf_counter()
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=_as(who), timeout=60)
+        elapsed = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
+        return elapsed, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with Engine(model_path, threads=1, parallel=2, ctx_size=1024) as engine:
+        with _live(create_app(config, engine=engine)) as url:
+            timed(url, "alice", "warm up the engine")
+            cold, hit, probe, fresh = [], [], [], []
+            for r in range(3):
+                t, cached = timed(url, "alice", words(f"a{r}x"))
+                assert cached == 0
+                cold.append(t)
+                t, cached = timed(url, "alice", words(f"a{r}x"))
+                assert cached >= 256, "Alice's own prompt is a hit"
+                hit.append(t)
+                t, cached = timed(url, "bob", words(f"a{r}x"))
+                assert cached == 0, "Bob sees nothing of Alice's cache"
+                probe.append(t)
+                t, cached = timed(url, "bob", words(f"b{r}x"))
+                assert cached == 0
+                fresh.append(t)
+                t, cached = timed(url, "bob", words(f"a{r}x"))
+                assert cached >= 256, "Bob's own copy is his hit"
+            med = statistics.median
+            # A hit is visible to a clock (else this test could not fail) ...
+            assert med(hit) < 0.3 * med(cold), (hit, cold)
+            # ... and Bob's probe of Alice's prompt takes as long as a prompt nobody sent.
+            assert med(probe) > 0.6 * med(fresh), (probe, fresh)
+            # A cache_salt: a miss under a new salt, a hit under the same one.
+            p = words("salted")
+            assert timed(url, "alice", p, cache_salt="one")[1] == 0
+            assert timed(url, "alice", p, cache_salt="two")[1] == 0
+            assert timed(url, "alice", p)[1] == 0
+            assert timed(url, "alice", p, cache_salt="one")[1] >= 256
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"prompt": p, "max_tokens": 1, "cache_salt": ""},
+                headers=_as("alice"),
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

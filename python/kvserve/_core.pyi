@@ -107,8 +107,13 @@ class Context:
     def seq_keep(self, seq: int) -> None: ...
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None: ...
-    def peek_prefix(self, tokens: list[int]) -> int:
-        """How many tokens ``match_prefix`` would map now, changing nothing (an estimate)."""
+    def peek_prefix(self, tokens: list[int], salt: bytes = b"") -> int:
+        """How many tokens ``match_prefix`` would map now for a sequence salted with
+        ``salt``, changing nothing (an estimate)."""
+    def seq_set_salt(self, seq: int, salt: bytes) -> None:
+        """Salt the empty sequence ``seq``: it reuses cached prefixes only of sequences with
+        the same salt (``b""``: unsalted). Kept for the id until set again; ``seq_cp`` into
+        an empty sequence copies it."""
     def match_prefix(self, seq: int, tokens: list[int]) -> int:
         """Map the longest cached prefix of ``tokens`` (whole blocks, at most
         ``len(tokens) - 1`` tokens) into the empty sequence ``seq``; returns its length ``n``.

@@ -129,6 +129,9 @@ class Session:
         self.busy: object | None = None  # the request (or command) running on it now
         self.pending: deque[object] = deque()  # work waiting for it, FIFO
         self.evicted = False  # its K/V was reclaimed since its last turn
+        # The salt of its sequence's content keys (its last attaching turn's, or its
+        # tenant's when loaded from a file): an evicted session is recovered under it.
+        self.salt = b""
 
     @property
     def resident(self) -> bool:

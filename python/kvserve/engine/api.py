@@ -431,7 +431,7 @@ class Engine:
                 n_vocab=self.model.n_vocab,
                 engine=True,
             )
-            child = _new_request(list(req.ids), max_tokens, opts)
+            child = _new_request(list(req.ids), max_tokens, opts, req.salt)
             child.context_shift, child.keep = req.context_shift, req.keep
             req.children.append(child)
         return [req, *req.children]
@@ -538,13 +538,19 @@ class Engine:
         header, kv = self._on_engine(lambda: self._sessions.snapshot(session_id), session_id)
         write_session_file(path, header, kv)
 
-    def load_session(self, path: StrPath, session_id: str | None = None) -> str:
+    def load_session(
+        self, path: StrPath, session_id: str | None = None, *, tenant: str | None = None
+    ) -> str:
         """Restores a session saved by :meth:`save_session` (by any engine of the same model
         and ``kv_type``) under its saved id, or ``session_id``; returns the id. Its K/V is
         written back as saved, not recomputed: its next turn computes only the new tokens.
         A truncated, corrupt, other-version, other-model or other-``kv_type`` file raises
         :class:`SessionFileError` (a ``ValueError``), an id in use ``ValueError``, no room in
-        the pool ``KvCacheFull``; in every case nothing was loaded."""
+        the pool ``KvCacheFull``; in every case nothing was loaded. ``tenant``: whose
+        session it is (its K/V enters that tenant's prefix cache, as its turns would)."""
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant must be a non-empty string or None, got {tenant!r}")
+        salt = salt_for(tenant, None, self.tenant_policy(tenant).share_prefix_cache)
         header, kv = read_session_file(path)
         check_header(
             header, path, self.model.core.identity, self.kv_type, n_vocab=self.model.n_vocab
@@ -552,7 +558,7 @@ class Engine:
         sid = header["session_id"] if session_id is None else session_id
         if not isinstance(sid, str) or not sid:
             raise ValueError(f"session_id must be a non-empty string, got {sid!r}")
-        return self._on_engine(lambda: self._sessions.restore(sid, header, kv, path))
+        return self._on_engine(lambda: self._sessions.restore(sid, header, kv, path, salt))
 
     # -- stats ---------------------------------------------------------------------------------
     def health(self) -> str | None:

@@ -79,13 +79,16 @@ class KvManager:
             self._free.append(seq)
 
     # -- contents ---------------------------------------------------------------------------------
-    def match(self, seq: int, ids: Sequence[int]) -> int:
-        """Maps the longest cached prefix of ``ids`` onto the new sequence ``seq``."""
+    def match(self, seq: int, ids: Sequence[int], salt: bytes) -> int:
+        """Salts the new (empty) sequence ``seq`` with ``salt`` (its blocks' content keys, so
+        the cached prefixes it may reuse and the ones it leaves: tenancy.salt_for) and maps
+        the longest cached prefix of ``ids`` under that salt onto it."""
+        self.ctx.seq_set_salt(seq, salt)
         return self.ctx.match_prefix(seq, list(ids)) if self.prefix_cache else 0
 
-    def peek(self, ids: Sequence[int]) -> int:
+    def peek(self, ids: Sequence[int], salt: bytes) -> int:
         """What :meth:`match` would map now, changing nothing."""
-        return self.ctx.peek_prefix(list(ids)) if self.prefix_cache else 0
+        return self.ctx.peek_prefix(list(ids), salt) if self.prefix_cache else 0
 
     def fork(self, src: int, dst: int) -> None:
         """``dst`` (new) shares every block of ``src`` (copy on write)."""
@@ -127,7 +130,10 @@ class KvManager:
     def state_read(self, seq: int) -> bytes:
         return self.ctx.seq_state_read(seq)
 
-    def state_write(self, seq: int, data: bytes) -> int:
+    def state_write(self, seq: int, data: bytes, salt: bytes) -> int:
+        """Writes a state into the new (empty) sequence ``seq``, salted with ``salt`` (its
+        full blocks are keyed as if decoded under that salt)."""
+        self.ctx.seq_set_salt(seq, salt)
         return self.ctx.seq_state_write(seq, data)
 
     def state_check(self, kv: bytes, tokens: list[int], path: StrPath) -> None:

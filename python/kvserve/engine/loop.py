@@ -529,7 +529,7 @@ class EngineLoop:
         session = req.turn.session if req.turn is not None else None
         if session is not None:
             return self.sessions.resident_prefix(req)  # None when evicted: no fast lane
-        return self.kv.peek(req.context())
+        return self.kv.peek(req.context(), req.salt)
 
     def reclaim_idle(self) -> bool:
         s = self.sessions.table.victim()
@@ -573,7 +573,7 @@ class EngineLoop:
             req.seq = self.kv.alloc()
             self.sched.running[req.seq] = req  # a failure below releases it
             self.faults.check("prefix_match", req)
-            n = self.kv.match(req.seq, req.context())
+            n = self.kv.match(req.seq, req.context(), req.salt)
         self.sched.running[req.seq] = req
         return n
 

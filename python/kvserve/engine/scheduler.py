@@ -391,6 +391,8 @@ class Scheduler:
             return False
         head = ids[:b]
         for other in self.running.values():
+            if other.salt != req.salt:
+                continue  # its blocks are keyed under another salt: nothing to share
             oids = other.context()
             if other.n_done >= min(usable, len(oids) - 1) or oids[:b] != head:
                 continue  # it computed what it had (or nothing shared)

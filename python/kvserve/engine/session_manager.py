@@ -214,7 +214,8 @@ class SessionManager:
                 n = kv.truncate(s.seq, n)
             req.seq = s.seq
             if n == 0:
-                return kv.match(req.seq, context)
+                s.salt = req.salt
+                return kv.match(req.seq, context, req.salt)
             if req.cached_tokens < 0:
                 req.session_cached = n
             return n
@@ -222,7 +223,8 @@ class SessionManager:
         if req.cached_tokens < 0 and s.evicted:
             self.misses += 1
         s.evicted = False
-        return kv.match(req.seq, context)
+        s.salt = req.salt
+        return kv.match(req.seq, context, req.salt)
 
     def end_turn(self, req: Request, ok: bool) -> None:
         """The session's running or waiting request ends. Finished: the session takes its
@@ -282,7 +284,7 @@ class SessionManager:
         else:  # evicted: what the prefix cache still holds
             seq = kv.alloc()
             try:
-                n_kv = kv.match(seq, s.ids) if s.ids else 0
+                n_kv = kv.match(seq, s.ids, s.salt) if s.ids else 0
                 state = kv.state_read(seq)
             finally:
                 kv.remove(seq)
@@ -300,8 +302,11 @@ class SessionManager:
         }
         return header, state
 
-    def restore(self, sid: str, header: dict[str, Any], state: bytes, path: StrPath) -> str:
-        """Creates session ``sid`` from a checked session file (engine thread); all or nothing."""
+    def restore(
+        self, sid: str, header: dict[str, Any], state: bytes, path: StrPath, salt: bytes
+    ) -> str:
+        """Creates session ``sid`` from a checked session file (engine thread), its K/V salted
+        with ``salt`` (its tenant's); all or nothing."""
         loop = self.loop
         kv = loop.kv
         if self.table.get(sid) is not None:
@@ -314,7 +319,7 @@ class SessionManager:
         try:
             while True:
                 try:
-                    n = kv.state_write(seq, state)
+                    n = kv.state_write(seq, state, salt)
                     break
                 except KvCacheFull:
                     victim = self.table.victim()
@@ -337,6 +342,7 @@ class SessionManager:
         if n == 0:
             kv.free(seq)
         s.priority = header["priority"]
+        s.salt = salt
         s.rng_state = header.get("rng_state")
         self.table.idle(s)
         return sid

@@ -106,6 +106,7 @@ _OPTION_FIELDS = {
     "n_keep": "n_keep",
     "session_id": "session_id",
     "priority": "priority",
+    "cache_salt": "cache_salt",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
@@ -946,10 +947,14 @@ def create_app(
 
     def scoped(request: Request, options: RequestOptions) -> RequestOptions:
         """The request's options as its tenant may have them: ``priority`` capped at the
-        tenant's ``max_priority``, ``session_id`` in the tenant's namespace."""
+        tenant's ``max_priority``, ``session_id`` in the tenant's namespace, the engine's
+        ``tenant`` its name (its share of compute, its own prefix cache)."""
         tenant: Tenant | None = request.scope.get(TENANT)
         if tenant is not None and options.get("priority", 0) > tenant.max_priority:
             options["priority"] = tenant.max_priority
+        owner = scoped_tenant(request)
+        if owner is not None:
+            options["tenant"] = owner.name
         sid = options.get("session_id")
         if sid is not None:
             options["session_id"] = internal_id(request, sid)
@@ -1046,7 +1051,9 @@ def create_app(
                 404, f"no saved session {body.id!r}", param="id", code="session_not_found"
             )
         try:
-            await _blocking(lambda: engine.load_session(path, sid))
+            tenant = scoped_tenant(request)
+            owner = None if tenant is None else tenant.name
+            await _blocking(lambda: engine.load_session(path, sid, tenant=owner))
         except SessionFileError as e:  # bad file: say why, without the server's paths
             message = str(e).replace(str(path), path.name)
             raise ApiError(400, message, param="id", code="invalid_session_file") from None

@@ -15,7 +15,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..options import PRIORITY_MAX, PRIORITY_MIN
+from ..options import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 
 __all__ = [
     "PRIORITY_MAX",
@@ -81,6 +81,9 @@ class _Generation(_Body):
     session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
     # Scheduling: higher is admitted first and preempted last (FCFS within a priority).
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    # Mixed into the content keys of the request's K/V blocks (vLLM's ``cache_salt``): it
+    # reuses cached prefixes only of requests of its tenant with the same salt.
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class CompletionRequest(_Generation):

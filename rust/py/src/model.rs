@@ -528,14 +528,23 @@ impl Context {
         self.with(py, |c| c.match_prefix(seq, &tokens))
     }
 
-    /// How many tokens `match_prefix` would map for `tokens` now, without mapping anything or
-    /// touching the pool (an estimate for scheduling: blocks may be evicted before a match).
-    fn peek_prefix(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<usize> {
+    /// How many tokens `match_prefix` would map for `tokens` now in a sequence salted with
+    /// `salt` (empty: unsalted), without mapping anything or touching the pool (an estimate
+    /// for scheduling: blocks may be evicted before a match).
+    #[pyo3(signature = (tokens, salt = b"".as_slice()))]
+    fn peek_prefix(&self, py: Python<'_>, tokens: Vec<i64>, salt: &[u8]) -> PyResult<usize> {
         let tokens = tokens
             .into_iter()
             .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
-        self.with(py, |c| Ok(c.peek_prefix(&tokens)))
+        self.with(py, |c| Ok(c.peek_prefix(&tokens, salt)))
+    }
+
+    /// Salts the empty sequence `seq`: its K/V blocks' content keys depend on `salt`, so it
+    /// reuses cached prefixes only of sequences with the same salt (empty: unsalted). Kept
+    /// for the id until set again; `seq_cp` into an empty sequence copies it.
+    fn seq_set_salt(&self, py: Python<'_>, seq: i32, salt: &[u8]) -> PyResult<()> {
+        self.with(py, |c| c.seq_set_salt(seq, salt))
     }
 
     /// The state of sequence `seq` as bytes: its positions, token ids and K/V rows exactly as

@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::pool::{BlockId, BlockPool, PoolStats};
+#[cfg(test)]
+use super::prefix::salt_root;
 use super::prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
 use super::storage::{KvLayout, KvStorage};
 use super::table::{BatchTx, KvTable, Pos, SeqId, SeqView, TableStats, Updates};
@@ -430,21 +432,27 @@ impl PagedCache {
     }
 
     /// How many tokens of `tokens` [`PagedCache::match_prefix`] (`window: None`) or
-    /// [`PagedCache::match_window_prefix`] would map now, at most `limit`, without mapping
-    /// anything or touching the pool: an estimate for scheduling (blocks may be evicted
-    /// before the match).
-    pub fn peek_prefix(&self, tokens: &[u32], window: Option<usize>, limit: usize) -> usize {
+    /// [`PagedCache::match_window_prefix`] would map now for a sequence of root key `root`
+    /// (its salt), at most `limit`, without mapping anything or touching the pool: an
+    /// estimate for scheduling (blocks may be evicted before the match).
+    pub fn peek_prefix(
+        &self,
+        tokens: &[u32],
+        root: Key,
+        window: Option<usize>,
+        limit: usize,
+    ) -> usize {
         let bs = self.table.block_size();
         let (pool, index) = (&self.shared.pool, &self.shared.index);
         let n_max = (tokens.len().saturating_sub(1) / bs).min(limit / bs);
         let mut keys = Vec::with_capacity(n_max);
-        let mut parent = ROOT_KEY;
+        let mut parent = root;
         for chunk in tokens.chunks_exact(bs).take(n_max) {
             parent = block_key(self.shared.model_id, parent, chunk);
             keys.push(parent);
         }
         let has = |j: usize| {
-            let parent = if j == 0 { ROOT_KEY } else { keys[j - 1] };
+            let parent = if j == 0 { root } else { keys[j - 1] };
             index.contains(pool, keys[j], parent, &tokens[j * bs..(j + 1) * bs])
         };
         match window {
@@ -487,7 +495,9 @@ impl PagedCache {
         let n_max = tokens.len().saturating_sub(1) / bs;
         let mut blocks: Vec<BlockId> = Vec::new();
         let mut keys: Vec<Key> = Vec::new();
-        let mut parent = ROOT_KEY;
+        // The sequence's salt: its chain, and so every key looked up, starts from its root.
+        let root = self.table.root(seq);
+        let mut parent = root;
         let mut first = 0;
         if let Some(w) = window {
             for chunk in tokens.chunks_exact(bs).take(n_max) {
@@ -503,7 +513,7 @@ impl PagedCache {
             let (mut k, mut i) = (n_max, n_max);
             while i > lo(k) {
                 let j = i - 1;
-                let parent = if j == 0 { ROOT_KEY } else { keys[j - 1] };
+                let parent = if j == 0 { root } else { keys[j - 1] };
                 let chunk = &tokens[j * bs..(j + 1) * bs];
                 if let Some(b) = index.lookup(pool, keys[j], parent, chunk) {
                     found[j] = Some(b);
@@ -692,12 +702,12 @@ mod tests {
             // The peek predicts the match and changes nothing.
             let before = pool.stats();
             assert_eq!(
-                c.peek_prefix(&p[..n], None, usize::MAX),
+                c.peek_prefix(&p[..n], ROOT_KEY, None, usize::MAX),
                 want,
                 "peek of {n}"
             );
             assert_eq!(
-                c.peek_prefix(&p[..n], None, 4),
+                c.peek_prefix(&p[..n], ROOT_KEY, None, 4),
                 want.min(4),
                 "peek of {n} up to 4"
             );
@@ -964,6 +974,96 @@ mod tests {
         c2.table().check().unwrap();
     }
 
+    /// A salted sequence's blocks match only sequences of the same salt, in any context of the
+    /// memory; the unsalted namespace is one more salt. The model of the semantics: a match
+    /// maps the longest cached prefix computed under the same (salt, tokens).
+    #[test]
+    fn salted_prefixes_match_only_their_salt() {
+        let mut a = cache(128);
+        let mut b = PagedCache::new(Arc::clone(a.shared()), 128).unwrap();
+        let (ra, rb) = (salt_root(b"tenant a"), salt_root(b"tenant b"));
+        assert!(ra != ROOT_KEY && rb != ROOT_KEY && ra != rb);
+        assert_eq!(salt_root(b""), ROOT_KEY);
+        assert_eq!(salt_root(b"tenant a"), ra, "a pure function of the salt");
+        let p = prompt(13, 7);
+        a.table_mut().set_root(0, ra).unwrap();
+        decode(&mut a, 0, &p, 0);
+        assert_eq!(a.table().root(0), ra);
+        // The keys of a salted chain are not the unsalted ones.
+        let pool = Arc::clone(a.table().pool());
+        let index = Arc::clone(&a.shared().index);
+        let unsalted = crate::kv::prefix::chain_keys(a.model_id(), ROOT_KEY, &p, BS);
+        let salted = crate::kv::prefix::chain_keys(a.model_id(), ra, &p, BS);
+        for (k, (u, s)) in unsalted.iter().zip(&salted).enumerate() {
+            assert_ne!(u, s, "block {k}");
+            let parent = if k == 0 { ra } else { salted[k - 1] };
+            let toks = &p[k * BS..(k + 1) * BS];
+            assert!(
+                index.contains(&pool, *s, parent, toks),
+                "block {k} indexed salted"
+            );
+        }
+        for (seq, root, want) in [(1, ROOT_KEY, 0), (2, rb, 0), (3, ra, 12)] {
+            assert_eq!(b.peek_prefix(&p, root, None, usize::MAX), want);
+            b.table_mut().set_root(seq, root).unwrap();
+            assert_eq!(b.match_prefix(seq, &p).unwrap(), want, "seq {seq}");
+            b.table().check().unwrap();
+        }
+        assert_eq!(content(&b, 3), expect(&p[..12]));
+        // An unsalted computation of the same prompt is its own entry, found unsalted only.
+        decode(&mut b, 1, &p[..1], 0);
+        decode(&mut b, 1, &p[1..], 1);
+        b.table().check().unwrap();
+        assert_eq!(b.peek_prefix(&p, ROOT_KEY, None, usize::MAX), 12);
+        assert_eq!(b.peek_prefix(&p, rb, None, usize::MAX), 0);
+        // A salt is set on an empty sequence only, and stays with the id while it is empty.
+        let err = b.table_mut().set_root(3, rb).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+        assert_eq!(b.table().root(3), ra, "nothing changed");
+        b.table_mut().seq_rm(3, -1, -1);
+        assert_eq!(b.table().root(3), ra);
+        assert_eq!(b.match_prefix(3, &p).unwrap(), 12);
+        // seq_cp into an empty sequence continues the source's salted chain: the copy's own
+        // later blocks are keyed under the salt and found by the salt only.
+        b.table_mut().seq_cp(3, 4, -1, -1).unwrap();
+        assert_eq!(b.table().root(4), ra);
+        let mut q = p[..12].to_vec();
+        q.extend(prompt(9, 400));
+        decode(&mut b, 4, &q[12..], 12);
+        b.table().check().unwrap();
+        assert_eq!(b.peek_prefix(&q, ra, None, usize::MAX), 20);
+        assert_eq!(b.peek_prefix(&q, ROOT_KEY, None, usize::MAX), 12);
+        assert_eq!(b.peek_prefix(&q, rb, None, usize::MAX), 0);
+        // Unsalting is setting the root key; clear drops every salt.
+        b.table_mut().seq_rm(-1, -1, -1);
+        b.table_mut().set_root(4, ROOT_KEY).unwrap();
+        assert_eq!(b.table().root(4), ROOT_KEY);
+        b.clear();
+        assert_eq!(b.table().root(3), ROOT_KEY);
+        assert!(b.table_mut().set_root(-1, ra).is_err());
+    }
+
+    /// A window group resumes a salted prefix past its window only under the same salt.
+    #[test]
+    fn window_prefix_follows_the_salt() {
+        const W: usize = 6;
+        let mut c = cache(64);
+        let p = prompt(40, 11);
+        let ra = salt_root(b"a");
+        c.table_mut().set_root(0, ra).unwrap();
+        decode_windowed(&mut c, 0, &p, 3, W);
+        c.table_mut().seq_rm(0, -1, -1);
+        let mut q = p.clone();
+        q.push(1);
+        assert_eq!(c.peek_prefix(&q, ROOT_KEY, Some(W), usize::MAX), 0);
+        assert_eq!(c.peek_prefix(&q, ra, Some(W), usize::MAX), 40);
+        assert_eq!(c.match_window_prefix(1, &q, W).unwrap(), 0, "unsalted");
+        c.table_mut().seq_rm(1, -1, -1);
+        c.table_mut().set_root(2, ra).unwrap();
+        assert_eq!(c.match_window_prefix(2, &q, W).unwrap(), 40);
+        c.table().check().unwrap();
+    }
+
     /// A context that goes away gives its blocks back to the shared pool: full clean blocks stay
     /// cached (and matchable), the partial tail is freed.
     #[test]
@@ -1050,13 +1150,13 @@ mod tests {
         c.table_mut().seq_rm(1, -1, -1);
         // The window of position 40 (35..39) lies in blocks 8 and 9: resume at 40.
         let before = pool.stats();
-        assert_eq!(c.peek_prefix(&q, Some(W), usize::MAX), 40);
+        assert_eq!(c.peek_prefix(&q, ROOT_KEY, Some(W), usize::MAX), 40);
         assert_eq!(
-            c.peek_prefix(&q, Some(W), 39),
+            c.peek_prefix(&q, ROOT_KEY, Some(W), 39),
             36,
             "at most 39 tokens: resume at 36"
         );
-        assert_eq!(c.peek_prefix(&q, None, usize::MAX), 0);
+        assert_eq!(c.peek_prefix(&q, ROOT_KEY, None, usize::MAX), 0);
         assert_eq!(pool.stats(), before);
         assert_eq!(c.match_window_prefix(1, &q, W).unwrap(), 40);
         assert_eq!(content(&c, 1), expect(&p)[32..].to_vec());
@@ -1076,7 +1176,7 @@ mod tests {
         // (window 31..35: blocks 7 and 8).
         let mut d = p.clone();
         d[38] += 1;
-        assert_eq!(c.peek_prefix(&d, Some(W), usize::MAX), 36);
+        assert_eq!(c.peek_prefix(&d, ROOT_KEY, Some(W), usize::MAX), 36);
         assert_eq!(c.match_window_prefix(3, &d, W).unwrap(), 36);
         assert_eq!(content(&c, 3), expect(&p)[28..36].to_vec());
         c.table().check().unwrap();

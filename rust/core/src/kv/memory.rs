@@ -16,8 +16,7 @@ use std::sync::Arc;
 
 use super::cache::PagedCache;
 use super::pool::{BlockId, BlockPool};
-use super::prefix::chain_keys;
-use super::prefix::Key;
+use super::prefix::{chain_keys, salt_root, Key};
 use super::recurrent::{RecurrentGroup, StateTx};
 use super::storage::KvStorage;
 use super::table::{BatchTx, Pos, SeqId};
@@ -297,7 +296,8 @@ impl LayerGroups {
         let model_id = primary.model_id();
         let shared = Arc::clone(primary.shared());
         let mut storage = shared.lock_storage();
-        let keys = chain_keys(model_id, &tokens[..n], bs);
+        let root = primary.table().root(seq);
+        let keys = chain_keys(model_id, root, &tokens[..n], bs);
         let mut found = None;
         for i in (0..keys.len()).rev() {
             let m = (i + 1) * bs;
@@ -322,6 +322,29 @@ impl LayerGroups {
             return Ok(0);
         }
         Ok(m)
+    }
+
+    /// Salts the empty sequence `seq` in every group: its blocks' content keys chain from
+    /// [`salt_root`]`(salt)` (the empty salt: unsalted), so it shares cached prefixes only
+    /// with sequences of the same salt (docs/KV_SEMANTICS.md, "Prefix index"). Kept for the
+    /// id until set again (`seq_cp` into an empty sequence copies it; `clear` drops all).
+    /// `InvalidInput`, nothing changed, if `seq < 0` or `seq` holds anything.
+    pub fn seq_set_salt(&mut self, seq: SeqId, salt: &[u8]) -> Result<()> {
+        if seq < 0 || self.seq_pos_max(seq) >= 0 || self.primary().seq_pos_min(seq) >= 0 {
+            return Err(crate::Error::InvalidInput(format!(
+                "seq_set_salt: sequence {seq} must be >= 0 and empty"
+            )));
+        }
+        let root = salt_root(salt);
+        for g in &mut self.groups {
+            g.cache.table_mut().set_root(seq, root)?;
+        }
+        Ok(())
+    }
+
+    /// The root key of `seq` (see [`LayerGroups::seq_set_salt`]).
+    pub fn seq_root(&self, seq: SeqId) -> Key {
+        self.primary().table().root(seq)
     }
 
     /// Makes every window group of the new sequence `seq` hold the window before position
@@ -355,7 +378,7 @@ impl LayerGroups {
     /// for scheduling, changing nothing): full groups first, then window groups up to that.
     /// A model with a recurrent group also needs a state checkpoint, which this does not
     /// look for: 0.
-    pub fn peek_prefix(&self, tokens: &[u32]) -> usize {
+    pub fn peek_prefix(&self, tokens: &[u32], root: Key) -> usize {
         if self.recurrent.is_some() {
             return 0;
         }
@@ -367,7 +390,7 @@ impl LayerGroups {
                 GroupKind::Window(w) => Some(w),
                 GroupKind::Full | GroupKind::Recurrent => None,
             };
-            n = n.min(g.cache.peek_prefix(tokens, window, n));
+            n = n.min(g.cache.peek_prefix(tokens, root, window, n));
         }
         if n == usize::MAX {
             0
@@ -655,7 +678,7 @@ mod tests {
     use crate::batch::Batch;
     use crate::kv::recurrent::StateLayout;
     use crate::kv::storage::{KvLayout, KvType};
-    use crate::kv::SharedKv;
+    use crate::kv::{SharedKv, ROOT_KEY};
     use crate::ops::{Rope, RopeScaling};
 
     const BS: usize = 16;
@@ -865,7 +888,7 @@ mod tests {
         let pi = m.primary_index();
         let full = Arc::clone(m.groups()[pi].cache.shared());
         let id = m.groups()[pi].cache.model_id();
-        let keys = chain_keys(id, &toks, BS);
+        let keys = chain_keys(id, crate::kv::ROOT_KEY, &toks, BS);
         // A checkpoint after block 2 only (positions 0..48).
         let vals: Vec<f32> = (0..16).map(|i| i as f32 * 0.5).collect();
         let r = m.recurrent().unwrap();
@@ -1132,7 +1155,7 @@ mod tests {
         run(&mut m, 0, 0, 48); // tokens 0..48; the window group pruned (cached blocks)
         let toks: Vec<u32> = (0..48).collect();
         let id = full.model_id();
-        let keys = chain_keys(id, &toks, BS);
+        let keys = chain_keys(id, crate::kv::ROOT_KEY, &toks, BS);
         let vals: Vec<f32> = (0..16).map(|i| i as f32 - 3.5).collect();
         let r = m.recurrent().unwrap();
         assert!(r.store_checkpoint(&mut full.lock_storage(), id, keys[2], &toks[32..], &vals));
@@ -1183,5 +1206,62 @@ mod tests {
             full.pool_stats().referenced + win.pool_stats().referenced,
             0
         );
+    }
+
+    /// A salted sequence of a hybrid + window memory resumes (K/V of both groups and the state
+    /// checkpoint, keyed under the salted chain) only under the same salt; `seq_set_salt`
+    /// salts every group, refuses a sequence that holds anything, and `seq_cp` into an empty
+    /// sequence passes the salt on in every group.
+    #[test]
+    fn salted_sequences_resume_only_under_their_salt() {
+        let (full, win) = (shared_n(1, 24), shared_n(2, 16));
+        let mut m = memory_over(&full, &win, true);
+        m.seq_set_salt(0, b"tenant a").unwrap();
+        run(&mut m, 0, 0, 48);
+        let toks: Vec<u32> = (0..48).collect();
+        let id = full.model_id();
+        let ra = salt_root(b"tenant a");
+        assert_eq!(m.seq_root(0), ra);
+        let keys = chain_keys(id, ra, &toks, BS);
+        let vals: Vec<f32> = (0..16).map(|i| i as f32 + 0.25).collect();
+        let r = m.recurrent().unwrap();
+        assert!(r.store_checkpoint(&mut full.lock_storage(), id, keys[2], &toks[32..], &vals));
+        let err = m.seq_set_salt(0, b"other").unwrap_err();
+        assert!(matches!(err, crate::Error::InvalidInput(_)), "{err}");
+        assert!(m.seq_set_salt(-1, b"x").is_err());
+        assert_eq!(m.seq_root(0), ra, "nothing changed");
+        m.seq_cp(0, 1, -1, -1).unwrap();
+        for g in m.groups() {
+            assert_eq!(g.cache.table().root(1), ra, "{:?}", g.kind);
+        }
+        m.seq_rm(0, -1, -1).unwrap();
+        m.seq_rm(1, -1, -1).unwrap();
+        let mut q = toks.clone();
+        q.push(99);
+        for (seq, salt, want) in [
+            (5, &b""[..], 0),
+            (6, &b"tenant b"[..], 0),
+            (7, &b"tenant a"[..], 48),
+        ] {
+            m.seq_set_salt(seq, salt).unwrap();
+            assert_eq!(m.match_prefix(seq, &q).unwrap(), want, "seq {seq}");
+            audit(&m);
+        }
+        let (pos, got) = m
+            .recurrent()
+            .unwrap()
+            .read(7, &full.lock_storage())
+            .unwrap()
+            .unwrap();
+        assert_eq!((pos, got), (47, vals));
+        // Without a recurrent group the peek follows the salt the same way.
+        let (full2, win2) = (shared_n(1, 24), shared_n(2, 16));
+        let mut m2 = memory_over(&full2, &win2, false);
+        m2.seq_set_salt(0, b"tenant a").unwrap();
+        run(&mut m2, 0, 0, 48);
+        assert_eq!(m2.peek_prefix(&q, ra), 48);
+        assert_eq!(m2.peek_prefix(&q, ROOT_KEY), 0);
+        assert_eq!(m2.peek_prefix(&q, salt_root(b"tenant b")), 0);
+        audit(&m2);
     }
 }

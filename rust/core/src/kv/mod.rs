@@ -51,7 +51,7 @@ pub use cache::{
 };
 pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, PlannedBatch, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
-pub use prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
+pub use prefix::{block_key, salt_root, Key, KeyHasher, PrefixIndex, ROOT_KEY};
 pub use table::{
     BatchTx, CellShift, CowCopy, KvTable, Pos, SeqId, SeqView, TableStats, Updates, WritePlan,
 };

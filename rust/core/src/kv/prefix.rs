@@ -117,11 +117,31 @@ impl KeyHasher {
 }
 
 const DOMAIN_BLOCK: u64 = 0x6b76_7365_7276_6542; // "kvserveB"
+const DOMAIN_SALT: u64 = 0x6b76_7365_7276_6553; // "kvserveS"
+
+/// The root key of a sequence salted with `salt`: the parent key of its first block, so that
+/// every key of its chain depends on the salt and its blocks match only sequences with the
+/// same salt (tenants' isolated prefix caches, a request's `cache_salt`). The empty salt is
+/// [`ROOT_KEY`] (unsalted); any other salt gives a key that is neither [`ROOT_KEY`] nor, but
+/// with the hash's collision probability, another salt's root or any block's key (a separate
+/// hash domain).
+pub fn salt_root(salt: &[u8]) -> Key {
+    if salt.is_empty() {
+        return ROOT_KEY;
+    }
+    let mut h = KeyHasher::new(DOMAIN_SALT);
+    h.write_bytes(salt);
+    match h.finish() {
+        ROOT_KEY => 1,
+        k => k,
+    }
+}
 
 /// The chain of content keys of the whole blocks of `tokens` (blocks of `block_size`; a
-/// partial last block has none): key `i` is [`block_key`] of block `i` under key `i - 1`.
-pub fn chain_keys(model_id: Key, tokens: &[u32], block_size: usize) -> Vec<Key> {
-    let mut parent = ROOT_KEY;
+/// partial last block has none): key `i` is [`block_key`] of block `i` under key `i - 1`,
+/// key 0 under `root` (the sequence's root key: [`ROOT_KEY`], or [`salt_root`] of its salt).
+pub fn chain_keys(model_id: Key, root: Key, tokens: &[u32], block_size: usize) -> Vec<Key> {
+    let mut parent = root;
     tokens
         .chunks_exact(block_size)
         .map(|c| {

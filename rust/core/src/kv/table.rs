@@ -207,6 +207,10 @@ pub struct KvTable {
     next_origin: u64,
     /// The model id of the last keying commit (for [`KvTable::check`] to recompute chains).
     key_model: Option<Key>,
+    /// Root keys of salted sequence ids (the parent key of their first block; absent:
+    /// [`ROOT_KEY`]). A property of the id, kept while it is empty, until set again,
+    /// copied by `seq_cp` into an empty sequence, or dropped by `clear`.
+    roots: HashMap<SeqId, Key>,
     pending: Vec<CowCopy>,
     pins: Vec<BlockId>,
     dirty: Vec<(BlockId, u16)>,
@@ -264,6 +268,7 @@ impl KvTable {
             origin: try_vec(n, 0, "KV block tables")?,
             next_origin: 1,
             key_model: None,
+            roots: HashMap::new(),
             pending: Vec::new(),
             pins: Vec::new(),
             dirty: Vec::new(),
@@ -295,6 +300,35 @@ impl KvTable {
     /// The token id recorded for cell `(b, slot)`.
     pub fn cell_token(&self, b: BlockId, slot: u16) -> u32 {
         self.tokens[self.idx(b, slot)]
+    }
+
+    /// The root key of `s`: the parent key of its first block's content key ([`ROOT_KEY`]
+    /// unless [`KvTable::set_root`] salted it).
+    pub fn root(&self, s: SeqId) -> Key {
+        self.roots.get(&s).copied().unwrap_or(ROOT_KEY)
+    }
+
+    /// Salts the sequence id `s`: its key chain starts from `root` (`prefix::salt_root` of
+    /// the salt; [`ROOT_KEY`] unsalts it), so its blocks get keys, and match prefixes, of
+    /// sequences with the same root only. `InvalidInput` (nothing changed) if `s < 0` or `s`
+    /// has cells: a chain cannot change its root midway.
+    pub fn set_root(&mut self, s: SeqId, root: Key) -> Result<()> {
+        if s < 0 {
+            return Err(Error::InvalidInput(format!(
+                "a salt needs a sequence id >= 0, got {s}"
+            )));
+        }
+        if self.seqs.contains_key(&s) {
+            return Err(Error::InvalidInput(format!(
+                "sequence {s} is not empty; a salt applies to an empty sequence"
+            )));
+        }
+        if root == ROOT_KEY {
+            self.roots.remove(&s);
+        } else {
+            self.roots.insert(s, root);
+        }
+        Ok(())
     }
 
     /// Whether `s` is clean: none of its cells was moved by `seq_add`/`seq_div` and it received
@@ -551,6 +585,11 @@ impl KvTable {
         }
         let clean =
             !self.seqs.contains_key(&dst) && self.seqs.get(&src).is_some_and(|q| !q.tainted);
+        if !self.seqs.contains_key(&dst) {
+            // An empty destination continues the source's chain: it takes its root (salt).
+            let root = self.root(src);
+            self.set_root(dst, root)?;
+        }
         // The copy is the source's first cells (not a range from its middle): then it is the
         // same clean run, and the source's chain, cut to what was copied, is its chain too.
         let head = self
@@ -594,14 +633,15 @@ impl KvTable {
         Ok(())
     }
 
-    /// Removes every sequence. Blocks with a content key stay cached in the pool; pending copies
-    /// are dropped (their destinations belonged to the removed sequences).
+    /// Removes every sequence and salt. Blocks with a content key stay cached in the pool;
+    /// pending copies are dropped (their destinations belonged to the removed sequences).
     pub fn clear(&mut self) {
         for t in self.targets(-1) {
             self.drop_cells(t, Removal::Remove, |_| true);
         }
         self.pending.clear();
         self.dirty.clear();
+        self.roots.clear();
         for b in std::mem::take(&mut self.pins) {
             let _ = self.pool.release(b);
         }
@@ -1080,6 +1120,7 @@ impl KvTable {
         }
         let bs = self.bs;
         let front = q.front;
+        let root = self.root(s);
         while !q.tainted
             && !q.chain_stuck
             && q.chain.len() < limit
@@ -1102,7 +1143,7 @@ impl KvTable {
                 q.chain_stuck = true;
                 break;
             }
-            let parent = q.chain.last().copied().unwrap_or(ROOT_KEY);
+            let parent = q.chain.last().copied().unwrap_or(root);
             let i0 = self.idx(b, 0);
             let key = block_key(model_id, parent, &self.tokens[i0..i0 + bs]);
             match self.pool.key(b) {
@@ -1469,7 +1510,7 @@ impl KvTable {
                             && sl as usize == j
                             && self.pos[self.idx(cb, sl)] == (k * bs + j) as Pos
                     });
-                    let parent = if k == 0 { ROOT_KEY } else { q.chain[k - 1] };
+                    let parent = if k == 0 { self.root(s) } else { q.chain[k - 1] };
                     let i0 = self.idx(b, 0);
                     let want = block_key(id, parent, &self.tokens[i0..i0 + bs]);
                     if !plain || key != want {

@@ -600,10 +600,17 @@ impl Context {
         self.memory.match_prefix(seq, tokens)
     }
 
-    /// How many tokens [`Context::match_prefix`] would map for `tokens` now, changing nothing
-    /// ([`LayerGroups::peek_prefix`]; an estimate: blocks may be evicted before the match).
-    pub fn peek_prefix(&self, tokens: &[u32]) -> usize {
-        self.memory.peek_prefix(tokens)
+    /// How many tokens [`Context::match_prefix`] would map for `tokens` now in a sequence
+    /// salted with `salt` (empty: unsalted), changing nothing ([`LayerGroups::peek_prefix`];
+    /// an estimate: blocks may be evicted before the match).
+    pub fn peek_prefix(&self, tokens: &[u32], salt: &[u8]) -> usize {
+        self.memory.peek_prefix(tokens, crate::kv::salt_root(salt))
+    }
+
+    /// Salts the empty sequence `seq`: it shares cached prefixes only with sequences of the
+    /// same salt, in any context of the model ([`LayerGroups::seq_set_salt`]).
+    pub fn seq_set_salt(&mut self, seq: SeqId, salt: &[u8]) -> Result<()> {
+        self.memory.seq_set_salt(seq, salt)
     }
 
     /// The checks of `batch` that `decode` makes before planning it: its columns and values
