@@ -1770,6 +1770,7 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--max-sessions", "KVSERVE_MAX_SESSIONS"),
         ("--max-tokens-limit", "KVSERVE_MAX_TOKENS_LIMIT"),
         ("--max-prompt-chars", "KVSERVE_MAX_PROMPT_CHARS"),
+        ("--body-timeout", "KVSERVE_BODY_TIMEOUT; default: 30"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
 
@@ -2198,3 +2199,96 @@ def test_a_cross_tenant_probe_sees_no_hit(model_path: Path, tmp_path: Path) -> N
                 headers=_as("alice"),
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_session_files_stay_in_their_directory(tenants_app: tuple[str, Path, Path]) -> None:
+    """Session ids are matched whole (a trailing newline is not an id); a symbolic link in a
+    tenant's directory, or a tenant directory that is a link elsewhere, is refused for save
+    and restore (403), and nothing is read or written through it."""
+    url, sessions, _ = tenants_app
+    for bad in ("s%0A", "s%0A%0A", ".hidden", "..%2Fbob%2Fs"):
+        r = httpx.post(f"{url}/v1/sessions/{bad}/save", headers=_as("alice"))
+        if "%2F" in bad:  # no such route
+            assert r.status_code == 404, (bad, r.text)
+        else:
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "session_id", r.text
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "s\n"}, headers=_as("alice"))
+    assert r.status_code == 400, r.text
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for name in ("alice", "bob"):
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json={**chat, "session_id": "ln"}, headers=_as(name)
+        )
+        assert r.status_code == 200, r.text
+    # Bob's saved file, and a file outside every tenant's directory.
+    assert httpx.post(f"{url}/v1/sessions/ln/save", headers=_as("bob")).status_code == 200
+    secret = sessions.parent / "outside.kvs"
+    secret.write_bytes(b"not yours")
+    (sessions / "alice").mkdir(mode=0o700, exist_ok=True)
+    for target in (sessions / "bob" / "ln.kvs", secret):
+        link = sessions / "alice" / "ln.kvs"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        before = target.read_bytes()
+        r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "ln"}, headers=_as("alice"))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "session_path_refused"
+        r = httpx.post(f"{url}/v1/sessions/ln/save", headers=_as("alice"))
+        assert r.status_code == 403, r.text
+        assert link.is_symlink() and target.read_bytes() == before
+        link.unlink()
+    # A tenant directory that is a link to another tenant's.
+    carol = sessions / "carol"
+    carol.symlink_to(sessions / "bob", target_is_directory=True)
+    try:
+        r = httpx.post(f"{url}/v1/sessions/restore", json={"id": "ln"}, headers=_as("carol"))
+        assert r.status_code == 403, r.text
+    finally:
+        carol.unlink()
+    for name in ("alice", "bob"):
+        httpx.delete(f"{url}/v1/sessions/ln", headers=_as(name))
+
+
+def test_a_body_that_trickles_in_is_cut_off(model_path: Path) -> None:
+    """Slowloris: a client that sends its body a byte at a time gets a 408 once the body
+    timeout passes, the connection closed; a prompt client on another connection meanwhile
+    is served at once."""
+    import socket
+
+    config = ServerConfig(body_timeout=1.5)
+    with Engine(model_path, threads=1, parallel=1, ctx_size=CTX, kv_memory="8MiB") as engine:
+        with _live(create_app(config, engine=engine)) as url:
+            host, port = url.removeprefix("http://").split(":")
+            body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                head = (
+                    f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                )
+                sock.sendall(head.encode())
+                t0 = time.monotonic()
+                sent = 0
+                answer = b""
+                sock.settimeout(0.3)
+                while time.monotonic() - t0 < 8:
+                    if sent < len(body) - 1:
+                        with contextlib.suppress(OSError):
+                            sock.sendall(body[sent : sent + 1])
+                        sent += 1
+                    try:
+                        chunk = sock.recv(65536)
+                    except socket.timeout:
+                        if sent == 3:  # meanwhile, another client is served at once
+                            r = httpx.post(
+                                f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}
+                            )
+                            assert r.status_code == 200, r.text
+                        continue
+                    if not chunk:
+                        break  # closed by the server
+                    answer += chunk
+                elapsed = time.monotonic() - t0
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"body_timeout" in answer
+            assert 1.4 < elapsed < 6, elapsed
+            assert sent < len(body) - 1, "cut off before the body was complete"

@@ -346,6 +346,8 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
     (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, None,
      "largest request body (413 beyond it; default: 256 bytes per token of --ctx-size, at"
      " least 1MiB)"),
+    (("--body-timeout",), "SECONDS", "KVSERVE_BODY_TIMEOUT", _seconds, 30.0,
+     "seconds a request body may take to arrive; a slower one is cut off with a 408"),
     (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
      "log lines as text, or one JSON object per line"),
 ]  # fmt: skip
@@ -417,6 +419,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         api_keys_file=s["api_keys_file"],
         log_format=s["log_format"],
         max_body=s["max_body"],
+        body_timeout=s["body_timeout"],
         max_tokens_limit=s["max_tokens_limit"],
         max_prompt_chars=s["max_prompt_chars"],
         special_in_content=s["special_in_content"],

@@ -945,6 +945,27 @@ def create_app(
         path.mkdir(mode=0o700, exist_ok=True)
         return path
 
+    def session_file(request: Request, file_id: str) -> Path:
+        """The file ``<file_id>.kvs`` of the request's tenant's session directory, which must
+        be a plain file there or nothing yet: a symbolic link, or a tenant directory that
+        resolves elsewhere, is refused (403), so no file outside the directory is read or
+        written through it."""
+        _check_session_id(file_id)
+        folder = session_dir(request)
+        path = folder / f"{file_id}.kvs"
+        tenant = scoped_tenant(request)
+        root = Path(str(config.session_dir)).resolve()
+        home = root if tenant is None else root / tenant.name
+        if folder.resolve() != home or path.is_symlink():
+            log.error("refused session file %s: not a plain file in %s", path, home)
+            raise ApiError(
+                403,
+                f"session file {file_id!r} is not a plain file in the session directory",
+                param="id",
+                code="session_path_refused",
+            )
+        return path
+
     def scoped(request: Request, options: RequestOptions) -> RequestOptions:
         """The request's options as its tenant may have them: ``priority`` capped at the
         tenant's ``max_priority``, ``session_id`` in the tenant's namespace, the engine's
@@ -1019,7 +1040,7 @@ def create_app(
     async def save_session(request: Request, session_id: str) -> Response:
         engine = server.ready()
         _check_session_id(session_id)
-        path = session_dir(request) / f"{session_id}.kvs"
+        path = session_file(request, session_id)
         sid = internal_id(request, session_id)
         try:
             await _blocking(lambda: engine.save_session(sid, path))
@@ -1043,7 +1064,7 @@ def create_app(
     async def restore_session(request: Request) -> Response:
         body = await _parse(request, RestoreRequest)
         engine = server.ready()
-        path = session_dir(request) / f"{body.id}.kvs"
+        path = session_file(request, body.id)
         name = body.session_id or body.id
         sid = internal_id(request, name)
         if not path.is_file():
@@ -1077,6 +1098,7 @@ def create_app(
         metrics=server.metrics,
         tenants=_tenants(config),
         max_body=config.body_limit(engine.ctx_size if engine is not None else None),
+        body_timeout=config.body_timeout,
     )
 
 
@@ -1192,7 +1214,7 @@ _SESSION_RE = re.compile(SESSION_ID)
 
 
 def _check_session_id(session_id: str) -> None:
-    if not _SESSION_RE.match(session_id):
+    if not _SESSION_RE.fullmatch(session_id):  # whole: ``$`` alone allows a trailing newline
         raise ApiError(
             400,
             f"invalid session id {session_id!r}: 1 to 128 of A-Z a-z 0-9 . _ -, not starting"

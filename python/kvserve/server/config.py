@@ -28,9 +28,10 @@ class ServerConfig:
     ``max_body``: the largest request body in bytes (413 beyond, refused on its Content-Length
     before it is read); None: 256 bytes per token of ``ctx_size``, at least 1 MiB (a body past
     that holds more text than the context, even JSON-escaped, so the server need not read and
-    parse it: a flood of multi-megabyte bodies costs it next to nothing). ``model_id``: the id
-    that
-    ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
+    parse it: a flood of multi-megabyte bodies costs it next to nothing). ``body_timeout``:
+    seconds from a request's first body read until its whole body is in; a body that trickles
+    in slower (slowloris) is cut off with a 408 and the connection closed. ``model_id``: the
+    id that ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
     ``chat_template``: a Jinja chat template (its source) to use instead of the model's.
     ``max_tokens_limit``: the most tokens one request may generate (an explicit
     ``max_tokens`` above it is a 400; a request without one is bounded by it); None: the
@@ -62,6 +63,7 @@ class ServerConfig:
     api_keys_file: str | None = None
     log_format: str = "text"
     max_body: int | None = None
+    body_timeout: float = 30.0
     model_id: str | None = None
     max_tokens_limit: int | None = None
     max_prompt_chars: int | None = None

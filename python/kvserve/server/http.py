@@ -101,12 +101,14 @@ class Gate:
         metrics: Metrics,
         tenants: Tenants | None,
         max_body: int,
+        body_timeout: float = 30.0,
     ) -> None:
         self.app = app
         self.routes = routes
         self.metrics = metrics
         self.tenants = tenants  # replaced whole on a reload (SIGHUP)
         self.max_body = max_body
+        self.body_timeout = body_timeout
 
     def reload(self, path: str) -> None:
         """Reads the API keys file again; a bad file keeps the tenants in force (logged).
@@ -218,8 +220,19 @@ class Gate:
                     return ApiError(400, "malformed Content-Length header")
         chunks: list[bytes] = []
         size = 0
+        deadline = time.monotonic() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                # A body that trickles in (slowloris) holds a connection, a tenant's slot and
+                # this coroutine: the whole body gets body_timeout seconds.
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return ApiError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:g} s",
+                    code="body_timeout",
+                    headers={"Connection": "close"},
+                )
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")

@@ -75,7 +75,7 @@ def _int(where: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 def _tenant(name: str, table: Any) -> Tenant:
     where = f"tenants.{name}"
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise TenantsFileError(f"{where}: a tenant name is 1 to 64 of A-Z a-z 0-9 _ -")
     if not isinstance(table, dict):
         raise TenantsFileError(f"{where} must be a table")
