@@ -51,6 +51,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 import time
 import uuid
@@ -270,6 +271,22 @@ def write_session_file(path: StrPath, header: dict[str, Any], kv: bytes) -> None
         pass
     finally:
         os.close(fd)
+
+
+_TEMP = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
+
+
+def remove_stale_temps(folder: StrPath) -> list[Path]:
+    """Removes the temporary files that :func:`write_session_file` left in ``folder`` and its
+    subdirectories when its process was killed mid-write (SIGKILL, power loss: the session
+    file itself is then the old one, intact). Only for a directory no writer is using (e.g.
+    at server start); returns what it removed."""
+    removed = []
+    for path in Path(os.fspath(folder)).rglob(".*.tmp"):
+        if _TEMP.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def _is_int(value: object) -> bool:

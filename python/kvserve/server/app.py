@@ -55,7 +55,7 @@ from .._model import (
 from ..engine import Delta, Engine
 from ..options import RequestOptions
 from ..sampling import TokenLogprob
-from ..sessions import SessionFileError, SessionInfo
+from ..sessions import SessionFileError, SessionInfo, remove_stale_temps
 from .config import ServerConfig
 from .http import (
     ACCESS,
@@ -630,6 +630,9 @@ def create_app(
     config = config or ServerConfig()
     if config.session_dir is not None:
         Path(config.session_dir).mkdir(parents=True, exist_ok=True)
+        # A save killed mid-write left its temporary file (the session file is intact).
+        for stale in remove_stale_temps(config.session_dir):
+            log.warning("removed %s, left by a session save that was killed", stale)
     server = _Server(config, engine)
     owns_engine = engine is None
 
