@@ -1771,6 +1771,7 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--max-tokens-limit", "KVSERVE_MAX_TOKENS_LIMIT"),
         ("--max-prompt-chars", "KVSERVE_MAX_PROMPT_CHARS"),
         ("--body-timeout", "KVSERVE_BODY_TIMEOUT; default: 30"),
+        ("--shutdown-grace", "KVSERVE_SHUTDOWN_GRACE; default: 3"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
 
@@ -2292,3 +2293,78 @@ def test_a_body_that_trickles_in_is_cut_off(model_path: Path) -> None:
             assert b"body_timeout" in answer
             assert 1.4 < elapsed < 6, elapsed
             assert sent < len(body) - 1, "cut off before the body was complete"
+
+
+def test_sigterm_under_load_ends_every_stream_cleanly(model_path: Path, tmp_path: Path) -> None:
+    """SIGTERM with streams running (long ones that cannot finish within the grace, short
+    ones that can) and session saves in flight: every stream ends with [DONE], after its last
+    choice or after an error event ``shutting_down``; the process exits within the grace and
+    uvicorn's margin; no temporary session file remains; a restarted server restores the
+    saved session and continues it."""
+    sessions = tmp_path / "sessions"
+    args = ["--model", str(model_path), "--threads", "2", "--parallel", "4", "--ctx-size", "512"]
+    args += ["--session-dir", str(sessions), "--shutdown-grace", "3"]
+    srv = Server(args, tmp_path / "a.log")
+    chat = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8}
+    try:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "session_id": "s"})
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{srv.url}/v1/sessions/s/save").status_code == 200
+        ends: dict[str, list[str]] = {}
+        started = threading.Semaphore(0)
+
+        def stream(name: str, max_tokens: int) -> None:
+            body = {"prompt": STORY, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            lines: list[str] = []
+            try:
+                with httpx.stream(
+                    "POST", f"{srv.url}/v1/completions", json=body, timeout=60
+                ) as resp:
+                    assert resp.status_code == 200
+                    for x in resp.iter_lines():
+                        if x.startswith("data: "):
+                            lines.append(x)
+                            started.release()
+            except httpx.HTTPError as e:
+                lines.append(f"cut: {e!r}")
+            ends[name] = lines
+
+        def saver() -> None:
+            for _ in range(20):
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(f"{srv.url}/v1/sessions/s/save", timeout=10)
+
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 400)) for i in range(3)]
+        threads.append(threading.Thread(target=stream, args=("short", 16)))
+        threads.append(threading.Thread(target=saver))
+        for t in threads:
+            t.start()
+        for _ in range(4):  # every stream has sent its first chunk
+            assert started.acquire(timeout=60)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        srv.proc.wait(timeout=30)
+        stopped = time.monotonic() - t0
+    finally:
+        srv.stop()
+    assert stopped < 3 + 2 + 3, f"exited {stopped:.1f} s after SIGTERM"
+    assert sorted(ends) == ["long0", "long1", "long2", "short"]
+    for name, lines in ends.items():
+        assert lines and lines[-1] == "data: [DONE]", (name, lines[-3:])
+        errors = [json.loads(x[6:])["error"] for x in lines[:-1] if '"error"' in x]
+        if name == "short":
+            assert not errors, errors  # finished within the grace
+        else:
+            assert [e["code"] for e in errors] == ["shutting_down"], (name, lines[-3:])
+    assert not [p for p in sessions.rglob("*") if p.name.endswith(".tmp")]
+    srv = Server(args, tmp_path / "b.log")
+    try:
+        r = httpx.post(f"{srv.url}/v1/sessions/restore", json={"id": "s"})
+        assert r.status_code == 200, r.text
+        more = {"messages": [*chat["messages"], {"role": "user", "content": "More."}]}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, **more, "session_id": "s"})
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()

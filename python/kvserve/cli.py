@@ -348,6 +348,8 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      " least 1MiB)"),
     (("--body-timeout",), "SECONDS", "KVSERVE_BODY_TIMEOUT", _seconds, 30.0,
      "seconds a request body may take to arrive; a slower one is cut off with a 408"),
+    (("--shutdown-grace",), "SECONDS", "KVSERVE_SHUTDOWN_GRACE", _seconds, 3.0,
+     "seconds requests in flight at SIGTERM get to finish before they end with an error"),
     (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
      "log lines as text, or one JSON object per line"),
 ]  # fmt: skip
@@ -420,6 +422,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         log_format=s["log_format"],
         max_body=s["max_body"],
         body_timeout=s["body_timeout"],
+        shutdown_grace=s["shutdown_grace"],
         max_tokens_limit=s["max_tokens_limit"],
         max_prompt_chars=s["max_prompt_chars"],
         special_in_content=s["special_in_content"],

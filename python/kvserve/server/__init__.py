@@ -8,11 +8,13 @@ tests and embedding); :func:`serve` runs it until interrupted. Routes and behavi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
 import sys
 import time
+from types import FrameType
 from typing import Any
 
 from .app import create_app
@@ -61,7 +63,8 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
 
 
 def serve(config: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn's graceful shutdown: open streams get 5 s). The
+    """Serve until SIGINT/SIGTERM (requests in flight get ``config.shutdown_grace`` seconds to
+    finish, then end with a ``shutting_down`` error; new ones get 503). The
     model loads in the background while ``/health`` answers 503; if it fails to load the
     server stops and the error is raised here."""
     import uvicorn
@@ -76,7 +79,22 @@ def serve(config: ServerConfig) -> None:
             server.should_exit = True
 
     app = create_app(config, on_load_error=load_failed)
-    server = uvicorn.Server(
+    grace = config.shutdown_grace
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # The first SIGTERM/SIGINT: streams in flight get `grace` seconds, then an error
+            # event (uvicorn's own graceful shutdown would cut them off mid-stream).
+            if not self.should_exit:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    loop = None
+                if loop is not None:
+                    loop.call_soon_threadsafe(app.drain, grace)  # type: ignore[attr-defined]
+            super().handle_exit(sig, frame)
+
+    server = _Uvicorn(
         uvicorn.Config(
             app,
             host=config.host,
@@ -84,7 +102,7 @@ def serve(config: ServerConfig) -> None:
             log_config=None,
             access_log=False,
             lifespan="on",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=grace + 2,
         )
     )
     if config.api_keys_file is not None and hasattr(signal, "SIGHUP"):

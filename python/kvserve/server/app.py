@@ -144,6 +144,8 @@ class _Server:
         self.prompt_chars = 0  # the most characters of one prompt (set with the engine)
         self.created = int(time.time())
         self.in_flight = 0  # sequences this server has admitted and not yet seen finish
+        self.jobs: set[_Job] = set()  # generation requests streaming now
+        self.draining = False  # shutting down: new requests get 503 (see drain)
         self.metrics = Metrics(self.stats, self.waiting)
         if engine is not None:
             self.set_engine(engine, prompt_char_limit(config, engine))
@@ -158,7 +160,29 @@ class _Server:
     def waiting(self) -> dict[int, int] | None:
         return None if self.engine is None else self.engine.waiting_by_priority()
 
+    def drain(self, grace: float) -> None:
+        """Shutdown begins (SIGTERM; on the event loop): new requests get 503
+        ``shutting_down``; generation requests in flight get ``grace`` seconds to finish,
+        then end with that error (a stream: an SSE error event, then ``[DONE]``), so no
+        client sees a connection cut mid-stream."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("shutting down: %d request(s) in flight get %g s", len(self.jobs), grace)
+        asyncio.get_running_loop().call_later(grace, self.end_jobs)
+
+    def end_jobs(self) -> None:
+        for job in list(self.jobs):
+            job.stop(RuntimeError("the server is shutting down"))
+
     def ready(self) -> Engine:
+        if self.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down",
+                code="shutting_down",
+                headers={"Retry-After": "1"},
+            )
         if self.engine is None:
             raise ApiError(
                 503, "the model is loading", code="model_loading", headers={"Retry-After": "1"}
@@ -289,6 +313,12 @@ class _Job:
         self.first: list[float | None] = [None] * self.count
         self.last: list[float] = [0.0] * self.count
         self.released = False
+        self.queue: asyncio.Queue[tuple[int, Delta | BaseException]] | None = None
+
+    def stop(self, error: BaseException) -> None:
+        """Ends the merged stream with ``error`` (its choices are then cancelled)."""
+        if self.queue is not None:
+            self.queue.put_nowait((0, error))
 
     def release(self) -> None:
         """Gives the request's sequences back to the admission count and fills in the access
@@ -308,6 +338,8 @@ class _Job:
     async def run(self) -> AsyncGenerator[tuple[int, Delta], None]:
         """The merged stream; closing it (or cancelling its consumer) cancels every choice."""
         queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
+        self.queue = queue
+        self.server.jobs.add(self)
 
         async def pump(base: int, gen: AsyncGenerator[Delta, None]) -> None:
             try:
@@ -340,6 +372,7 @@ class _Job:
                     left -= 1
                 yield i, item
         finally:
+            self.server.jobs.discard(self)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -1095,6 +1128,7 @@ def create_app(
         return JSONResponse(_session_json(await find(request, name)))
 
     app.state.tenants_file = config.api_keys_file
+    app.state.drain = server.drain
     return Gate(  # type: ignore[return-value]
         app,
         routes=lambda: app.routes,

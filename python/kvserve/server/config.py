@@ -30,7 +30,9 @@ class ServerConfig:
     that holds more text than the context, even JSON-escaped, so the server need not read and
     parse it: a flood of multi-megabyte bodies costs it next to nothing). ``body_timeout``:
     seconds from a request's first body read until its whole body is in; a body that trickles
-    in slower (slowloris) is cut off with a 408 and the connection closed. ``model_id``: the
+    in slower (slowloris) is cut off with a 408 and the connection closed. ``shutdown_grace``:
+    seconds that requests in flight at SIGTERM get to finish before they end with a
+    ``shutting_down`` error (a stream: an SSE error event and ``[DONE]``). ``model_id``: the
     id that ``/v1/models`` and responses report (default: the model file's name without ``.gguf``).
     ``chat_template``: a Jinja chat template (its source) to use instead of the model's.
     ``max_tokens_limit``: the most tokens one request may generate (an explicit
@@ -64,6 +66,7 @@ class ServerConfig:
     log_format: str = "text"
     max_body: int | None = None
     body_timeout: float = 30.0
+    shutdown_grace: float = 3.0
     model_id: str | None = None
     max_tokens_limit: int | None = None
     max_prompt_chars: int | None = None

@@ -110,6 +110,11 @@ class Gate:
         self.max_body = max_body
         self.body_timeout = body_timeout
 
+    def drain(self, grace: float) -> None:
+        """Shutdown begins (call on the event loop): new requests get 503, streams in flight
+        get ``grace`` seconds to finish, then an error event (python/kvserve/server/app.py)."""
+        self.app.state.drain(grace)  # type: ignore[attr-defined]
+
     def reload(self, path: str) -> None:
         """Reads the API keys file again; a bad file keeps the tenants in force (logged).
         Requests in flight finish under the tenant they started as."""
