@@ -44,6 +44,7 @@ from kvserve.cli import main as cli_main
 from kvserve.server import ServerConfig, create_app
 from kvserve.server.app import longest_token
 from kvserve.server.metrics import priority_label
+from kvserve.testing import live_server as _live
 
 CTX = 256
 PARALLEL = 4
@@ -143,26 +144,6 @@ def _wait_until(what: str, check: Any, timeout: float = 30) -> Any:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what} (last: {value!r})")
         time.sleep(0.02)
-
-
-@contextlib.contextmanager
-def _live(app: Any) -> Iterator[str]:
-    """Serves ``app`` with uvicorn in a thread of this process; yields its URL. The server
-    stops (lifespan shutdown included) when the block ends."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        _wait_until("uvicorn to start", lambda: srv.started or not thread.is_alive())
-        assert srv.started, "uvicorn stopped before it started"
-        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-    assert not thread.is_alive(), "uvicorn did not stop"
 
 
 class Live(NamedTuple):

@@ -41,7 +41,16 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .engine.requests import Request
 
-__all__ = ["POINTS", "Fault", "Faults", "InjectedFault", "inject", "prompt_is", "session_is"]
+__all__ = [
+    "POINTS",
+    "Fault",
+    "Faults",
+    "InjectedFault",
+    "inject",
+    "live_server",
+    "prompt_is",
+    "session_is",
+]
 
 POINTS = frozenset(
     {
@@ -163,3 +172,33 @@ def prompt_is(ids: Sequence[int]) -> Predicate:
 def session_is(session_id: str) -> Predicate:
     """Picks the requests on session ``session_id``."""
     return lambda req: req.turn is not None and req.turn.session_id == session_id
+
+
+@contextmanager
+def live_server(app: object, timeout: float = 30.0) -> Iterator[str]:
+    """Serves the ASGI ``app`` (e.g. ``kvserve.server.create_app(config, engine=engine)``)
+    with uvicorn on a free loopback port in a thread of this process; yields its URL. The
+    server stops, lifespan shutdown included, when the block ends."""
+    import threading
+    import time
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")  # type: ignore[arg-type]
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not srv.started and thread.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.02)
+        if not srv.started:
+            raise RuntimeError("uvicorn stopped before it started")
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout)
+    if thread.is_alive():
+        raise RuntimeError("uvicorn did not stop")

@@ -93,7 +93,17 @@ from __future__ import annotations
 
 from ..sessions import SessionFileError, SessionInfo
 from .api import Engine
-from .requests import Delta, parse_size
+from .requests import Delta, EngineClosed, parse_size
+from .session_manager import TooManySessions
 from .tenancy import TenantPolicy
 
-__all__ = ["Delta", "Engine", "SessionFileError", "SessionInfo", "TenantPolicy", "parse_size"]
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineClosed",
+    "SessionFileError",
+    "SessionInfo",
+    "TenantPolicy",
+    "TooManySessions",
+    "parse_size",
+]

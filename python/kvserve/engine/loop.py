@@ -30,7 +30,7 @@ from .._model import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, GenerateResult,
 from ..testing import Faults
 from .kv import KvManager
 from .output import argmax_rows, deliver, pick
-from .requests import DONE, RUNNING, WAITING, Call, Request
+from .requests import DONE, RUNNING, WAITING, Call, EngineClosed, Request
 from .scheduler import PlanEntry, Scheduler
 from .session_manager import SessionManager
 
@@ -114,7 +114,7 @@ class EngineLoop:
     def submit(self, req: Request, arrival: Callable[[], int]) -> None:
         with self.cond:
             if self.closed:
-                raise RuntimeError(self.fatal or "the engine is closed")
+                raise EngineClosed(self.fatal or "the engine is closed")
             req.key = (-req.priority, arrival())
             for child in req.children:  # after it, in choice order
                 child.key = (-child.priority, arrival())
@@ -136,7 +136,7 @@ class EngineLoop:
             return
         with self.cond:
             if self.closed:
-                raise RuntimeError(self.fatal or "the engine is closed")
+                raise EngineClosed(self.fatal or "the engine is closed")
             self._calls.append(call)
             self.cond.notify()
 
@@ -229,7 +229,7 @@ class EngineLoop:
         self._step()
 
     def _shutdown(self) -> None:
-        error = RuntimeError(self.fatal or "the engine was closed before the request finished")
+        error = EngineClosed(self.fatal or "the engine was closed before the request finished")
         with self.cond:
             self.closed = True
             pending = self._inbox + self.sched.queue.drain() + list(self.sched.running.values())
@@ -249,7 +249,7 @@ class EngineLoop:
             s.busy = None
         for call in calls:
             if not call.future.done():
-                call.future.set_exception(RuntimeError(self.fatal or "the engine is closed"))
+                call.future.set_exception(EngineClosed(self.fatal or "the engine is closed"))
         self.sched.running.clear()
         for req in pending:
             for r in (req, *req.children):

@@ -25,6 +25,7 @@ __all__ = [
     "ChoiceSink",
     "Delta",
     "End",
+    "EngineClosed",
     "FutureSink",
     "LoopSink",
     "Request",
@@ -58,6 +59,11 @@ def parse_size(size: int | str) -> int:
 
 
 NEW, WAITING, RUNNING, DONE = range(4)
+
+
+class EngineClosed(RuntimeError):
+    """The engine is closed (``Engine.close``, or its thread stopped on repeated internal
+    errors: the message says why) and takes no more work; what was in flight fails with it."""
 
 
 class Sink:

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 __all__ = ["SessionManager"]
 
 
+class TooManySessions(RuntimeError):
+    """A new session is needed while ``max_sessions`` sessions are held and all are busy."""
+
+
 class SessionManager:
     """Every session of one engine and what happens to them (engine thread only, except
     ``table.get`` snapshots for early checks)."""
@@ -60,7 +64,7 @@ class SessionManager:
         if self.max_sessions is not None and len(self.table) >= self.max_sessions:
             oldest = self.table.oldest_idle()
             if oldest is None:
-                raise RuntimeError(
+                raise TooManySessions(
                     f"max_sessions={self.max_sessions} sessions are held and all are busy"
                 )
             self.drop(oldest)

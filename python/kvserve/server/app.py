@@ -52,7 +52,7 @@ from .._model import (
     KvCacheFull,
     Model,
 )
-from ..engine import Delta, Engine
+from ..engine import Delta, Engine, EngineClosed, TooManySessions
 from ..options import RequestOptions
 from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo, remove_stale_temps
@@ -173,7 +173,7 @@ class _Server:
 
     def end_jobs(self) -> None:
         for job in list(self.jobs):
-            job.stop(RuntimeError("the server is shutting down"))
+            job.stop(EngineClosed("the server is shutting down"))
 
     def ready(self) -> Engine:
         if self.draining:
@@ -448,10 +448,15 @@ def _runtime_error(error: BaseException) -> ApiError:
         return ApiError(400, str(error), code="kv_cache_full")
     if isinstance(error, EngineError):
         return ApiError(500, f"the engine failed: {error}", code="engine_error")
-    if isinstance(error, RuntimeError):  # the engine was closed (shutting down)
+    if isinstance(error, EngineClosed):  # shutting down, or the engine stopped (says why)
         return ApiError(503, str(error), code="shutting_down", headers={"Retry-After": "1"})
     log.error("request failed", exc_info=error)
-    return ApiError(500, f"internal error: {type(error).__name__}", code="internal_error")
+    return _internal(error)
+
+
+def _internal(error: BaseException) -> ApiError:
+    """A 500 for an unexpected error (its type and message: no paths or prompts in either)."""
+    return ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error")
 
 
 def _options(body: CompletionRequest | ChatRequest) -> RequestOptions:
@@ -736,6 +741,13 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> Response:
         return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> Response:
+        # Every error is a JSON body, this one too (the exception is logged by the server).
+        if isinstance(error, EngineClosed):
+            return error_response(_runtime_error(error))
+        return error_response(_internal(error))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
@@ -1123,7 +1135,7 @@ def create_app(
             ) from None
         except ValueError as e:  # the id is in use
             raise ApiError(409, str(e), param="session_id", code="session_exists") from None
-        except RuntimeError as e:  # max_sessions reached with every session busy
+        except TooManySessions as e:  # max_sessions reached with every session busy
             raise ApiError(503, str(e), code="too_many_sessions") from None
         return JSONResponse(_session_json(await find(request, name)))
 
