@@ -256,8 +256,12 @@ class Model:
         one whose content does is tokenized in pieces (markup, content, markup, ...), and a
         template that does not print such content verbatim is a ``ValueError``.
         ``special_in_content=True`` parses special-token text everywhere (llama.cpp's
-        behaviour; for trusted input only)."""
+        behaviour; for trusted input only). Other text fields of a message (``role``,
+        ``name``) become the template's markup, so without ``special_in_content`` one that
+        holds special-token text is a ``ValueError``."""
         text = self.apply_chat_template(messages, add_generation_prompt)
+        if not special_in_content:
+            self._check_markup_fields(messages)
         if special_in_content or not self.content_has_special(messages):
             return prompt_ids(self, text)
         segments = self.chat_template.segments(messages, add_generation_prompt)
@@ -273,6 +277,20 @@ class Model:
         if not ids:
             return prompt_ids(self, text)
         return ids
+
+    def _has_special(self, text: str) -> bool:
+        return bool(text) and self.tokenize(text, False, True) != self.tokenize(text, False, False)
+
+    def _check_markup_fields(self, messages: Sequence[Message]) -> None:
+        """``ValueError`` for a message text field other than content (the template prints
+        it as markup: a role, a name) that holds special-token text."""
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if key != "content" and isinstance(value, str) and self._has_special(value):
+                    raise ValueError(
+                        f"messages[{i}].{key} holds special-token text (only content may, and"
+                        " it is read as plain text)"
+                    )
 
     def content_has_special(self, messages: Sequence[Message]) -> bool:
         """Whether some message's content (any text part) holds special-token text: text that

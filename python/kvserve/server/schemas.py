@@ -103,7 +103,8 @@ class _TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    # The roles OpenAI defines (a role is printed by the chat template as markup).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[_TextPart], None] = None
     name: Optional[str] = None
 
