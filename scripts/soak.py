@@ -308,12 +308,16 @@ async def soak(url: str, pid: int | None, duration: float, clients: int, seed: i
     return rep
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    args: argparse.Namespace, extra: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m kvserve serve`` on loopback with ``args``' model, port, parallel, threads
+    and K/V memory (and ``extra`` flags, which win); returns it and its URL once healthy."""
     cmd = [sys.executable, "-m", "kvserve", "serve", "--port", str(args.port)]
     if args.model:
         cmd += ["--model", args.model]
     cmd += ["--parallel", str(args.parallel), "--ctx-size", "1024", "--max-queue", "256"]
-    cmd += ["--kv-memory", args.kv_memory]
+    cmd += ["--kv-memory", args.kv_memory, *(extra or [])]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -6,7 +6,8 @@
 #
 # 1. installs the test requirements into the current Python (`python` on PATH, or $PYTHON):
 #    pytest, gguf, numpy, the `openai` client and httpx (tests/test_server.py drives a live
-#    server with them), and maturin for step 2;
+#    server with them), schemathesis (tests/test_fuzz_http.py fuzzes the HTTP API), and
+#    maturin for step 2;
 # 2. rebuilds and reinstalls the package from this checkout (`pip install --no-build-isolation .`)
 #    so that the Python tests run the code in the tree, not whatever an earlier `pip install .`
 #    installed (a developer who edited rust/ or python/ since gets their edits tested). Cargo's
@@ -53,7 +54,8 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON to a 
 # 1. test requirements (loose pins: the oldest versions known to work with the tests)
 say "installing the test requirements"
 "$PYTHON" -m pip install --quiet --disable-pip-version-check \
-    "pytest>=7.4" "gguf>=0.10" "numpy>=1.22" "openai>=1.40" "httpx>=0.27" "maturin>=1.5,<2"
+    "pytest>=7.4" "gguf>=0.10" "numpy>=1.22" "openai>=1.40" "httpx>=0.27" "maturin>=1.5,<2" \
+    "schemathesis>=4.1,<5"
 
 # 2. the package from this checkout
 if [ "$rebuild" = 1 ]; then

@@ -734,9 +734,16 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.server = server
+    app.openapi = lambda: _openapi(
+        app,
+        api_key=config.api_key is not None
+        or (  # type: ignore[method-assign]
+            config.api_keys_file is not None
+        ),
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> Response:
@@ -1149,6 +1156,50 @@ def create_app(
         max_body=config.body_limit(engine.ctx_size if engine is not None else None),
         body_timeout=config.body_timeout,
     )
+
+
+# The JSON body each POST route parses (its schema goes into the OpenAPI document; the routes
+# read bodies themselves, for strict types and errors that name the field).
+_BODIES: dict[str, type[BaseModel]] = {
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+    "/apply-template": TemplateRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+    "/v1/sessions/restore": RestoreRequest,
+}
+
+
+def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
+    """The server's OpenAPI document (``GET /openapi.json``): FastAPI's, plus each POST
+    route's request body schema and, with an API key, the bearer scheme; made once."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in _BODIES.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        op = doc["paths"][path]["post"]
+        op["requestBody"] = {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            },
+        }
+    for item in doc["paths"].values():  # session ids: the pattern the routes check
+        for op in item.values():
+            for param in op.get("parameters", []):
+                if param["name"] == "session_id":
+                    param["schema"]["pattern"] = SESSION_ID
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    app.openapi_schema = doc
+    return doc
 
 
 async def _collect(job: _Job) -> bool:
