@@ -855,6 +855,35 @@ mod tests {
     fn stress_4_threads_large_pool() {
         stress(4096, 4, 750_000, 0xDEAD_BEEF);
     }
+
+    /// The long allocator stress (RELIABILITY.md): rounds of [`stress`] with fresh seeds,
+    /// pool sizes from 2 to 4096 blocks and 2 to 8 threads, each ending with the audit and
+    /// the refcount check, until `KVSERVE_STRESS_SECONDS` (default 60) have passed:
+    /// `KVSERVE_STRESS_SECONDS=600 cargo test --release -p kvserve-core --lib long_stress --
+    /// --ignored --nocapture`.
+    #[test]
+    #[ignore = "long: run by hand (RELIABILITY.md)"]
+    fn long_stress() {
+        let secs: u64 = std::env::var("KVSERVE_STRESS_SECONDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60);
+        let t0 = std::time::Instant::now();
+        let (mut rounds, mut ops) = (0u64, 0u64);
+        let mut rng = Rng(0x5EED_0FA1_10C0);
+        while t0.elapsed().as_secs() < secs {
+            let n_blocks = [2, 3, 16, 64, 512, 4096][rng.below(6)];
+            let threads = 2 + rng.below(7);
+            let per_thread = 200_000;
+            stress(n_blocks, threads, per_thread, rng.next());
+            rounds += 1;
+            ops += (threads * per_thread) as u64;
+        }
+        println!(
+            "long_stress: {rounds} rounds, {ops} operations in {:.0} s, every audit clean",
+            t0.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// Model checks of the pool's operations under every interleaving loom explores (run with
