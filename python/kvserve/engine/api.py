@@ -431,7 +431,7 @@ class Engine:
                 n_vocab=self.model.n_vocab,
                 engine=True,
             )
-            child = _new_request(list(req.ids), max_tokens, opts)
+            child = _new_request(list(req.ids), max_tokens, opts, req.salt)
             child.context_shift, child.keep = req.context_shift, req.keep
             req.children.append(child)
         return [req, *req.children]
