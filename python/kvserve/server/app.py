@@ -52,7 +52,7 @@ from .._model import (
     KvCacheFull,
     Model,
 )
-from ..engine import Delta, Engine
+from ..engine import Delta, Engine, TenantPolicy
 from ..options import RequestOptions
 from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo
@@ -143,13 +143,31 @@ class _Server:
         self.prompt_chars = 0  # the most characters of one prompt (set with the engine)
         self.created = int(time.time())
         self.in_flight = 0  # sequences this server has admitted and not yet seen finish
-        self.metrics = Metrics(self.stats, self.waiting)
+        self.metrics = Metrics(self.stats, self.waiting, self.tenant_kv)
+        # The engine's tenant policies, from the tenants in force (None: the server has no
+        # tenants, and an engine it was given keeps its own).
+        self.policies: dict[str, TenantPolicy] | None = None
         if engine is not None:
             self.set_engine(engine, prompt_char_limit(config, engine))
 
     def set_engine(self, engine: Engine | None, prompt_chars: int = 0) -> None:
         self.engine = engine
         self.prompt_chars = prompt_chars
+        if engine is not None and self.policies is not None:
+            engine.set_tenants(self.policies)
+
+    def set_tenants(self, tenants: Tenants | None) -> None:
+        """The tenants in force (at start and after each reload): their shares go to the
+        engine, now or when it has loaded."""
+        self.policies = None if tenants is None else tenants.policies()
+        if self.engine is not None and self.policies is not None:
+            self.engine.set_tenants(self.policies)
+
+    def tenant_kv(self) -> dict[str, int] | None:
+        """K/V blocks held per tenant (named tenants only: the keys file's)."""
+        if self.engine is None:
+            return None
+        return {t: n for t, n in self.engine.kv_blocks_by_tenant().items() if t is not None}
 
     def stats(self) -> dict[str, float | int] | None:
         return None if self.engine is None else self.engine.stats()
@@ -945,9 +963,13 @@ def create_app(
         return path
 
     def scoped(request: Request, options: RequestOptions) -> RequestOptions:
-        """The request's options as its tenant may have them: ``priority`` capped at the
-        tenant's ``max_priority``, ``session_id`` in the tenant's namespace."""
+        """The request's options as its tenant may have them: run as its ``tenant`` (with an
+        API keys file), ``priority`` capped at the tenant's ``max_priority``, ``session_id``
+        in the tenant's namespace."""
         tenant: Tenant | None = request.scope.get(TENANT)
+        owner = scoped_tenant(request)
+        if owner is not None:
+            options["tenant"] = owner.name  # its share of compute, memory and prefix cache
         if tenant is not None and options.get("priority", 0) > tenant.max_priority:
             options["priority"] = tenant.max_priority
         sid = options.get("session_id")
@@ -1064,12 +1086,15 @@ def create_app(
         return JSONResponse(_session_json(await find(request, name)))
 
     app.state.tenants_file = config.api_keys_file
+    tenants = _tenants(config)
+    server.set_tenants(tenants if config.api_keys_file is not None else None)
     return Gate(  # type: ignore[return-value]
         app,
         routes=lambda: app.routes,
         metrics=server.metrics,
-        tenants=_tenants(config),
+        tenants=tenants,
         max_body=config.body_limit(engine.ctx_size if engine is not None else None),
+        on_reload=server.set_tenants,
     )
 
 

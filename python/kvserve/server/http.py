@@ -101,16 +101,19 @@ class Gate:
         metrics: Metrics,
         tenants: Tenants | None,
         max_body: int,
+        on_reload: Callable[[Tenants], None] | None = None,
     ) -> None:
         self.app = app
         self.routes = routes
         self.metrics = metrics
         self.tenants = tenants  # replaced whole on a reload (SIGHUP)
         self.max_body = max_body
+        self.on_reload = on_reload
 
     def reload(self, path: str) -> None:
         """Reads the API keys file again; a bad file keeps the tenants in force (logged).
-        Requests in flight finish under the tenant they started as."""
+        Requests in flight finish under the tenant they started as; ``on_reload`` gets the
+        new tenants (the engine's policies follow them)."""
         try:
             fresh = Tenants.load(path)
         except (OSError, ValueError) as e:
@@ -119,6 +122,8 @@ class Gate:
         if self.tenants is not None:
             fresh.adopt_counts(self.tenants)
         self.tenants = fresh
+        if self.on_reload is not None:
+            self.on_reload(fresh)
         log.info("reloaded %d tenant(s) from %s", len(fresh.by_name), path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
