@@ -52,8 +52,11 @@ tenants with work (waiting or running), the two things a step hands out are shar
   step's budget (``batch_tokens / weight``): idle time and unused share are not banked.
 
 A tenant whose head cannot be admitted in this step (no slot and no victim, or its part of the
-prompt budget taken) waits with its place while other tenants' heads may still be admitted
-(within a tenant nobody overtakes the head); a head that waits for memory stops admission for
+prompt budget taken by its own prefills: its weighted share of the budget or what the other
+tenants' prefills leave, the larger) waits with its place while other tenants' heads may still
+be admitted (within a tenant nobody overtakes the head). The budget holds back only a tenant
+at or above its fair share of slots: one below it is admitted anyway (its slot would otherwise
+go to another tenant, to be preempted back). A head that waits for memory stops admission for
 everyone (FCFS, so a large prompt is not starved by small ones). Waits stay bounded: within a
 tenant by aging; between tenants by the shares (a tenant with waiting work is the next served
 whenever it has the fewest slots per weight, and fair preemption brings it to its share). With
