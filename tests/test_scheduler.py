@@ -7,18 +7,26 @@ of the resources it asks and tells, and a simple model of the rules as the oracl
 - preemption: the victim (lowest priority, latest arrival), priority preemption for a slot
   and for memory, never by a merely promoted request, never of an equal priority;
 - aging: a low-priority request that waited ``aging_s`` goes first;
-- the batch plan: one token per generating sequence, closing turns, prompt chunks in order.
+- the batch plan: one token per generating sequence, closing turns, prompt chunks in order;
+- tenants: a light tenant's request is admitted next and gets a slot within one step (fair
+  preemption) however much another has queued; free slots by slots per weight; priority only
+  within a tenant; weights 2:1 give 2:1 slots and prompt tokens over many steps; the prompt
+  budget's split against token-by-token weighted fair queuing; virtual times of tenants that
+  get work; aging among flooding tenants; one tenant of any policy schedules exactly as
+  requests without one; memory shortage takes from the tenant above its K/V share.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 
 import pytest
 
-from kvserve.engine.requests import RUNNING, WAITING, Request
-from kvserve.engine.scheduler import Scheduler, WaitQueue
+from kvserve.engine.requests import DONE, RUNNING, WAITING, Request
+from kvserve.engine.scheduler import PlanEntry, Scheduler, WaitQueue
+from kvserve.engine.tenancy import TenantPolicy
 from kvserve.options import resolve
 
 BLOCK = 4
@@ -27,18 +35,26 @@ _firsts = itertools.count(1000)
 
 
 def req(
-    n_prompt: int = 6, priority: int = 0, first: int | None = None, tokens: list[int] | None = None
+    n_prompt: int = 6,
+    priority: int = 0,
+    first: int | None = None,
+    tokens: list[int] | None = None,
+    tenant: str | None = None,
 ) -> Request:
     """A request of ``n_prompt`` tokens (a fresh first token, so no two share a block, unless
-    ``first`` or ``tokens`` say otherwise)."""
+    ``first`` or ``tokens`` say otherwise) of ``tenant``."""
     if tokens is None:
         head = next(_firsts) if first is None else first
         tokens = [head] + [100 + i for i in range(n_prompt - 1)]
     ids = list(tokens)
-    r = Request(ids, 16, resolve({}).sampler, [], False, priority)
+    r = Request(ids, 16, resolve({}).sampler, [], False, priority, tenant=tenant)
     r.key = (-priority, next(_arrivals))
     r.state = WAITING
     return r
+
+
+def tenant_blocks(session: int | tuple[str | None, int]) -> tuple[str | None, int]:
+    return (None, session) if isinstance(session, int) else session
 
 
 class FakeResources:
@@ -46,10 +62,12 @@ class FakeResources:
 
     def __init__(self, sched: Scheduler, blocks: int) -> None:
         self.sched = sched
-        self.free = blocks
+        self.free = self.total = blocks
         self.seqs = itertools.count()
         self.cached: dict[tuple[int, ...], int] = {}  # prompt -> tokens a match maps
-        self.idle_sessions: list[int] = []  # blocks each idle session would free
+        # Blocks each idle session would free, least recently used first, with its tenant as
+        # (tenant, blocks) (a bare number: a session without a tenant).
+        self.idle_sessions: list[int | tuple[str | None, int]] = []
         self.started: list[Request] = []
         self.preempted: list[Request] = []
         self.fail_start: set[int] = set()  # ids of requests whose start fails
@@ -57,16 +75,29 @@ class FakeResources:
     def available(self) -> int:
         return self.free
 
+    def total_blocks(self) -> int:
+        return self.total
+
+    def session_blocks(self) -> dict[str | None, int]:
+        out: dict[str | None, int] = {}
+        for tenant, blocks in map(tenant_blocks, self.idle_sessions):
+            out[tenant] = out.get(tenant, 0) + blocks
+        return out
+
     def resident_prefix(self, r: Request) -> int | None:
         return None
 
     def cached_estimate(self, r: Request) -> int | None:
         return self.cached.get(tuple(r.ids), 0)
 
-    def reclaim_idle(self) -> bool:
+    def reclaim_idle(self, prefer: Sequence[str | None] = ()) -> bool:
+        """Evicts the first idle session of the first tenant in ``prefer`` that has one, else
+        the first of all."""
         if not self.idle_sessions:
             return False
-        self.free += self.idle_sessions.pop(0)
+        tenants = [tenant_blocks(e)[0] for e in self.idle_sessions]
+        i = next((tenants.index(t) for t in prefer if t in tenants), 0)
+        self.free += tenant_blocks(self.idle_sessions.pop(i))[1]
         return True
 
     def start(self, r: Request) -> int | None:
@@ -89,8 +120,21 @@ class FakeResources:
         self.sched.queue.push(r, 0.0)
 
 
-def make(parallel: int = 4, batch: int = 64, blocks: int = 100, aging: float | None = None):
-    s = Scheduler(parallel=parallel, batch_tokens=batch, block_size=BLOCK, aging_s=aging)
+def make(
+    parallel: int = 4,
+    batch: int = 64,
+    blocks: int = 100,
+    aging: float | None = None,
+    policies: dict[str, TenantPolicy] | None = None,
+) -> tuple[Scheduler, FakeResources]:
+    table = policies or {}
+
+    def policy(tenant: str | None) -> TenantPolicy:
+        return table.get(tenant or "", TenantPolicy())
+
+    s = Scheduler(
+        parallel=parallel, batch_tokens=batch, block_size=BLOCK, aging_s=aging, policy=policy
+    )
     return s, FakeResources(s, blocks)
 
 
@@ -351,3 +395,293 @@ def test_the_plan_gives_every_generating_sequence_a_token_then_prompt_chunks() -
     rest = [(e[0], e[1], e[2], e[3]) for e in plan[3:]]
     assert rest == [(short, 8, 4, True), (high, 0, 13, False)]
     assert sum(e[2] for e in plan) == 20
+
+
+# -- tenants -----------------------------------------------------------------------------------
+
+
+def finish(s: Scheduler, res: FakeResources, r: Request) -> None:
+    """``r`` ends: off the running set, its blocks back."""
+    del s.running[r.seq]
+    res.free += -(-(r.n_tokens + 1) // BLOCK)
+    r.state = DONE
+
+
+def step(s: Scheduler, res: FakeResources, now: float = 0.0, out: int = 4) -> list[PlanEntry]:
+    """One engine step against the fake: admit, plan, charge the plan, advance every planned
+    request (a generating one gets a token; one with ``out`` tokens finishes)."""
+    s.admit(res, now)
+    plan = s.plan()
+    s.charge(plan)
+    for r, _start, k, want in plan:
+        r.n_done += k
+        if want:
+            r.ids.append(1)
+            if r.n_generated >= out:
+                finish(s, res, r)
+    return plan
+
+
+def of(rs: list[Request] | dict[int, Request], tenant: str | None) -> list[Request]:
+    values = rs.values() if isinstance(rs, dict) else rs
+    return [r for r in values if r.tenant == tenant]
+
+
+def test_a_light_tenant_is_admitted_next_and_gets_a_slot_within_one_step() -> None:
+    s, res = make(parallel=4)
+    flood = [req(tenant="a") for _ in range(12)]  # 3 x parallel
+    for r in flood:
+        s.queue.push(r, 0.0)
+    assert s.admit(res, 0.0) == flood[:4]  # alone, it takes every slot
+    for r in flood[:4]:
+        r.n_done = r.n_tokens - 1
+    light = req(tenant="b", priority=-5)  # its priority says nothing against another tenant's
+    s.queue.push(light, 0.0)
+    assert s.admit(res, 0.0) == [light]
+    assert res.preempted == [flood[3]]  # a's latest gives up its slot
+    assert len(of(s.running, "a")) == 3 and len(s.running) == 4
+    # The preempted request waits with its place: first of a's queue.
+    assert list(s.queue.in_order(0.0, ("a",)))[:2] == [flood[3], flood[4]]
+    # b's next request: b holds one slot of its fair two, a three: a gives up another.
+    b2, b3 = req(tenant="b", priority=-5), req(tenant="b", priority=-5)
+    s.queue.push(b2, 0.0)
+    s.queue.push(b3, 0.0)
+    assert s.admit(res, 0.0) == [b2]
+    assert res.preempted == [flood[3], flood[2]]
+    # Two and two: the fair shares; b3 waits for a slot of b's (no slot goes back and forth).
+    assert s.admit(res, 0.0) == [] and len(res.preempted) == 2
+    assert len(of(s.running, "a")) == 2 and b3.state == WAITING
+
+
+def test_free_slots_go_to_the_tenant_with_the_fewest_per_weight() -> None:
+    s, res = make(parallel=6)
+    a = [req(tenant="a") for _ in range(10)]
+    b = [req(tenant="b") for _ in range(2)]
+    for r in a + b:  # b arrives after all of a's
+        s.queue.push(r, 0.0)
+    admitted = s.admit(res, 0.0)
+    # Alternating from the earliest head, until b has no more: then a takes the rest.
+    assert admitted == [a[0], b[0], a[1], b[1], a[2], a[3]]
+
+
+def test_priority_orders_within_a_tenant_and_preempts_only_there() -> None:
+    s, res = make(parallel=4)
+    low_a = generating(s, res, req(tenant="a", priority=0))
+    b1 = generating(s, res, req(tenant="b", priority=-3))
+    b2 = generating(s, res, req(tenant="b", priority=-3))
+    a2 = generating(s, res, req(tenant="a", priority=1))
+    urgent = req(tenant="a", priority=9)
+    s.queue.push(urgent, 0.0)
+    assert s.admit(res, 0.0) == [urgent]
+    # Not b's requests, though their priority is the lowest and b2 arrived after low_a.
+    assert res.preempted == [low_a] and {b1, b2, a2} <= set(s.running.values())
+    # Within a tenant: priority, then arrival; between tenants, their turns.
+    s2, res2 = make(parallel=8)
+    rs = [
+        req(tenant=t, priority=p)
+        for t, p in [("a", 0), ("a", 2), ("b", 0), ("a", 2), ("b", 5), ("a", 1)]
+    ]
+    for r in rs:
+        s2.queue.push(r, 0.0)
+    admitted = s2.admit(res2, 0.0)
+    assert of(admitted, "a") == [rs[1], rs[3], rs[5], rs[0]]
+    assert of(admitted, "b") == [rs[4], rs[2]]
+
+
+def test_weights_share_slots_and_prompt_tokens_over_many_steps() -> None:
+    """Two tenants that always have work (long prompts: both always prefill), weights 2:1:
+    the running slots and the prompt tokens computed are 2:1 (the weighted ideal) within a
+    small tolerance, and no request is preempted back and forth for it."""
+    s, res = make(parallel=6, batch=48, blocks=100_000, policies={"a": TenantPolicy(weight=2.0)})
+    prompt = {"a": 0, "b": 0}
+    slots = {"a": 0, "b": 0}
+    for t in range(400):
+        for tenant in ("a", "b"):  # both keep 6 requests of 100 to 250 prompt tokens queued
+            while s.queue._waiting.get(tenant, 0) < 6:
+                s.queue.push(req(n_prompt=100 + 50 * (t % 4), tenant=tenant), float(t))
+        plan = step(s, res, float(t), out=2)
+        for r, start, k, _want in plan:
+            if r.n_tokens - start > 1:
+                prompt[r.tenant or ""] += k
+        for r in s.running.values():
+            slots[r.tenant or ""] += 1
+    assert res.preempted == []
+    assert slots["a"] / slots["b"] == pytest.approx(2.0, rel=0.05)
+    assert prompt["a"] / prompt["b"] == pytest.approx(2.0, rel=0.05)
+    assert prompt["a"] + prompt["b"] > 380 * 40  # the budget was used
+
+
+def test_a_light_tenants_prompt_is_not_stuck_behind_long_prefills() -> None:
+    s, res = make(parallel=8, batch=64, blocks=1000)
+    long = [req(n_prompt=400, tenant="a") for _ in range(4)]
+    for r in long:
+        s.queue.push(r, 0.0)
+    step(s, res)
+    step(s, res)
+    short = req(n_prompt=24, tenant="b")
+    s.queue.push(short, 1.0)
+    plan = step(s, res, 1.0)
+    # All of its prompt in the step it is admitted; a's prefills take the rest of the budget.
+    assert [(e[1], e[2], e[3]) for e in plan if e[0] is short] == [(0, 24, True)]
+    assert sum(e[2] for e in plan) == 64
+
+
+def naive_split(
+    left: int, demand: dict[str, int], served: dict[str, float], weight: dict[str, float]
+) -> dict[str, int]:
+    """Weighted fair queuing one token at a time: the next token to the tenant with the lowest
+    virtual time (served + given / weight) that wants more (ties: the first)."""
+    given = dict.fromkeys(demand, 0)
+    for _ in range(min(left, sum(demand.values()))):
+        t = min(
+            (t for t in demand if given[t] < demand[t]),
+            key=lambda t: served[t] + given[t] / weight[t],
+        )
+        given[t] += 1
+    return given
+
+
+def test_the_prompt_budget_split_is_token_by_token_fair_queuing() -> None:
+    rng = random.Random(5)
+    for _ in range(400):
+        names = [f"t{i}" for i in range(rng.randint(2, 6))]
+        weight = {t: rng.choice([0.5, 1.0, 1.0, 2.0, 3.0, 7.0]) for t in names}
+        s, _res = make(policies={t: TenantPolicy(weight=w) for t, w in weight.items()})
+        s.served = {t: rng.choice([0.0, 0.0, 10.0, 37.5, 100.0]) for t in names}
+        demand = {t: rng.randint(1, 200) for t in names}
+        left = rng.randint(1, sum(demand.values()) - 1)
+        got = s._split(left, demand)
+        assert list(got) == names and sum(got.values()) == left
+        assert got == naive_split(left, demand, s.served, weight)
+
+
+def test_a_tenant_that_gets_prompt_work_starts_at_the_lowest_virtual_time() -> None:
+    s, res = make(parallel=8, batch=32, blocks=1000, policies={"c": TenantPolicy(weight=4.0)})
+    a = req(n_prompt=300, tenant="a")
+    s.queue.push(a, 0.0)
+    for _ in range(5):
+        step(s, res)
+    assert s.served == {"a": 5 * 32}  # alone: every prompt token, weight 1
+    b = req(n_prompt=300, tenant="b")
+    s.queue.push(b, 1.0)
+    s.admit(res, 1.0)
+    assert s.served["b"] == s.served["a"]  # not at 0: what it did not ask for is not banked
+    plan = s.plan()
+    assert [e[2] for e in plan if e[0] in (a, b)] == [16, 16]
+    # An idle tenant comes back no more than one step's budget (/ its weight) behind.
+    s.served["a"] += 10_000
+    s.queue.push(req(n_prompt=40, tenant="c"), 2.0)
+    s.admit(res, 2.0)
+    top = s.served["a"]
+    assert s.served["b"] == top - 32 and s.served["c"] == top - 32 / 4
+    finish(s, res, a)
+    finish(s, res, b)
+    s.running.clear()
+    s.queue.drain()
+    s.admit(res, 3.0)
+    assert s.served == {}  # tenants without prompt work are forgotten
+
+
+def test_aging_bounds_a_wait_within_a_tenant_among_flooding_tenants() -> None:
+    s, res = make(parallel=2, aging=3.0)
+    low = req(priority=-10, tenant="a")
+    s.queue.push(low, 0.0)
+    served: list[Request] = []
+    for t in range(10):
+        for tenant in ("a", "b"):
+            s.queue.push(req(priority=10, tenant=tenant), float(t))
+        for r in list(s.running.values()):
+            finish(s, res, r)
+        served += s.admit(res, float(t))
+    assert low in served and low.protected
+    assert of(served, "a").index(low) == 3  # admitted at t = 3, the first step it is promoted
+    assert len(of(served, "b")) == 10  # b's turns went on meanwhile
+
+
+def test_one_tenant_with_any_policy_schedules_exactly_as_requests_without_one() -> None:
+    """Random arrivals, priorities, prompt lengths, memory pressure, idle sessions and
+    preemptions: every step's admissions, preemptions and plan are the same whether the
+    requests have no tenant or all one tenant with its own weight and K/V share."""
+
+    def run(tenant: str | None, seed: int) -> list[tuple]:
+        rng = random.Random(seed)
+        s, res = make(
+            parallel=4,
+            batch=24,
+            blocks=60,
+            aging=5.0,
+            policies={"x": TenantPolicy(weight=3.0, kv_share=0.25)},
+        )
+        trace: list[tuple] = []
+        names: dict[int, int] = {}
+        for t in range(80):
+            for _ in range(rng.choice([0, 0, 1, 2])):
+                r = req(n_prompt=rng.randint(2, 40), priority=rng.choice([0, 0, 3]), tenant=tenant)
+                names[id(r)] = len(names)
+                s.queue.push(r, float(t))
+            if rng.random() < 0.2:
+                res.idle_sessions.append((tenant, rng.randint(1, 6)))
+            admitted = s.admit(res, float(t))
+            plan = s.plan()
+            s.charge(plan)
+            for r, _start, k, want in plan:
+                r.n_done += k
+                if want:
+                    r.ids.append(1)
+                    if r.n_generated >= 5:
+                        finish(s, res, r)
+            preempted = [names[id(r)] for r in res.preempted]
+            res.preempted.clear()
+            trace.append(
+                (
+                    [names[id(r)] for r in admitted],
+                    preempted,
+                    [(names[id(e[0])], e[1], e[2], e[3]) for e in plan],
+                    len(res.idle_sessions),
+                )
+            )
+        return trace
+
+    for seed in range(6):
+        plain = run(None, seed)
+        assert plain == run("x", seed)
+        assert any(p for _, p, _, _ in plain)  # the trace had preemptions
+
+
+def test_memory_shortage_takes_from_the_tenant_above_its_kv_share() -> None:
+    # Admission: b's head finds the pool short; a holds more than half (the equal split).
+    s, res = make(parallel=8, blocks=40)
+    a1 = generating(s, res, req(n_prompt=44, tenant="a", priority=5))
+    a2 = generating(s, res, req(n_prompt=44, tenant="a", priority=5))
+    b1 = generating(s, res, req(n_prompt=20, tenant="b", priority=-5))
+    assert s.kv_held(res) == {"a": 22, "b": 5}  # ceil(n_done / block) each
+    assert s.kv_over(res) == ["a"]  # 22 > 40 / 2
+    head = req(n_prompt=40, tenant="b", priority=-5)
+    s.queue.push(head, 0.0)
+    assert s.admit(res, 0.0) == [head]
+    assert res.preempted == [a2]  # a's latest, though every b request has a lower priority
+    assert a1.state == RUNNING and b1.state == RUNNING
+    # A head whose tenant would pass its own quota takes nothing from another tenant.
+    s2, res2 = make(parallel=8, blocks=40)
+    generating(s2, res2, req(n_prompt=60, tenant="a"))
+    big = req(n_prompt=100, tenant="b")  # 26 blocks: more than half of the pool
+    s2.queue.push(big, 0.0)
+    assert s2.admit(res2, 0.0) == [] and res2.preempted == []
+    # An explicit kv_share: c may hold a tenth of the pool; its 15 blocks are over it, d's
+    # 20 are not over d's equal split (half: two tenants hold K/V).
+    s3, res3 = make(parallel=8, blocks=100, policies={"c": TenantPolicy(kv_share=0.1)})
+    c = generating(s3, res3, req(n_prompt=60, tenant="c", priority=9))
+    d = generating(s3, res3, req(n_prompt=80, tenant="d", priority=-9))
+    assert s3.kv_over(res3) == ["c"]
+    # A decode short of memory: c's request, though d's has the lowest priority (which is
+    # what the overall victim would be).
+    assert s3.victim() is d
+    assert s3.memory_victim(res3) is c
+    # Idle sessions: the over-share tenant's go first.
+    res3.idle_sessions = [("d", 3), ("c", 2), ("d", 1)]
+    s3.running.pop(d.seq)
+    res3.free = 0
+    waiting = req(n_prompt=8, tenant="d")
+    s3.queue.push(waiting, 0.0)
+    assert s3.admit(res3, 0.0) == [waiting]
+    assert res3.idle_sessions == [("d", 1)]  # c's first, then the oldest of the rest

@@ -41,6 +41,7 @@ import kvserve.server
 from kvserve import Engine, Model
 from kvserve.cli import build_parser, serve_config
 from kvserve.cli import main as cli_main
+from kvserve.engine import TenantPolicy
 from kvserve.server import ServerConfig, create_app
 from kvserve.server.app import longest_token
 from kvserve.server.metrics import priority_label
@@ -789,7 +790,7 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
         "logprobs",
     ),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "content"),
-    ("/apply-template", {"messages": [{"role": 1, "content": "x"}]}, 400, "messages", "string"),
+    ("/apply-template", {"messages": [{"role": 1, "content": "x"}]}, 400, "messages", "'user'"),
     ("/tokenize", {"text": "x"}, 400, "content", "required"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "token id"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "integer"),
@@ -1111,6 +1112,7 @@ _FAMILIES = {
     ("kvserve_requests", "counter"),
     ("kvserve_tenant_requests", "counter"),
     ("kvserve_tenant_tokens", "counter"),
+    ("kvserve_tenant_kv_blocks", "gauge"),
     ("kvserve_time_to_first_token_seconds", "histogram"),
     ("kvserve_inter_token_latency_seconds", "histogram"),
     ("kvserve_request_duration_seconds", "histogram"),
@@ -2115,6 +2117,46 @@ def test_a_keys_file_reload_takes_new_keys_and_keeps_bad_files_out(
             keys.write_text("[tenants.a]\nkey = 1\n", encoding="utf-8")
             app.reload(str(keys))  # type: ignore[attr-defined]  # refused: the old keys stay
             assert status("second-key-456") == 200
+
+
+def test_tenants_shares_reach_the_engine_and_their_kv_is_reported(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """The keys file's weight, kv_share and share_prefix_cache are the engine's tenant
+    policies from the start and after each reload; a tenant's generation requests run as that
+    tenant (its session's K/V counts in ``kvserve_tenant_kv_blocks{tenant}``, another
+    tenant's stays 0)."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[tenants.a]\nkey = "a-secret-key"\nweight = 2\nkv_share = 0.5\n'
+        'share_prefix_cache = true\n[tenants.b]\nkey = "b-secret-key"\n',
+        encoding="utf-8",
+    )
+    with Engine(model_path, threads=1, parallel=2, ctx_size=CTX, kv_memory="8MiB") as engine:
+        app = create_app(ServerConfig(api_keys_file=str(keys)), engine=engine)
+        assert engine.tenant_policy("a") == TenantPolicy(2.0, 0.5, True)
+        assert engine.tenant_policy("b") == TenantPolicy()
+        with _live(app) as url:
+
+            def held() -> dict[str, float]:
+                samples = _metrics(url, headers=_as("b")).get("kvserve_tenant_kv_blocks", {})
+                return {dict(k)["tenant"]: v for k, v in samples.items()}
+
+            assert held() == {"a": 0, "b": 0}
+            body = {"prompt": STORY, "max_tokens": 3, "session_id": "s1"}
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=_as("a"), timeout=60)
+            assert r.status_code == 200, r.text
+            tokens = r.json()["usage"]["total_tokens"]
+            # Its parked session holds its tokens' blocks (a block holds several tokens).
+            n = _wait_until("a's session to park", lambda: held()["a"])
+            assert 0 < n < tokens and held()["b"] == 0
+            keys.write_text('[tenants.b]\nkey = "b-secret-key"\nweight = 0.5\n', encoding="utf-8")
+            app.reload(str(keys))  # type: ignore[attr-defined]  # what SIGHUP does
+            assert engine.tenant_policy("b") == TenantPolicy(weight=0.5)
+            assert engine.tenant_policy("a") == TenantPolicy()  # a's policy is gone
+            keys.write_text("[tenants.b]\nkey = 1\n", encoding="utf-8")
+            app.reload(str(keys))  # type: ignore[attr-defined]  # refused: nothing changes
+            assert engine.tenant_policy("b") == TenantPolicy(weight=0.5)
 
 
 def test_sighup_reloads_the_keys_file(model_path: Path, tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """Unit tests for kvserve.sessions.SessionTable, the engine's index of sessions: all of them by
 id, the idle ones by last use (TTL and ``max_sessions`` take the oldest) and the idle resident
-ones by (priority, last use) (reclaim evicts the first).
+ones by (priority, last use) (reclaim evicts the first), per tenant with the blocks they hold
+(reclaim takes from tenants above their K/V share first).
 
 Oracle: NaiveTable, a direct statement of the semantics: each idle session remembers when it
-last became idle, each idle resident one the priority it had then; ``oldest_idle`` and
-``victim`` are the minimum of plain lists sorted by (last use) and (priority, last use).
+last became idle, each idle resident one the priority, tenant and blocks it had then;
+``oldest_idle`` and ``victim`` are the minimum of plain lists sorted by (last use) and
+(priority, last use), ``victim(prefer)`` the same over the first preferred tenant's, and the
+blocks per tenant a plain sum.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import pytest
 
 from kvserve.sessions import Session, SessionTable
 
+BLOCK = 4
+
 
 class NaiveTable:
     def __init__(self) -> None:
         self.known: dict[str, Session] = {}
         self.idle_since: dict[str, int] = {}  # idle sessions: the tick they last became idle
-        self.parked: dict[str, tuple[int, int]] = {}  # idle resident: (priority, tick)
+        # idle resident: (priority, tick, tenant, blocks)
+        self.parked: dict[str, tuple[int, int, str | None, int]] = {}
         self._ticks = itertools.count()
 
     def add(self, s: Session) -> None:
@@ -33,7 +39,7 @@ class NaiveTable:
         self.idle_since[s.id] = tick
         self.parked.pop(s.id, None)
         if s.seq >= 0:
-            self.parked[s.id] = (s.priority, tick)
+            self.parked[s.id] = (s.priority, tick, s.tenant, -(-s.n_kv // BLOCK))
 
     def busy(self, s: Session) -> None:
         self.idle_since.pop(s.id, None)
@@ -50,9 +56,20 @@ class NaiveTable:
         order = sorted((tick, sid) for sid, tick in self.idle_since.items())
         return order[0][1] if order else None
 
-    def victim(self) -> str | None:
-        order = sorted((prio, tick, sid) for sid, (prio, tick) in self.parked.items())
+    def victim(self, prefer: tuple[str | None, ...] = ()) -> str | None:
+        for tenant in prefer:
+            mine = [(p, k, sid) for sid, (p, k, t, _) in self.parked.items() if t == tenant]
+            if mine:
+                return min(mine)[2]
+        order = sorted((prio, tick, sid) for sid, (prio, tick, _, _) in self.parked.items())
         return order[0][2] if order else None
+
+    def blocks(self) -> dict[str | None, int]:
+        out: dict[str | None, int] = {}
+        for _, _, tenant, blocks in self.parked.values():
+            if blocks:
+                out[tenant] = out.get(tenant, 0) + blocks
+        return out
 
 
 def session(sid: str, priority: int = 0, resident: bool = True) -> Session:
@@ -200,3 +217,54 @@ def test_random_operations_match_the_naive_table(seed: int) -> None:
                 pass
         check(t, ref, busy)
     assert len(seen_victims) > 3  # the sequence exercised eviction
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_tenants_sessions_and_blocks_match_the_naive_table(seed: int) -> None:
+    """Sessions of several tenants (their tenant and K/V length change between turns, as a
+    session's next turn may come from another tenant and holds more tokens): the blocks of
+    the idle resident ones per tenant, and the victim of the first preferred tenant that has
+    one, else of any, match the naive table's after every operation."""
+    rng = random.Random(100 + seed)
+    t, ref = SessionTable(BLOCK), NaiveTable()
+    tenants: list[str | None] = [None, "a", "b", "c"]
+    names = [f"s{i}" for i in range(12)]
+    preferred_hits = 0
+    for _ in range(500):
+        known = sorted(ref.known)
+        op = rng.random()
+        if op < 0.2 or not known:
+            free = [n for n in names if n not in ref.known]
+            if not free:
+                continue
+            s = session(rng.choice(free), rng.choice([-1, 0, 0, 3]), rng.random() < 0.8)
+            s.tenant = rng.choice(tenants)
+            s.n_kv = rng.randint(0, 40) if s.resident else 0
+            t.add(s)
+            ref.add(s)
+            continue
+        s = ref.known[rng.choice(known)]
+        if op < 0.4:
+            t.busy(s)
+            ref.busy(s)
+        elif op < 0.7:  # a turn ends: maybe another tenant's, more tokens, evicted meanwhile
+            t.busy(s)
+            ref.busy(s)
+            s.tenant = rng.choice(tenants)
+            s.seq = 1 if rng.random() < 0.8 else -1
+            s.n_kv = rng.randint(0, 60) if s.resident else 0
+            t.idle(s)
+            ref.idle(s)
+        elif op < 0.85:
+            s.seq, s.n_kv = -1, 0
+            t.evicted(s)
+            ref.evicted(s)
+        else:
+            t.remove(s)
+            ref.remove(s)
+        assert t.parked_blocks == ref.blocks()
+        prefer = tuple(rng.sample(tenants, rng.randint(0, 3)))
+        got = ids(t.victim(prefer))
+        assert got == ref.victim(prefer), prefer
+        preferred_hits += got != ref.victim()
+    assert preferred_hits > 10  # preferring a tenant changed the victim often

@@ -1,7 +1,8 @@
 """Tenants of the server (python/kvserve/server/tenants.py), without a model: the API keys
-file's rules, key checks that take the same work whatever the key, and the rate and
-concurrency limits against a simple model of them. The HTTP side (owned sessions, 401/429,
-priority caps, reload) is in tests/test_server.py."""
+file's rules (shares of compute and memory too), key checks that take the same work whatever
+the key, and the rate and concurrency limits against a simple model of them. The HTTP side
+(owned sessions, 401/429, priority caps, reload, the engine's tenants) is in
+tests/test_server.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.engine import TenantPolicy
 from kvserve.server import tenants as tenants_module
 from kvserve.server.tenants import Tenant, Tenants, TenantsFileError
 
@@ -66,6 +68,58 @@ def test_a_keys_file_gives_its_tenants_and_their_limits(tmp_path: Path) -> None:
 def test_a_bad_keys_file_names_what_is_wrong(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(TenantsFileError, match=match):
         Tenants.load(write(tmp_path, text))
+
+
+SHARES = """
+[tenants.alice]
+key = "alice-secret-key"
+weight = 2.5
+kv_share = 0.25
+share_prefix_cache = true
+
+[tenants.bob]
+key = "bob-secret-key"
+weight = 3
+
+[tenants.carol]
+key = "carol-secret-key"
+kv_share = 1
+"""
+
+
+def test_a_keys_file_gives_each_tenants_share_of_compute_and_memory(tmp_path: Path) -> None:
+    t = Tenants.load(write(tmp_path, SHARES))
+    assert t.policies() == {
+        "alice": TenantPolicy(weight=2.5, kv_share=0.25, share_prefix_cache=True),
+        "bob": TenantPolicy(weight=3.0),
+        "carol": TenantPolicy(kv_share=1.0),
+    }
+    bob = t.by_name["bob"]
+    assert (bob.weight, bob.kv_share, bob.share_prefix_cache) == (3.0, None, False)
+    # The defaults: weight 1, an equal split of the K/V pool, an isolated prefix cache.
+    assert Tenants.single("single-key").policies() == {"default": TenantPolicy()}
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("weight = 0", r"tenants\.a\.weight must be a number > 0, got 0"),
+        ("weight = -1.5", r"tenants\.a\.weight must be a number > 0"),
+        ("weight = inf", r"tenants\.a\.weight must be a number > 0, got inf"),
+        ("weight = nan", r"tenants\.a\.weight"),
+        ("weight = true", r"tenants\.a\.weight must be a number"),
+        ('weight = "2"', r"tenants\.a\.weight must be a number"),
+        ("kv_share = 0", r"tenants\.a\.kv_share must be a number in \(0, 1\], got 0"),
+        ("kv_share = 1.5", r"tenants\.a\.kv_share must be a number in \(0, 1\]"),
+        ("kv_share = -0.1", r"tenants\.a\.kv_share"),
+        ("kv_share = false", r"tenants\.a\.kv_share must be a number"),
+        ("share_prefix_cache = 1", r"tenants\.a\.share_prefix_cache must be true or false"),
+        ('share_prefix_cache = "yes"', r"tenants\.a\.share_prefix_cache must be true or false"),
+    ],
+)
+def test_a_bad_share_names_the_field(tmp_path: Path, line: str, match: str) -> None:
+    with pytest.raises(TenantsFileError, match=match):
+        Tenants.load(write(tmp_path, f'[tenants.a]\nkey = "12345678"\n{line}\n'))
 
 
 def test_every_key_check_compares_every_tenant(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,9 +9,11 @@ eviction, TTL, ``max_sessions``).
   use, priority and random generator state, and the FIFO of work waiting for it (a session runs
   one request at a time).
 - :class:`SessionTable`: every session by id, plus the idle ones in last-use order (TTL and
-  ``max_sessions`` take the oldest) and the idle *resident* ones per priority in last-use order
-  (reclaim evicts the lowest priority, least recently used first). Every operation is O(1)
-  except :meth:`SessionTable.victim`, O(distinct priorities of idle resident sessions).
+  ``max_sessions`` take the oldest) and the idle *resident* ones per tenant and priority in
+  last-use order, with the blocks they hold per tenant (reclaim evicts the lowest priority,
+  least recently used first, from the tenants above their K/V share first). Every operation is
+  O(1) except :meth:`SessionTable.victim`, O(distinct priorities) for a preferred tenant and
+  O(tenants x distinct priorities) over all.
 - Session files (:func:`write_session_file`, :func:`read_session_file`), format version 1::
 
       offset  bytes  field
@@ -48,6 +50,7 @@ eviction, TTL, ``max_sessions``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -56,6 +59,7 @@ import struct
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -126,6 +130,7 @@ class Session:
         self.last_use = now  # time.monotonic()
         self.last_use_wall = time.time()
         self.priority = 0
+        self.tenant: str | None = None  # whose it is (its last turn's tenant; K/V shares)
         self.rng_state: dict[str, Any] | None = None  # the last sampled turn's generator
         self.busy: object | None = None  # the request (or command) running on it now
         self.pending: deque[object] = deque()  # work waiting for it, FIFO
@@ -163,13 +168,18 @@ class Turn:
 
 
 class SessionTable:
-    """Sessions by id; idle ones by last use, and idle resident ones per priority by last use."""
+    """Sessions by id; idle ones by last use, and idle resident ones per tenant and priority by
+    last use, with the blocks they hold per tenant (``ceil(n_kv / block_size)`` each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 1) -> None:
         self.by_id: dict[str, Session] = {}
+        self.block_size = block_size
         self._idle: OrderedDict[str, Session] = OrderedDict()
-        self._parked: dict[int, OrderedDict[str, Session]] = {}
-        self._parked_at: dict[str, int] = {}  # the priority each parked session is filed under
+        self._parked: dict[str | None, dict[int, OrderedDict[str, Session]]] = {}
+        # The tenant, priority, blocks and filing order each parked session is filed under.
+        self._parked_at: dict[str, tuple[str | None, int, int, int]] = {}
+        self._filed = itertools.count()
+        self.parked_blocks: dict[str | None, int] = {}  # tenant -> blocks of its parked ones
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -183,13 +193,17 @@ class SessionTable:
 
     def idle(self, s: Session) -> None:
         """``s`` has nothing running: it joins the idle orders as the most recently used (the
-        resident ones under its current priority)."""
+        resident ones under its tenant and current priority)."""
         self._idle[s.id] = s
         self._idle.move_to_end(s.id)
         self._unpark(s)
         if s.resident:
-            self._parked.setdefault(s.priority, OrderedDict())[s.id] = s
-            self._parked_at[s.id] = s.priority
+            blocks = -(-s.n_kv // self.block_size)
+            by_prio = self._parked.setdefault(s.tenant, {})
+            by_prio.setdefault(s.priority, OrderedDict())[s.id] = s
+            self._parked_at[s.id] = (s.tenant, s.priority, blocks, next(self._filed))
+            if blocks:
+                self.parked_blocks[s.tenant] = self.parked_blocks.get(s.tenant, 0) + blocks
 
     def busy(self, s: Session) -> None:
         """``s`` runs something: it leaves the idle orders (it is neither expired nor evicted)."""
@@ -197,12 +211,22 @@ class SessionTable:
         self._unpark(s)
 
     def _unpark(self, s: Session) -> None:
-        prio = self._parked_at.pop(s.id, None)
-        if prio is not None:
-            q = self._parked[prio]
+        at = self._parked_at.pop(s.id, None)
+        if at is not None:
+            tenant, prio, blocks, _ = at
+            by_prio = self._parked[tenant]
+            q = by_prio[prio]
             del q[s.id]
             if not q:
-                del self._parked[prio]
+                del by_prio[prio]
+                if not by_prio:
+                    del self._parked[tenant]
+            if blocks:
+                left = self.parked_blocks[tenant] - blocks
+                if left:
+                    self.parked_blocks[tenant] = left
+                else:
+                    del self.parked_blocks[tenant]
 
     def evicted(self, s: Session) -> None:
         """``s`` is no longer resident (it stays idle)."""
@@ -218,12 +242,22 @@ class SessionTable:
         """The idle session used least recently (resident or not)."""
         return next(iter(self._idle.values()), None)
 
-    def victim(self) -> Session | None:
-        """The idle resident session to evict first: lowest priority, least recently used."""
-        if not self._parked:
-            return None
-        q = self._parked[min(self._parked)]
-        return next(iter(q.values()))
+    def victim(self, prefer: Sequence[str | None] = ()) -> Session | None:
+        """The idle resident session to evict first: of the first tenant in ``prefer`` that
+        has one, else of any; lowest priority, least recently used (O(D) for a preferred
+        tenant of D priorities, O(T x D) over the T tenants with idle resident sessions)."""
+        for tenant in prefer:
+            by_prio = self._parked.get(tenant)
+            if by_prio:
+                return next(iter(by_prio[min(by_prio)].values()))
+        best: tuple[int, int, Session] | None = None
+        for by_prio in self._parked.values():
+            prio = min(by_prio)
+            s = next(iter(by_prio[prio].values()))
+            key = (prio, self._parked_at[s.id][3])
+            if best is None or key < best[:2]:
+                best = (*key, s)
+        return None if best is None else best[2]
 
     def values(self) -> list[Session]:
         return list(self.by_id.values())

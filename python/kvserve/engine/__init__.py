@@ -8,12 +8,18 @@ One step:
 1. take new requests and cancellations queued since the last step (cancelled sequences are
    removed with ``seq_rm``; their full blocks stay cached for prefix reuse);
 2. admit waiting requests, highest ``priority`` first and FCFS within a priority (a request
-   that has waited ``priority_aging_s`` goes before all that have not), while fewer than
+   that has waited ``priority_aging_s`` goes before all that have not) within a tenant, and
+   between tenants (``tenant=``; none is one tenant too) the next from the tenant with the
+   fewest running sequences per ``weight`` (its :class:`TenantPolicy`), while fewer than
    ``parallel`` run and the pool has room for the prompt (plus a block to grow) beside what
    the running sequences still need; when no slot or room is left, a waiting request of
-   higher priority than a running one *preempts* the lowest-priority running request (it
-   resumes later with its place, its streamed text unchanged). An admitted request first maps
-   the longest cached prefix of its tokens (``match_prefix``), so only the rest is computed.
+   higher priority than a running one of its tenant *preempts* the lowest-priority running
+   request of its tenant (it resumes later with its place, its streamed text unchanged), and
+   a tenant below its weighted share of the slots (or, for memory, within its K/V share)
+   preempts one of a tenant above its own, so a light tenant gets a slot within a step
+   however much another has queued (:mod:`kvserve.engine.scheduler`, "Tenants"). An
+   admitted request first maps the longest cached prefix of its tokens (``match_prefix``), so
+   only the rest is computed.
    A request whose prompt starts with whole blocks that a running request is prefilling right
    now waits (keeping its place) until they are computed and cached, instead of computing
    them again. While the step's prompt budget is taken, a request of the head's rank that
@@ -21,12 +27,14 @@ One step:
    session's next turn) is admitted out of turn if memory and a slot (leaving one for the
    head) allow;
 3. build ONE batch: one token for every sequence that is generating, then chunks of the
-   prompts still being prefilled (short remainders first, then highest priority, earliest
-   first) up to ``batch_tokens`` tokens in all (chunked prefill: a long prompt never stalls
-   the running streams for more than one chunk);
+   prompts still being prefilled up to ``batch_tokens`` tokens in all (chunked prefill: a long
+   prompt never stalls the running streams for more than one chunk), the budget shared
+   between tenants by weighted fair queuing over prompt tokens and each tenant's part going
+   to its short remainders first, then highest priority, earliest first;
 4. ask the core whether the pool can hold the batch in every layer group
    (``Context.blocks_short``), and if not evict idle sessions, then preempt the
-   lowest-priority, latest-arrived sequence, and plan again; then ``decode`` it (the GIL is
+   lowest-priority, latest-arrived sequence (of tenants above their K/V share first, for
+   both), and plan again; then ``decode`` it (the GIL is
    released). A ``KvCacheFull`` from the decode itself (another context of the model took
    blocks meanwhile) is handled the same way. A preempted sequence is
    released and goes back to the waiting queue with its place; it is later resumed by
@@ -51,9 +59,10 @@ batch's tokens (at most ``batch_tokens`` plus R) and A <= 3 x ``parallel`` the r
 admission looks at (each O(log W + D) out of W waiting requests of D distinct priorities); a
 step whose prompt budget is full also peeks at the cached prefix of the first 2 x parallel
 waiting requests (the fast lane: O(min(W, 2P) x prompt blocks) hash lookups, walking the
-queue without touching the rest). Nothing scans all requests: a cancelled waiting request is
-removed in O(1) (its queue entry is skipped later), a session is found in O(1), and only a
-preemption scans the R running sequences for its victim.
+queue without touching the rest). Tenants add O(R + N log N) for N tenants with work (their
+slots, a heap of the waiting ones, the prompt budget's water-filling). Nothing scans all
+requests: a cancelled waiting request is removed in O(1) (its queue entry is skipped later), a
+session is found in O(1), and only a preemption scans the R running sequences for its victim.
 
 Generation follows :meth:`kvserve.Model.generate` exactly (same tokenization, stop rules,
 ``finish_reason`` and text assembly), so a greedy request gives the tokens that model's own

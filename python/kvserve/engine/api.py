@@ -196,6 +196,7 @@ class Engine:
             block_size=kv.block,
             prefix_cache=prefix_cache,
             aging_s=priority_aging_s,
+            policy=self.tenant_policy,
         )
         self._loop = EngineLoop(
             self.model,
@@ -558,7 +559,7 @@ class Engine:
         sid = header["session_id"] if session_id is None else session_id
         if not isinstance(sid, str) or not sid:
             raise ValueError(f"session_id must be a non-empty string, got {sid!r}")
-        return self._on_engine(lambda: self._sessions.restore(sid, header, kv, path, salt))
+        return self._on_engine(lambda: self._sessions.restore(sid, header, kv, path, salt, tenant))
 
     # -- stats ---------------------------------------------------------------------------------
     def health(self) -> str | None:
@@ -576,6 +577,15 @@ class Engine:
         busy session, or submitted and not yet seen by the engine thread (as ``stats()``'s
         ``waiting`` counts them)."""
         return self._loop.waiting_by_priority()
+
+    def kv_blocks_by_tenant(self) -> dict[str | None, int]:
+        """K/V blocks held per tenant (any thread; as of the engine thread's last iteration):
+        every tenant with a policy (:meth:`set_tenants`; 0 when it holds none) and any other
+        tenant (None: requests without one) holding some. The scheduler's estimate
+        (:mod:`kvserve.engine.scheduler`, "K/V shares"): ``ceil(tokens / block)`` of each
+        running sequence and idle resident session, a shared block once per holder."""
+        held = self._loop.kv_by_tenant
+        return {**dict.fromkeys(self._tenants, 0), **held}
 
     def stats(self) -> dict[str, float | int]:
         """Counters for monitoring; cheap and safe from any thread (never waits for a step).

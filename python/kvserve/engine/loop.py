@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -92,6 +93,9 @@ class EngineLoop:
         self._calls: list[Call] = []
         self.n_waiting = 0  # sequences waiting (queued, in a session's FIFO, unforked choices)
         self.waiting_prio: dict[int, int] = {}
+        # K/V blocks held per tenant (the scheduler's estimate) after the last iteration:
+        # replaced whole, so any thread may read it.
+        self.kv_by_tenant: dict[str | None, int] = {}
         # Counters (written by the engine thread, read by stats()).
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
@@ -227,6 +231,7 @@ class EngineLoop:
         for call in calls:
             self.run_call(call)
         self._step()
+        self.kv_by_tenant = {t: n for t, n in self.sched.kv_held(self).items() if n}
 
     def _shutdown(self) -> None:
         error = EngineClosed(self.fatal or "the engine was closed before the request finished")
@@ -251,6 +256,7 @@ class EngineLoop:
             if not call.future.done():
                 call.future.set_exception(EngineClosed(self.fatal or "the engine is closed"))
         self.sched.running.clear()
+        self.kv_by_tenant = {}
         for req in pending:
             for r in (req, *req.children):
                 if r.state != DONE:
@@ -272,6 +278,7 @@ class EngineLoop:
         else:
             self.kv.clear()
         self.sessions.forget_kv()
+        self.kv_by_tenant = {}
         for req in running + queued:
             self._fail_quietly(req, error)
         for s in self.sessions.table.values():
@@ -522,6 +529,12 @@ class EngineLoop:
     def available(self) -> int:
         return self.kv.available()
 
+    def total_blocks(self) -> int:
+        return self.kv.pool_tokens // self.kv.block
+
+    def session_blocks(self) -> Mapping[str | None, int]:
+        return self.sessions.table.parked_blocks
+
     def resident_prefix(self, req: Request) -> int | None:
         return self.sessions.resident_prefix(req)
 
@@ -531,8 +544,8 @@ class EngineLoop:
             return self.sessions.resident_prefix(req)  # None when evicted: no fast lane
         return self.kv.peek(req.context(), req.salt)
 
-    def reclaim_idle(self) -> bool:
-        s = self.sessions.table.victim()
+    def reclaim_idle(self, prefer: Sequence[str | None] = ()) -> bool:
+        s = self.sessions.table.victim(prefer)
         if s is None:
             return False
         try:
@@ -648,7 +661,8 @@ class EngineLoop:
     def _make_room(self, why: str) -> bool:
         """The pool cannot hold the batch: evict an idle session, else preempt the victim;
         False when the one running request does not fit even alone (it failed)."""
-        if self.sessions.evict_one():  # idle sessions go before any running request
+        # Idle sessions go before any running request; tenants above their K/V share first.
+        if self.sessions.evict_one(self.sched.kv_over(self)):
             return True
         if len(self.sched.running) <= 1:
             (req,) = self.sched.running.values()
@@ -658,7 +672,7 @@ class EngineLoop:
             )
             self.fail(req, KvCacheFull(msg))
             return False
-        victim = self.sched.victim()
+        victim = self.sched.memory_victim(self)
         assert victim is not None
         self.sched.preempt(self, victim)
         return True
@@ -753,6 +767,7 @@ class EngineLoop:
     def _consume(self, plan: list[PlanEntry], logits: Logits) -> int:
         """A computed part of the batch: its requests advance, park or get their tokens.
         Returns the tokens generated."""
+        self.sched.charge(plan)  # its prompt tokens, to their tenants' virtual times
         for req, _start, k, _want in plan:
             req.n_done += k
             req.faults = 0  # decoded: no longer a suspect

@@ -4,13 +4,13 @@ batch holds. It calls no model and no context: every question about memory and e
 goes through :class:`Resources`, which the engine implements with its KV manager and sessions
 (python/kvserve/engine/loop.py) and tests implement with a fake (tests/test_scheduler.py).
 
-Order. A waiting request is admitted highest ``priority`` first and first come, first served
-within a priority, except:
+Order. Within a tenant (below), a waiting request is admitted highest ``priority`` first and
+first come, first served within a priority, except:
 
 - *aging*: a request that has waited ``aging_s`` seconds is *promoted*: it goes before every
-  request that is not, in arrival order among the promoted, so low priority is never starved
-  while higher priorities keep arriving (it does not preempt anyone, and once admitted it is
-  not preempted for priority either);
+  request of its tenant that is not, in arrival order among the promoted, so low priority is
+  never starved while higher priorities keep arriving (it does not preempt anyone, and once
+  admitted it is not preempted for priority either);
 - *the fast lane*: while the step's prompt budget is taken, a request of the head's rank with
   at most ``fast_lane`` prompt tokens left to compute (the rest cached) is admitted out of
   turn if memory and a slot allow, leaving one slot for the head;
@@ -20,39 +20,99 @@ within a priority, except:
 
 Preemption. When no slot is free, or the pool cannot hold the head's prompt after idle sessions
 were reclaimed, and the head (not merely promoted) has a higher priority than some running
-request, the lowest-priority running request (latest arrived within it) is preempted: it goes
-back to the queue with its place and later resumes by recomputing its tokens, with prefix
-reuse. A step that runs out of memory while decoding preempts the same victim, of any priority.
+request of its tenant, the lowest-priority running request of its tenant (latest arrived within
+it) is preempted: it goes back to the queue with its place and later resumes by recomputing its
+tokens, with prefix reuse. A step that runs out of memory while decoding preempts the same
+victim, of any priority (from a tenant above its K/V quota first, below).
 
-Per-step cost. The queue keeps one heap per distinct priority (keyed by arrival), so a push, a
-pop and the head are O(log W + D) for W waiting requests of D distinct priorities; a cancelled
-or out-of-turn request is removed in O(1) (its entry is skipped later; the heaps are compacted
-when dead entries outnumber live ones, O(W) amortized over as many removals). The fast lane
-walks the queue's first ``2 x parallel`` requests in order without touching the rest
-(O(k log k)). Admission considers at most ``3 x parallel`` requests a step; each admission
-looks at the R running requests (O(R)).
+Tenants. Every request has a tenant (``Request.tenant``; None, the engine's own namespace, is
+one tenant too) and every tenant a :class:`TenantPolicy`: a ``weight`` and a ``kv_share``.
+Priority, aging and the fast lane order work within a tenant, never between tenants; between
+tenants with work (waiting or running), the two things a step hands out are shared by weight:
+
+- *slots*, and with them decode tokens (one per running sequence a step). Admission takes the
+  next request from the waiting tenant with the fewest running slots per weight once its head
+  is admitted (``(slots + 1) / weight``; ties: the lower virtual time, below, then the heads'
+  order), so free slots fill in proportion to the weights. When no slot is free and the
+  head's tenant holds fewer slots than its fair share (``parallel x weight / total weight``
+  of the tenants with work) while another holds more than its own and would keep at least as
+  many slots per weight as the head's tenant gets (``(s_o - 1) / w_o >= (s_t + 1) / w_t``, so
+  a slot never goes back and forth), the most over-share tenant gives up its lowest-priority,
+  latest-arrived request (preempted as above; never a closing session turn, nor a request
+  admitted in this step). A tenant with work thus gets a slot within one step, however many
+  requests others keep queued.
+- *the step's prompt budget*, by weighted fair queuing over prompt tokens: each tenant with
+  prompt work (waiting or prefilling) has a virtual time, the prompt tokens computed for it
+  divided by its weight (charged as they are computed, recomputation after a preemption
+  included). The plan fills the budget from the lowest virtual times up (weighted
+  water-filling: tenants level up together, each in proportion to its weight, until the
+  budget or their prompts run out), so a light tenant's prompt is not stuck behind a heavy
+  tenant's long prefills. A tenant that gets prompt work after having none starts at the
+  lowest virtual time of those that had some, and none lags the highest by more than one
+  step's budget (``batch_tokens / weight``): idle time and unused share are not banked.
+
+A tenant whose head cannot be admitted in this step (no slot and no victim, or its part of the
+prompt budget taken by its own prefills: its weighted share of the budget or what the other
+tenants' prefills leave, the larger) waits with its place while other tenants' heads may still
+be admitted (within a tenant nobody overtakes the head). The budget holds back only a tenant
+at or above its fair share of slots: one below it is admitted anyway (its slot would otherwise
+go to another tenant, to be preempted back). A head that waits for memory stops admission for
+everyone (FCFS, so a large prompt is not starved by small ones). Waits stay bounded: within a
+tenant by aging; between tenants by the shares (a tenant with waiting work is the next served
+whenever it has the fewest slots per weight, and fair preemption brings it to its share). With
+one tenant all of this is the rules above, unchanged.
+
+K/V shares. Blocks held per tenant are estimated as ``ceil(n_done / block)`` per running
+request plus ``ceil(n_kv / block)`` per idle resident session (the session table keeps these
+sums per tenant as sessions park and leave). Shared blocks (forked choices, a session's
+prefix that another request mapped) count once per holder; blocks kept only by the prefix
+cache, and those of a session whose next turn waits in the queue, count for nobody. A tenant's
+quota is its ``kv_share`` of the pool, else an equal split among the tenants holding K/V. Under
+memory shortage the tenants above their quota give first, the most over (held / quota) first:
+idle sessions are reclaimed from them before others'; admission preempts the lowest-priority,
+latest request of such a tenant for a head whose tenant stays within its quota with it (else,
+as above, one of lower priority of the head's own tenant); a decode short of memory preempts
+from such a tenant before the overall victim.
+
+Per-step cost. The queue keeps one heap per tenant and distinct priority (keyed by arrival), so
+a push, a pop and a tenant's head are O(log W + D) for W waiting requests of D distinct
+priorities; a cancelled or out-of-turn request is removed in O(1) (its entry is skipped later;
+the heaps are compacted when dead entries outnumber live ones, O(W) amortized over as many
+removals). The fast lane walks the head tenant's first ``2 x parallel`` requests in order
+without touching the rest (O(k log k)). Admission considers at most ``3 x parallel`` requests
+a step; each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for
+T tenants with work: the slots and prompt work per tenant (one pass over the running set), a
+heap of the waiting tenants (O(T x D) to build, O(log T + D) per request considered), the
+budget's water-filling (a sort of the prefilling tenants' virtual times); a fair preemption or
+a memory shortage looks at the T tenants and the R running requests. Nothing scans the queue.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import count, islice
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 from .requests import Request
+from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy
 
-__all__ = ["Resources", "Scheduler", "WaitQueue"]
+__all__ = ["Resources", "Scheduler", "Tenant", "WaitQueue"]
+
+Tenant = Optional[str]  # a request's tenant (None: the engine's own namespace, one tenant too)
 
 PlanEntry = tuple[Request, int, int, bool]  # (request, first index, token count, wants logits)
 
 
 class WaitQueue:
-    """Waiting requests in admission order (module docs): per priority a heap by arrival."""
+    """Waiting requests in admission order (module docs): per tenant and priority a heap by
+    arrival."""
 
     def __init__(self, aging_s: float | None) -> None:
         self.aging_s = aging_s
-        self._heaps: dict[int, list[tuple[int, int, Request]]] = {}
+        self._heaps: dict[Tenant, dict[int, list[tuple[int, int, Request]]]] = {}
+        self._waiting: dict[Tenant, int] = {}  # live requests per tenant (tenants with some)
         self._entries = count(1)
         self._live = 0
         self._dead = 0
@@ -63,6 +123,10 @@ class WaitQueue:
     def __bool__(self) -> bool:
         return self._live > 0
 
+    def tenants(self) -> list[Tenant]:
+        """The tenants with waiting requests (O(T))."""
+        return list(self._waiting)
+
     def push(self, req: Request, now: float) -> None:
         """Queues ``req`` with its place (``req.key``'s arrival); the first push sets the time
         its aging counts from."""
@@ -71,15 +135,25 @@ class WaitQueue:
         if req.queued_at is None:
             req.queued_at = now
         req.entry = next(self._entries)
-        heapq.heappush(self._heaps.setdefault(req.priority, []), (req.key[1], req.entry, req))
+        heap = self._heaps.setdefault(req.tenant, {}).setdefault(req.priority, [])
+        heapq.heappush(heap, (req.key[1], req.entry, req))
         self._live += 1
+        self._waiting[req.tenant] = self._waiting.get(req.tenant, 0) + 1
+
+    def _gone(self, req: Request) -> None:
+        req.entry = 0
+        self._live -= 1
+        n = self._waiting[req.tenant] - 1
+        if n:
+            self._waiting[req.tenant] = n
+        else:
+            del self._waiting[req.tenant]
 
     def remove(self, req: Request) -> bool:
         """Takes ``req`` out (O(1)); False if it was not queued."""
         if not req.entry:
             return False
-        req.entry = 0
-        self._live -= 1
+        self._gone(req)
         self._dead += 1
         return True
 
@@ -87,13 +161,17 @@ class WaitQueue:
         """Drops dead entries once they outnumber the live ones (call between walks)."""
         if self._dead <= 64 or self._dead <= self._live:
             return
-        for prio in list(self._heaps):
-            heap = [e for e in self._heaps[prio] if e[2].entry == e[1]]
-            if heap:
-                heapq.heapify(heap)
-                self._heaps[prio] = heap
-            else:
-                del self._heaps[prio]
+        for tenant in list(self._heaps):
+            heaps = self._heaps[tenant]
+            for prio in list(heaps):
+                heap = [e for e in heaps[prio] if e[2].entry == e[1]]
+                if heap:
+                    heapq.heapify(heap)
+                    heaps[prio] = heap
+                else:
+                    del heaps[prio]
+            if not heaps:
+                del self._heaps[tenant]
         self._dead = 0
 
     def promoted(self, req: Request, now: float) -> bool:
@@ -107,39 +185,50 @@ class WaitQueue:
             return (0, 0, req.key[1])
         return (1, -req.priority, req.key[1])
 
-    def _top(self, prio: int) -> Request | None:
-        heap = self._heaps[prio]
+    def _top(self, tenant: Tenant, prio: int) -> Request | None:
+        heaps = self._heaps[tenant]
+        heap = heaps[prio]
         while heap and heap[0][2].entry != heap[0][1]:
             heapq.heappop(heap)
             self._dead -= 1
-        if not heap:
-            del self._heaps[prio]
-            return None
-        return heap[0][2]
+        if heap:
+            return heap[0][2]
+        del heaps[prio]
+        if not heaps:
+            del self._heaps[tenant]
+        return None
 
-    def head(self, now: float) -> Request | None:
-        """The request to admit next (O(D) plus dead entries popped)."""
+    def head(self, now: float, tenants: Iterable[Tenant] | None = None) -> Request | None:
+        """The first request in this queue's order among those of ``tenants`` (None: every
+        tenant); O(D) per tenant plus dead entries popped. Admission asks one tenant at a
+        time (the scheduler picks the tenant)."""
         best: Request | None = None
         best_rank = (2, 0, 0)
-        for prio in list(self._heaps):
-            req = self._top(prio)
-            if req is not None and (r := self.rank(req, now)) < best_rank:
-                best, best_rank = req, r
+        for tenant in list(self._heaps) if tenants is None else tenants:
+            if tenant not in self._heaps:
+                continue
+            for prio in list(self._heaps[tenant]):
+                req = self._top(tenant, prio)
+                if req is not None and (r := self.rank(req, now)) < best_rank:
+                    best, best_rank = req, r
         return best
 
     def pop(self, req: Request) -> None:
         """Takes the head ``req`` out (O(log W))."""
-        heap = self._heaps[req.priority]
+        heaps = self._heaps[req.tenant]
+        heap = heaps[req.priority]
         assert heap[0][2] is req and heap[0][1] == req.entry
         heapq.heappop(heap)
         if not heap:
-            del self._heaps[req.priority]
-        req.entry = 0
-        self._live -= 1
+            del heaps[req.priority]
+            if not heaps:
+                del self._heaps[req.tenant]
+        self._gone(req)
 
-    def in_order(self, now: float) -> Iterator[Request]:
-        """Live requests in admission order, lazily: O(k log k) for the first k. Nothing may be
-        pushed or compacted while the iterator is in use (removals are fine)."""
+    def in_order(self, now: float, tenants: Iterable[Tenant] | None = None) -> Iterator[Request]:
+        """Live requests of ``tenants`` (None: every tenant) in this queue's order, lazily:
+        O(k log k) for the first k. Nothing may be pushed or compacted while the iterator is
+        in use (removals are fine)."""
 
         def walk(heap: list[tuple[int, int, Request]]) -> Iterator[Request]:
             if not heap:
@@ -154,25 +243,34 @@ class WaitQueue:
                         heapq.heappush(frontier, (heap[c], c))
 
         # Within one priority, arrival order is admission order (the promoted come first).
-        walks = [walk(h) for h in self._heaps.values()]
+        names = list(self._heaps) if tenants is None else tenants
+        walks = [walk(h) for t in names if t in self._heaps for h in self._heaps[t].values()]
         return heapq.merge(*walks, key=lambda r: self.rank(r, now))
 
     def drain(self) -> list[Request]:
         """Every live request, the queue emptied."""
-        out = [e[2] for h in self._heaps.values() for e in h if e[2].entry == e[1]]
+        out = [
+            e[2]
+            for heaps in self._heaps.values()
+            for h in heaps.values()
+            for e in h
+            if e[2].entry == e[1]
+        ]
         for req in out:
             req.entry = 0
         self._heaps.clear()
+        self._waiting.clear()
         self._live = self._dead = 0
         return out
 
     def by_priority(self) -> dict[int, int]:
         """Live requests per priority (O(W); for tests)."""
         out: dict[int, int] = {}
-        for prio, h in self._heaps.items():
-            n = sum(1 for e in h if e[2].entry == e[1])
-            if n:
-                out[prio] = n
+        for heaps in self._heaps.values():
+            for prio, h in heaps.items():
+                n = sum(1 for e in h if e[2].entry == e[1])
+                if n:
+                    out[prio] = out.get(prio, 0) + n
         return out
 
 
@@ -181,6 +279,15 @@ class Resources(Protocol):
 
     def available(self) -> int:
         """Blocks free or held only by the prefix cache (evictable) now."""
+        ...
+
+    def total_blocks(self) -> int:
+        """Blocks in the pool (what a tenant's ``kv_share`` is a fraction of)."""
+        ...
+
+    def session_blocks(self) -> Mapping[Tenant, int]:
+        """Blocks held by idle resident sessions, per tenant (the estimate of the module
+        docs; O(1): kept up to date as sessions park and leave)."""
         ...
 
     def resident_prefix(self, req: Request) -> int | None:
@@ -193,8 +300,9 @@ class Resources(Protocol):
         cached; changes nothing); None when unknown (then the fast lane skips it)."""
         ...
 
-    def reclaim_idle(self) -> bool:
-        """Evicts one idle session's K/V; False when there is none."""
+    def reclaim_idle(self, prefer: Sequence[Tenant] = ()) -> bool:
+        """Evicts one idle session's K/V, one of the first tenant in ``prefer`` that has one
+        if any; False when there is none."""
         ...
 
     def start(self, req: Request) -> int | None:
@@ -209,8 +317,18 @@ class Resources(Protocol):
         ...
 
 
+def _default_policy(tenant: Tenant) -> TenantPolicy:
+    return SHARED_POLICY if tenant is None else DEFAULT_POLICY
+
+
+def _closing(req: Request) -> bool:
+    return req.turn is not None and req.turn.closing
+
+
 class Scheduler:
-    """The admission and batching policy (module docs)."""
+    """The admission and batching policy (module docs). ``policy``: a tenant's
+    :class:`TenantPolicy` (its ``weight`` and ``kv_share``; the engine's
+    :meth:`kvserve.Engine.tenant_policy`)."""
 
     def __init__(
         self,
@@ -221,6 +339,7 @@ class Scheduler:
         prefix_cache: bool = True,
         fast_lane: int | None = None,
         aging_s: float | None = 30.0,
+        policy: Callable[[Tenant], TenantPolicy] = _default_policy,
     ) -> None:
         self.parallel = parallel
         self.batch_tokens = batch_tokens
@@ -231,6 +350,14 @@ class Scheduler:
         self.fast_lane = max(4 * block_size, batch_tokens // 8) if fast_lane is None else fast_lane
         self.queue = WaitQueue(aging_s)
         self.running: dict[int, Request] = {}  # sequence id -> request
+        self.policy = policy
+        # Virtual times of the tenants with prompt work: prompt tokens computed for each /
+        # its weight (module docs, "Tenants"); ``_floor``: the lowest when last tracked.
+        self.served: dict[Tenant, float] = {}
+        self._floor = 0.0
+
+    def weight(self, tenant: Tenant) -> float:
+        return float(self.policy(tenant).weight)
 
     # -- arithmetic ------------------------------------------------------------------------------
     def blocks_to_fill(self, req: Request, extra: int = 0) -> int:
@@ -241,85 +368,193 @@ class Scheduler:
     def slots(self) -> int:
         return sum(1 + len(r.children) for r in self.running.values())
 
-    def victim(
-        self, below: int | None = None, spare: frozenset[int] = frozenset()
-    ) -> Request | None:
-        """The running request to preempt: lowest priority, latest arrival. With ``below`` (a
-        waiting request's priority): only one of lower priority, never a closing session turn
-        (it frees nothing worth a slot), one in ``spare`` (admitted in this step), nor one
-        admitted by aging (``protected``: a flood of higher priorities cannot starve it by
-        preempting it again and again; memory shortage still can preempt it)."""
-        best: Request | None = None
+    def slots_by_tenant(self) -> dict[Tenant, int]:
+        """Running slots per tenant (O(R))."""
+        held: dict[Tenant, int] = {}
         for r in self.running.values():
+            held[r.tenant] = held.get(r.tenant, 0) + 1 + len(r.children)
+        return held
+
+    def victim(
+        self,
+        below: int | None = None,
+        spare: frozenset[int] = frozenset(),
+        among: Iterable[Request] | None = None,
+    ) -> Request | None:
+        """The running request (of ``among``, default all) to preempt: lowest priority,
+        latest arrival. With ``below`` (a waiting request's priority): only one of lower
+        priority, never a closing session turn (it frees nothing worth a slot), one in
+        ``spare`` (admitted in this step), nor one admitted by aging (``protected``: a flood of
+        higher priorities cannot starve it by preempting it again and again; memory shortage
+        still can preempt it)."""
+        best: Request | None = None
+        for r in self.running.values() if among is None else among:
             if below is not None and (
-                r.priority >= below
-                or r.protected
-                or id(r) in spare
-                or (r.turn is not None and r.turn.closing)
+                r.priority >= below or r.protected or id(r) in spare or _closing(r)
             ):
                 continue
             if best is None or r.key > best.key:
                 best = r
         return best
 
+    def _of(self, tenant: Tenant) -> list[Request]:
+        return [r for r in self.running.values() if r.tenant == tenant]
+
+    def _yielding(self, tenant: Tenant, spare: frozenset[int]) -> Request | None:
+        """The request a tenant gives up for another's share (slots or K/V): its lowest
+        priority, latest arrival, never a closing session turn nor one admitted in this step."""
+        return self.victim(
+            among=(
+                r
+                for r in self.running.values()
+                if r.tenant == tenant and id(r) not in spare and not _closing(r)
+            )
+        )
+
     # -- admission -------------------------------------------------------------------------------
     def admit(self, res: Resources, now: float) -> list[Request]:
         """Admits waiting requests (module docs); returns them in admission order."""
         queue = self.queue
         queue.compact()
+        self._track()
         avail = res.available()
         room = avail - sum(self.blocks_to_fill(r) + len(r.children) for r in self.running.values())
-        slots = self.slots()
+        held = self.slots_by_tenant()
+        slots = sum(held.values())
+        weights = {t: self.weight(t) for t in {*held, *queue.tenants()}}  # tenants with work
+        turns = _Turns(self, now, held, weights)
         admitted: list[Request] = []
         deferred: list[Request] = []
+        retry = False  # after a preemption for a tenant's head: that tenant's head again
+        tenant: Tenant = None
         for _ in range(3 * self.parallel):
-            req = queue.head(now)
+            req = self.queue.head(now, (tenant,)) if retry else None
+            retry = False
+            if req is None:
+                req = turns.next()
             if req is None:
                 break
+            tenant = req.tenant
             promoted = queue.promoted(req, now)
             prio = req.priority
             need_slots = 1 + len(req.children)
-            # The step's prompt budget, counting what the plan serves before ``req``.
-            prefill = sum(
-                r.n_tokens - r.n_done - 1
-                for r in self.running.values()
-                if promoted or r.priority >= prio
-            )
-            if prefill >= self.batch_tokens:
-                admitted += self._fast_lane(res, room, slots, now, req)
-                break  # no room in this step's batch: admitting now would only hold blocks
+            if not self._below_share(tenant, held, weights) and self._budget_taken(
+                req, promoted, weights
+            ):
+                # No room in this step's batch for it: admitting now would only hold blocks.
+                fast, room, slots = self._fast_lane(res, room, slots, now, req)
+                admitted += fast
+                held[tenant] = held.get(tenant, 0) + len(fast)
+                continue  # the tenant waits for budget (nobody of it overtakes its head)
             spare = frozenset(id(r) for r in admitted)
             if slots + need_slots > self.parallel:
-                v = None if promoted else self.victim(below=prio, spare=spare)
+                v = self._fair_victim(tenant, need_slots, held, weights, spare)
+                if v is None and not promoted:
+                    v = self.victim(below=prio, spare=spare, among=self._of(tenant))
                 if v is None or need_slots > self.parallel:
-                    break  # wait for a slot (FCFS: nobody overtakes the head)
-                room, avail, slots = self._preempt(res, v, room, avail, slots)
+                    continue  # the tenant waits for a slot (FCFS within it)
+                room, avail, slots = self._preempt(res, v, room, avail, slots, held)
+                if v.tenant != tenant:
+                    turns.refile(v.tenant)  # requeued, with a slot less
+                retry = True
                 continue
             resident = res.resident_prefix(req)
             if resident is not None:  # what the parked sequence holds is not allocated again
                 req.n_done = resident
             need = self.blocks_to_fill(req, extra=1) + len(req.children)
-            while self.running and need > room and res.reclaim_idle():
+            while self.running and need > room and res.reclaim_idle(self.kv_over(res)):
                 now_avail = res.available()
                 room, avail = room + now_avail - avail, now_avail
             if self.running and need > room:
-                v = None if promoted else self.victim(below=prio, spare=spare)
+                v = self._kv_victim(res, tenant, need, spare)
+                if v is None and not promoted:
+                    v = self.victim(below=prio, spare=spare, among=self._of(tenant))
                 if v is None:
-                    break  # wait for memory (FCFS)
-                room, avail, slots = self._preempt(res, v, room, avail, slots)
+                    break  # wait for memory (nobody, of any tenant, overtakes the head)
+                room, avail, slots = self._preempt(res, v, room, avail, slots, held)
+                if v.tenant != tenant:
+                    turns.refile(v.tenant)  # requeued, with a slot less
+                retry = True
                 continue
             queue.pop(req)
             if self.prefix_cache and resident is None and self.computing_shared_prefix(req):
                 deferred.append(req)  # its blocks come cached in a step or two
-                continue
-            if self._start(res, req):
+            elif self._start(res, req):
                 req.protected = req.protected or promoted
                 admitted.append(req)
                 room -= need
                 slots += need_slots
+                held[tenant] = held.get(tenant, 0) + need_slots
+            turns.refile(tenant)
         for req in deferred:
             queue.push(req, now)
         return admitted
+
+    def _below_share(
+        self, tenant: Tenant, held: Mapping[Tenant, int], weights: Mapping[Tenant, float]
+    ) -> bool:
+        """Whether ``tenant`` holds fewer slots than its fair share, with other tenants having
+        work (O(T)): then it is admitted even while its part of the prompt budget is taken
+        (its slot would otherwise go to another tenant, to be preempted back)."""
+        if len(weights) < 2:
+            return False
+        return held.get(tenant, 0) < self.parallel * weights[tenant] / sum(weights.values())
+
+    def _budget_taken(self, req: Request, promoted: bool, weights: Mapping[Tenant, float]) -> bool:
+        """Whether the plan would spend the step's prompt budget before reaching ``req``: on
+        its tenant's prompts ranked before it (all of them for a promoted request), counted
+        against the budget, or with other tenants prefilling against the larger of its
+        weighted share of the budget and what the others leave (O(R))."""
+        tenant, prio = req.tenant, req.priority
+        own = others = 0
+        rivals: dict[Tenant, float] = {}
+        for r in self.running.values():
+            left = r.n_tokens - r.n_done - 1
+            if r.tenant == tenant:
+                if promoted or r.priority >= prio:
+                    own += left
+            elif left > 0:
+                others += left
+                rivals[r.tenant] = weights.get(r.tenant) or self.weight(r.tenant)
+        budget = float(self.batch_tokens)
+        if others:
+            w = weights.get(tenant) or self.weight(tenant)
+            budget = max(budget * w / (w + sum(rivals.values())), budget - others)
+        return own >= budget
+
+    def _fair_victim(
+        self,
+        tenant: Tenant,
+        need: int,
+        held: Mapping[Tenant, int],
+        weights: Mapping[Tenant, float],
+        spare: frozenset[int],
+    ) -> Request | None:
+        """For a head of ``tenant`` that finds no free slot: when ``tenant`` holds fewer slots
+        than its fair share (``parallel`` x its weight / the weights of the tenants with work)
+        and another tenant holds more than its own and would keep at least as many slots per
+        weight as ``tenant`` gets (so no slot goes back and forth), the request that tenant
+        gives up (the most over-share tenant first); else None (O(T log T + R))."""
+        if len(weights) < 2:
+            return None
+        total = sum(weights.values())
+        mine = held.get(tenant, 0)
+        if mine >= self.parallel * weights[tenant] / total:
+            return None
+        after = (mine + need) / weights[tenant]
+        over = [
+            o
+            for o, n in held.items()
+            if o != tenant
+            and n > self.parallel * weights[o] / total
+            and (n - 1) / weights[o] >= after
+        ]
+        over.sort(key=lambda o: held[o] / weights[o], reverse=True)
+        for o in over:
+            v = self._yielding(o, spare)
+            if v is not None:
+                return v
+        return None
 
     def _start(self, res: Resources, req: Request) -> bool:
         """Admits ``req`` through the resources; False when that failed (``req`` was failed
@@ -332,11 +567,19 @@ class Scheduler:
         return True
 
     def _preempt(
-        self, res: Resources, victim: Request, room: int, avail: int, slots: int
+        self,
+        res: Resources,
+        victim: Request,
+        room: int,
+        avail: int,
+        slots: int,
+        held: dict[Tenant, int],
     ) -> tuple[int, int, int]:
         """Preempts ``victim`` during admission; the room and slots it leaves."""
+        n = 1 + len(victim.children)
         room += self.blocks_to_fill(victim) + len(victim.children)
-        slots -= 1 + len(victim.children)
+        slots -= n
+        held[victim.tenant] -= n
         self.preempt(res, victim)
         now_avail = res.available()
         return room + now_avail - avail, now_avail, slots
@@ -348,14 +591,14 @@ class Scheduler:
 
     def _fast_lane(
         self, res: Resources, room: int, slots: int, now: float, head: Request
-    ) -> list[Request]:
-        """Admits, in queue order among the first ``2 x parallel``, requests of the head's rank
-        with at most ``fast_lane`` prompt tokens left to compute that fit ``room`` and the free
-        slots but one."""
+    ) -> tuple[list[Request], int, int]:
+        """Admits, in queue order among the head's tenant's first ``2 x parallel``, requests
+        of the head's rank with at most ``fast_lane`` prompt tokens left to compute that fit
+        ``room`` and the free slots but one; returns them and the room and slots left."""
         if not self.prefix_cache:
-            return []
+            return [], room, slots
         head_rank = self.queue.rank(head, now)[:2]
-        candidates = list(islice(self.queue.in_order(now), 2 * self.parallel))
+        candidates = list(islice(self.queue.in_order(now, (head.tenant,)), 2 * self.parallel))
         admitted: list[Request] = []
         for req in candidates:
             if slots + 2 > self.parallel or self.queue.rank(req, now)[:2] != head_rank:
@@ -379,7 +622,7 @@ class Scheduler:
                 admitted.append(req)
                 room -= need
                 slots += 1
-        return admitted
+        return admitted, room, slots
 
     def computing_shared_prefix(self, req: Request) -> bool:
         """Whether a running request is still prefilling whole blocks that ``req``'s prompt
@@ -404,27 +647,216 @@ class Scheduler:
                 return True
         return False
 
+    # -- K/V shares ------------------------------------------------------------------------------
+    def kv_held(self, res: Resources) -> dict[Tenant, int]:
+        """Blocks held per tenant, estimated (module docs): ceil(n_done / block) per running
+        request plus the idle resident sessions' (O(R + T))."""
+        held = dict(res.session_blocks())
+        b = self.block
+        for r in self.running.values():
+            held[r.tenant] = held.get(r.tenant, 0) + -(-r.n_done // b)
+        return held
+
+    def _kv_quotas(
+        self, held: Mapping[Tenant, int], total: int, asking: tuple[Tenant, ...] = ()
+    ) -> dict[Tenant, float]:
+        """The K/V quota in blocks of each tenant holding K/V and of ``asking``: its
+        ``kv_share`` of ``total``, else an equal split among them."""
+        holders = {t for t, n in held.items() if n > 0}.union(asking)
+        out: dict[Tenant, float] = {}
+        for t in holders:
+            share = self.policy(t).kv_share
+            out[t] = total * share if share is not None else total / len(holders)
+        return out
+
+    def kv_over(self, res: Resources) -> list[Tenant]:
+        """The tenants holding more K/V than their quota, the most over (held / quota) first:
+        whom memory shortage takes from first (O(R + T log T))."""
+        held = self.kv_held(res)
+        quota = self._kv_quotas(held, res.total_blocks())
+        over = [t for t, q in quota.items() if held[t] > q]
+        over.sort(key=lambda t: held[t] / quota[t], reverse=True)
+        return over
+
+    def _kv_victim(
+        self, res: Resources, tenant: Tenant, need: int, spare: frozenset[int]
+    ) -> Request | None:
+        """For a head of ``tenant`` that needs ``need`` blocks the pool lacks: when ``tenant``
+        stays within its K/V quota with them, the request given up by the tenant most above
+        its own quota (another tenant); else None (O(R + T log T))."""
+        held = self.kv_held(res)
+        quota = self._kv_quotas(held, res.total_blocks(), (tenant,))
+        if held.get(tenant, 0) + need > quota[tenant]:
+            return None
+        over = [t for t, q in quota.items() if t != tenant and held.get(t, 0) > q]
+        over.sort(key=lambda t: held[t] / quota[t], reverse=True)
+        for o in over:
+            v = self._yielding(o, spare)
+            if v is not None:
+                return v
+        return None
+
+    def memory_victim(self, res: Resources) -> Request | None:
+        """The running request a step short of memory preempts: the lowest-priority, latest
+        of the tenant most above its K/V quota, else (none above) :meth:`victim`'s."""
+        for tenant in self.kv_over(res):
+            v = self.victim(among=self._of(tenant))
+            if v is not None:
+                return v
+        return self.victim()
+
+    # -- prompt service --------------------------------------------------------------------------
+    def _track(self) -> None:
+        """Keeps the virtual times of the tenants with prompt work (waiting or prefilling): one
+        that has just got some starts at the lowest of those that had (idle time is not
+        banked), one without is forgotten, and none lags the highest by more than one step's
+        budget (``batch_tokens`` / its weight) (O(R + T))."""
+        active = set(self.queue.tenants())
+        for r in self.running.values():
+            if r.n_tokens - r.n_done > 1 and not _closing(r):
+                active.add(r.tenant)
+        kept = [v for t, v in self.served.items() if t in active]
+        if kept:
+            self._floor = min(kept)
+        served = {t: self.served.get(t, self._floor) for t in active}
+        if len(served) > 1:
+            top = max(served.values())
+            for t, v in served.items():
+                served[t] = max(v, top - self.batch_tokens / self.weight(t))
+        self.served = served
+
+    def charge(self, part: Iterable[PlanEntry]) -> None:
+        """Counts the prompt tokens of a computed part of a step to their tenants' virtual
+        times (call before its requests advance; O(entries))."""
+        for req, start, k, _want in part:
+            if req.n_tokens - start > 1 and not _closing(req):
+                t = req.tenant
+                self.served[t] = self.served.get(t, self._floor) + k / self.weight(t)
+
+    def _split(self, left: int, demand: Mapping[Tenant, int]) -> dict[Tenant, int]:
+        """``left`` prompt tokens among tenants wanting ``demand`` (more than ``left`` in all),
+        as weighted fair queuing token by token would give them: each next token to the tenant
+        with the lowest virtual time ``v_t + given_t / w_t`` that wants more (ties: ``demand``'s
+        order). Computed as water-filling: the level ``L`` solving
+        ``sum_t min(demand_t, max(0, (L - v_t) x w_t)) = left`` gives every tenant the tokens
+        it starts below ``L``; the few tokens that rounding puts over or under ``left`` are
+        then taken back from the highest starts and given to the lowest (O(T log T))."""
+        rows = [(self.served.get(t, self._floor), self.weight(t), d) for t, d in demand.items()]
+        events = sorted([(v, w) for v, w, _ in rows] + [(v + d / w, -w) for v, w, d in rows])
+        level, rate, filled = events[0][0], 0.0, 0.0
+        top = events[-1][0]
+        for x, dw in events:
+            if rate > 0 and filled + rate * (x - level) >= left:
+                top = level + (left - filled) / rate
+                break
+            filled += rate * (x - level)
+            level, rate = x, rate + dw
+        given = [min(d, max(0, math.ceil((top - v) * w))) for v, w, d in rows]
+        extra = sum(given) - left
+        # The k-th token of tenant i starts at v_i + (k - 1) / w_i.
+        over = [
+            (-(v + (g - 1) / w), -i, i) for i, ((v, w, _), g) in enumerate(zip(rows, given)) if g
+        ]
+        heapq.heapify(over)
+        while extra > 0:  # the highest starts go back
+            _, _, i = heapq.heappop(over)
+            v, w, _d = rows[i]
+            given[i] -= 1
+            extra -= 1
+            if given[i]:
+                heapq.heappush(over, (-(v + (given[i] - 1) / w), -i, i))
+        under = [(v + g / w, i) for i, ((v, w, d), g) in enumerate(zip(rows, given)) if g < d]
+        heapq.heapify(under)
+        while extra < 0:  # the lowest starts come in
+            _, i = heapq.heappop(under)
+            v, w, d = rows[i]
+            given[i] += 1
+            extra += 1
+            if given[i] < d:
+                heapq.heappush(under, (v + given[i] / w, i))
+        return dict(zip(demand, given))
+
     # -- the batch -------------------------------------------------------------------------------
     def plan(self) -> list[PlanEntry]:
         """This step's batch: one token for every generating sequence (and the last token of a
-        closing session turn, without logits), then prompt chunks: short remainders first (the
-        fast lane's), then by priority and arrival, up to ``batch_tokens`` tokens in all."""
+        closing session turn, without logits), then prompt chunks up to ``batch_tokens``
+        tokens in all: the budget split among tenants by their virtual times and weights
+        (:meth:`_split`), and each tenant's part to its prompts short remainders first (the
+        fast lane's), then by priority and arrival."""
         plan: list[PlanEntry] = []
-        prefilling: list[Request] = []
+        prefilling: dict[Tenant, list[Request]] = {}
         for req in self.running.values():
-            if req.turn is not None and req.turn.closing:
+            if _closing(req):
                 plan.append((req, req.n_done, req.n_tokens - req.n_done, False))
             elif req.n_tokens - req.n_done == 1:
                 plan.append((req, req.n_done, 1, True))
             else:
-                prefilling.append(req)
+                prefilling.setdefault(req.tenant, []).append(req)
         left = self.batch_tokens - len(plan)
         fast = self.fast_lane
-        prefilling.sort(key=lambda r: (r.n_tokens - r.n_done > fast, r.key))
-        for req in prefilling:
-            if left <= 0:
-                break
-            k = min(req.n_tokens - req.n_done, left)
-            plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
-            left -= k
+        parts = {t: left for t in prefilling}
+        if len(prefilling) > 1 and left > 0:
+            demand = {t: sum(r.n_tokens - r.n_done for r in rs) for t, rs in prefilling.items()}
+            if sum(demand.values()) > left:
+                parts = self._split(left, demand)
+        for tenant, reqs in prefilling.items():
+            budget = parts[tenant]
+            reqs.sort(key=lambda r: (r.n_tokens - r.n_done > fast, r.key))
+            for req in reqs:
+                if budget <= 0:
+                    break
+                k = min(req.n_tokens - req.n_done, budget)
+                plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
+                budget -= k
         return plan
+
+
+class _Turns:
+    """The waiting tenants in the order admission serves them (module docs): a heap keyed by
+    (slots per weight once the tenant's head is admitted, its virtual time, the head's rank);
+    a tenant is filed again when one of those changes (stale entries are skipped)."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        now: float,
+        held: Mapping[Tenant, int],
+        weights: Mapping[Tenant, float],
+    ) -> None:
+        self.sched = sched
+        self.now = now
+        self.held = held
+        self.weights = weights
+        self.heap: list[tuple[tuple[float, float, tuple[int, int, int]], int, int, Tenant]] = []
+        self.version: dict[Tenant, int] = {}
+        self.order = count()
+        for tenant in sched.queue.tenants():
+            self.refile(tenant)
+
+    def refile(self, *tenants: Tenant) -> None:
+        """Files ``tenants`` by their present keys (O(D + log T) each)."""
+        sched = self.sched
+        for tenant in tenants:
+            self.version[tenant] = v = self.version.get(tenant, 0) + 1
+            head = sched.queue.head(self.now, (tenant,))
+            if head is None:
+                continue
+            w = self.weights.get(tenant) or sched.weight(tenant)
+            key = (
+                (self.held.get(tenant, 0) + 1 + len(head.children)) / w,
+                sched.served.get(tenant, sched._floor),
+                sched.queue.rank(head, self.now),
+            )
+            heapq.heappush(self.heap, (key, next(self.order), v, tenant))
+
+    def next(self) -> Request | None:
+        """The head of the first tenant; the tenant leaves the heap until filed again."""
+        while self.heap:
+            _key, _n, v, tenant = heapq.heappop(self.heap)
+            if self.version.get(tenant) != v:
+                continue
+            self.version[tenant] = v + 1
+            head = self.sched.queue.head(self.now, (tenant,))
+            if head is not None:
+                return head
+        return None

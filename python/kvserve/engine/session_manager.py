@@ -7,6 +7,7 @@ file format live in :mod:`kvserve.sessions`; the rules are in the package docs
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._model import KvCacheFull, StrPath
@@ -37,7 +38,7 @@ class SessionManager:
         max_sessions: int | None,
     ) -> None:
         self.loop = loop
-        self.table = SessionTable()
+        self.table = SessionTable(loop.kv.block)
         self.kv_high_watermark = kv_high_watermark
         self.kv_low_watermark = kv_low_watermark
         self.session_ttl = session_ttl
@@ -99,10 +100,11 @@ class SessionManager:
         self.evictions += 1
         self.loop.kv.remove(seq)
 
-    def evict_one(self) -> bool:
-        """Frees K/V for running requests: the first idle session to evict, else the K/V of a
-        session whose next request still waits; False if there is none."""
-        s = self.table.victim()
+    def evict_one(self, prefer: Sequence[str | None] = ()) -> bool:
+        """Frees K/V for running requests: the first idle session to evict (of the first
+        tenant in ``prefer`` that has one, if any), else the K/V of a session whose next
+        request still waits; False if there is none."""
+        s = self.table.victim(prefer)
         if s is None:
             s = next((t for t in self.queued_turns.values() if t.resident), None)
         if s is None:
@@ -111,14 +113,15 @@ class SessionManager:
         return True
 
     def reclaim(self) -> None:
-        """Evicts idle sessions from the high watermark down to the low one."""
+        """Evicts idle sessions from the high watermark down to the low one, those of tenants
+        above their K/V share first."""
         if self.table.victim() is None:
             return
         used, total = self.loop.kv.usage()
         if used <= self.kv_high_watermark * total:
             return
         while used > self.kv_low_watermark * total:
-            s = self.table.victim()
+            s = self.table.victim(self.loop.sched.kv_over(self.loop))
             if s is None:
                 break
             self.evict(s)
@@ -191,6 +194,7 @@ class SessionManager:
         req.n_prompt = len(ids)
         s.busy = req
         self.table.busy(s)
+        s.tenant = req.tenant
         self.queued_turns[s.id] = s
         loop.sched.queue.push(req, time.monotonic())
 
@@ -307,10 +311,16 @@ class SessionManager:
         return header, state
 
     def restore(
-        self, sid: str, header: dict[str, Any], state: bytes, path: StrPath, salt: bytes
+        self,
+        sid: str,
+        header: dict[str, Any],
+        state: bytes,
+        path: StrPath,
+        salt: bytes,
+        tenant: str | None = None,
     ) -> str:
-        """Creates session ``sid`` from a checked session file (engine thread), its K/V salted
-        with ``salt`` (its tenant's); all or nothing."""
+        """Creates session ``sid`` of ``tenant`` from a checked session file (engine thread),
+        its K/V salted with ``salt`` (its tenant's); all or nothing."""
         loop = self.loop
         kv = loop.kv
         if self.table.get(sid) is not None:
@@ -347,6 +357,7 @@ class SessionManager:
             kv.free(seq)
         s.priority = header["priority"]
         s.salt = salt
+        s.tenant = tenant  # its blocks count for its tenant's K/V share
         s.rng_state = header.get("rng_state")
         self.table.idle(s)
         return sid

@@ -52,7 +52,7 @@ from .._model import (
     KvCacheFull,
     Model,
 )
-from ..engine import Delta, Engine, EngineClosed, TooManySessions
+from ..engine import Delta, Engine, EngineClosed, TenantPolicy, TooManySessions
 from ..options import RequestOptions
 from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo, remove_stale_temps
@@ -146,13 +146,31 @@ class _Server:
         self.in_flight = 0  # sequences this server has admitted and not yet seen finish
         self.jobs: set[_Job] = set()  # generation requests streaming now
         self.draining = False  # shutting down: new requests get 503 (see drain)
-        self.metrics = Metrics(self.stats, self.waiting)
+        self.metrics = Metrics(self.stats, self.waiting, self.tenant_kv)
+        # The engine's tenant policies, from the tenants in force (None: the server has no
+        # tenants, and an engine it was given keeps its own).
+        self.policies: dict[str, TenantPolicy] | None = None
         if engine is not None:
             self.set_engine(engine, prompt_char_limit(config, engine))
 
     def set_engine(self, engine: Engine | None, prompt_chars: int = 0) -> None:
         self.engine = engine
         self.prompt_chars = prompt_chars
+        if engine is not None and self.policies is not None:
+            engine.set_tenants(self.policies)
+
+    def set_tenants(self, tenants: Tenants | None) -> None:
+        """The tenants in force (at start and after each reload): their shares go to the
+        engine, now or when it has loaded."""
+        self.policies = None if tenants is None else tenants.policies()
+        if self.engine is not None and self.policies is not None:
+            self.engine.set_tenants(self.policies)
+
+    def tenant_kv(self) -> dict[str, int] | None:
+        """K/V blocks held per tenant (named tenants only: the keys file's)."""
+        if self.engine is None:
+            return None
+        return {t: n for t, n in self.engine.kv_blocks_by_tenant().items() if t is not None}
 
     def stats(self) -> dict[str, float | int] | None:
         return None if self.engine is None else self.engine.stats()
@@ -1022,15 +1040,15 @@ def create_app(
         return path
 
     def scoped(request: Request, options: RequestOptions) -> RequestOptions:
-        """The request's options as its tenant may have them: ``priority`` capped at the
-        tenant's ``max_priority``, ``session_id`` in the tenant's namespace, the engine's
-        ``tenant`` its name (its share of compute, its own prefix cache)."""
+        """The request's options as its tenant may have them: run as its ``tenant`` (with an
+        API keys file), ``priority`` capped at the tenant's ``max_priority``, ``session_id``
+        in the tenant's namespace."""
         tenant: Tenant | None = request.scope.get(TENANT)
-        if tenant is not None and options.get("priority", 0) > tenant.max_priority:
-            options["priority"] = tenant.max_priority
         owner = scoped_tenant(request)
         if owner is not None:
-            options["tenant"] = owner.name
+            options["tenant"] = owner.name  # its share of compute, memory and prefix cache
+        if tenant is not None and options.get("priority", 0) > tenant.max_priority:
+            options["priority"] = tenant.max_priority
         sid = options.get("session_id")
         if sid is not None:
             options["session_id"] = internal_id(request, sid)
@@ -1148,13 +1166,16 @@ def create_app(
 
     app.state.tenants_file = config.api_keys_file
     app.state.drain = server.drain
+    tenants = _tenants(config)
+    server.set_tenants(tenants if config.api_keys_file is not None else None)
     return Gate(  # type: ignore[return-value]
         app,
         routes=lambda: app.routes,
         metrics=server.metrics,
-        tenants=_tenants(config),
+        tenants=tenants,
         max_body=config.body_limit(engine.ctx_size if engine is not None else None),
         body_timeout=config.body_timeout,
+        on_reload=server.set_tenants,
     )
 
 

@@ -102,6 +102,7 @@ class Gate:
         tenants: Tenants | None,
         max_body: int,
         body_timeout: float = 30.0,
+        on_reload: Callable[[Tenants], None] | None = None,
     ) -> None:
         self.app = app
         self.routes = routes
@@ -109,6 +110,7 @@ class Gate:
         self.tenants = tenants  # replaced whole on a reload (SIGHUP)
         self.max_body = max_body
         self.body_timeout = body_timeout
+        self.on_reload = on_reload
 
     def drain(self, grace: float) -> None:
         """Shutdown begins (call on the event loop): new requests get 503, streams in flight
@@ -117,7 +119,8 @@ class Gate:
 
     def reload(self, path: str) -> None:
         """Reads the API keys file again; a bad file keeps the tenants in force (logged).
-        Requests in flight finish under the tenant they started as."""
+        Requests in flight finish under the tenant they started as; ``on_reload`` gets the
+        new tenants (the engine's policies follow them)."""
         try:
             fresh = Tenants.load(path)
         except (OSError, ValueError) as e:
@@ -126,6 +129,8 @@ class Gate:
         if self.tenants is not None:
             fresh.adopt_counts(self.tenants)
         self.tenants = fresh
+        if self.on_reload is not None:
+            self.on_reload(fresh)
         log.info("reloaded %d tenant(s) from %s", len(fresh.by_name), path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

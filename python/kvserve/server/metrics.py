@@ -7,8 +7,8 @@ at each scrape (a custom collector), so the numbers can never drift from the eng
 counters: prompt, cached-prompt (by source: the request's session or the prefix index),
 generated and computed tokens, the K/V pool (usage ratio; blocks free, cached and used; the
 same per layer group), the prefix cache (hit rates, lookups, hit tokens, shared and indexed
-blocks), evictions, preemptions, waiting (by priority class) and running sequences, and
-sessions.
+blocks), evictions, preemptions, waiting (by priority class) and running sequences,
+sessions, and the K/V blocks each tenant holds (label values: the keys file's tenants).
 
 Priority labels: a request's priority is an integer in [-1000, 1000]; a label per value
 could make 2001 series per metric (and 17 per histogram), so the label is its *class*
@@ -38,6 +38,7 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 Stats = Callable[[], "dict[str, float | int] | None"]
 Waiting = Callable[[], "dict[int, int] | None"]
+TenantKv = Callable[[], "dict[str, int] | None"]
 
 
 def priority_label(priority: int) -> str:
@@ -105,9 +106,10 @@ _GROUP_TOTAL = re.compile(r"^kv_([a-z]+)_blocks_total$")
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Stats, waiting: Waiting) -> None:
+    def __init__(self, stats: Stats, waiting: Waiting, tenant_kv: TenantKv | None) -> None:
         self._stats = stats
         self._waiting = waiting
+        self._tenant_kv = tenant_kv
 
     def collect(self) -> Iterator[Metric]:
         st = self._stats()
@@ -168,6 +170,18 @@ class _EngineCollector(Collector):
         for label, n in sorted(classes.items(), key=lambda item: int(item[0])):
             by_priority.add_metric([label], float(n))
         yield by_priority
+        held = self._tenant_kv() if self._tenant_kv is not None else None
+        if held is not None:
+            # Label values: the engine's tenants, i.e. the keys file's (0 while none held).
+            by_tenant = GaugeMetricFamily(
+                "kvserve_tenant_kv_blocks",
+                "K/V blocks held by a tenant's running requests and idle sessions (estimate:"
+                " ceil(tokens / block size) each)",
+                labels=["tenant"],
+            )
+            for tenant, n in sorted(held.items()):
+                by_tenant.add_metric([tenant], float(n))
+            yield by_tenant
 
 
 def _blocks(
@@ -188,7 +202,7 @@ def _blocks(
 class Metrics:
     """The app's registry and the metrics the HTTP layer records."""
 
-    def __init__(self, stats: Stats, waiting: Waiting) -> None:
+    def __init__(self, stats: Stats, waiting: Waiting, tenant_kv: TenantKv | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvserve_requests",
@@ -231,7 +245,7 @@ class Metrics:
             buckets=_DURATION_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(stats, waiting))
+        self.registry.register(_EngineCollector(stats, waiting, tenant_kv))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,13 @@
     max_priority = 5                # a request's priority is capped at this (default 1000)
     max_concurrent = 4              # generation requests at once (429 beyond; default none)
     requests_per_minute = 60        # generation requests a minute (429 beyond; default none)
+    weight = 2                      # her share of compute against other tenants' (> 0;
+                                    # default 1)
+    kv_share = 0.5                  # the part of the K/V pool she may hold before memory
+                                    # shortage takes from her first ((0, 1]; default: an
+                                    # equal split among the tenants holding K/V)
+    share_prefix_cache = true       # her cached prefixes are shared with other sharing
+                                    # tenants (default false: isolated)
 
     [tenants.bob]
     key_sha256 = "9f86d081884c7d65..."
@@ -18,7 +25,11 @@ on SIGHUP (:meth:`Tenants.load`; a bad file keeps the tenants in force and logs 
 
 What a tenant owns: its sessions (ids are scoped by tenant: another tenant gets 404 for every
 session route and starts a session of its own under the same id; session files go to a
-directory of the tenant's, mode 0600).
+directory of the tenant's, mode 0700). What it gets: its generation requests run as its
+tenant in the engine (the ``tenant`` option), which shares compute and K/V memory between
+tenants by ``weight`` and ``kv_share`` and keeps each tenant's prefix cache its own unless
+``share_prefix_cache`` (:meth:`Tenants.policies`, given to the engine at start and on every
+reload; :mod:`kvserve.engine.scheduler`, "Tenants").
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.tenancy import TenantPolicy
 from ..options import PRIORITY_MAX, PRIORITY_MIN
 
 if sys.version_info >= (3, 11):
@@ -45,7 +57,16 @@ else:  # pragma: no cover - the backport, same API
 __all__ = ["Tenant", "Tenants", "TenantsFileError"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_FIELDS = {"key", "key_sha256", "max_priority", "max_concurrent", "requests_per_minute"}
+_FIELDS = {
+    "key",
+    "key_sha256",
+    "max_priority",
+    "max_concurrent",
+    "requests_per_minute",
+    "weight",
+    "kv_share",
+    "share_prefix_cache",
+}
 
 
 class TenantsFileError(ValueError):
@@ -59,6 +80,18 @@ class Tenant:
     max_priority: int = PRIORITY_MAX
     max_concurrent: int | None = None
     requests_per_minute: int | None = None
+    weight: float = 1.0
+    kv_share: float | None = None
+    share_prefix_cache: bool = False
+
+    def policy(self) -> TenantPolicy:
+        """What the engine gives this tenant (its share of compute and K/V memory, and
+        whether its prefix cache is shared)."""
+        return TenantPolicy(
+            weight=self.weight,
+            kv_share=self.kv_share,
+            share_prefix_cache=self.share_prefix_cache,
+        )
 
 
 def _digest(key: str | bytes) -> bytes:
@@ -70,6 +103,21 @@ def _int(where: str, value: Any, lo: int, hi: int | None = None) -> int:
         raise TenantsFileError(f"{where} must be an integer >= {lo}, got {value!r}")
     if hi is not None and value > hi:
         raise TenantsFileError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _number(where: str, value: Any, lo: float, hi: float | None = None) -> float:
+    """A finite number > ``lo`` (and <= ``hi``), as TOML gives it (an integer or a float)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not (math.isfinite(value) and value > lo and (hi is None or value <= hi)):
+        what = f"in ({lo:g}, {hi:g}]" if hi is not None else f"> {lo:g}"
+        raise TenantsFileError(f"{where} must be a number {what}, got {value!r}")
+    return float(value)
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TenantsFileError(f"{where} must be true or false, got {value!r}")
     return value
 
 
@@ -109,6 +157,13 @@ def _tenant(name: str, table: Any) -> Tenant:
         requests_per_minute=None
         if "requests_per_minute" not in table
         else _int(f"{where}.requests_per_minute", table["requests_per_minute"], 1),
+        weight=_number(f"{where}.weight", table.get("weight", 1.0), 0.0),
+        kv_share=None
+        if "kv_share" not in table
+        else _number(f"{where}.kv_share", table["kv_share"], 0.0, 1.0),
+        share_prefix_cache=_bool(
+            f"{where}.share_prefix_cache", table.get("share_prefix_cache", False)
+        ),
     )
 
 
@@ -142,6 +197,10 @@ class Tenants:
         if not isinstance(tables, dict):
             raise TenantsFileError(f"{path}: 'tenants' must be a table of tables")
         return cls([_tenant(name, t) for name, t in tables.items()])
+
+    def policies(self) -> dict[str, TenantPolicy]:
+        """Each tenant's engine policy, by name (:meth:`kvserve.Engine.set_tenants`)."""
+        return {name: t.policy() for name, t in self.by_name.items()}
 
     @classmethod
     def single(cls, key: str) -> Tenants:
