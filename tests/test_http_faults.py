@@ -204,3 +204,31 @@ def test_a_client_that_leaves_at_any_stage_costs_at_most_a_step(live: Live) -> N
         after = leave(long_prompt, when)
         assert after <= 2, (when, after)  # at most the decode step that was running
     assert _baseline(e) == base
+
+
+def test_a_fault_while_dropping_a_cancelled_request(live: Live) -> None:
+    """The ``drop`` point: removing the request of a client that left fails; the engine
+    contains it (the request's K/V is released all the same) and the others' outputs are
+    unchanged."""
+    e = live.engine
+    clean = {p: _complete(live.url, p, False) for p in OTHERS}
+    base = _baseline(e)
+    ids = e.model.tokenize(VICTIM, add_special=True, parse_special=True)
+    out: dict[str, Any] = {}
+
+    def other(p: str) -> None:
+        out[p] = _complete(live.url, p, False)
+
+    with inject(e, "drop", times=None, request=prompt_is(ids)) as fault:
+        threads = [threading.Thread(target=other, args=(p,)) for p in OTHERS]
+        for t in threads:
+            t.start()
+        body = {"prompt": VICTIM, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+            next(x for x in r.iter_lines() if x.startswith("data: "))  # then leaves
+        for t in threads:
+            t.join(120)
+        assert _baseline(e) == base
+    assert fault.fired > 0
+    assert out == clean
+    assert httpx.get(f"{live.url}/health").status_code == 200
