@@ -6,6 +6,12 @@
 //! libFuzzer's `-rss_limit_mb`/`-malloc_limit_mb` (scripts/fuzz.sh sets both).
 #![no_main]
 
+#[path = "alloc_limit.rs"]
+mod alloc_limit;
+
+#[global_allocator]
+static ALLOC: alloc_limit::Limited = alloc_limit::Limited;
+
 use kvserve_core::gguf::GgufFile;
 use kvserve_core::model::config::{Arch, Config};
 use kvserve_core::model::{gemma3, lfm2, llama, model_identity, vocab_from_gguf};

@@ -15,6 +15,12 @@
 //! Model paths: `KVSERVE_TEST_MODEL` and `KVSERVE_TEST_GEMMA`, else the default cache paths.
 #![no_main]
 
+#[path = "alloc_limit.rs"]
+mod alloc_limit;
+
+#[global_allocator]
+static ALLOC: alloc_limit::Limited = alloc_limit::Limited;
+
 use std::sync::{Arc, Mutex};
 
 use kvserve_core::kv::memory::Memory;
