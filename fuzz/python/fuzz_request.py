@@ -3,11 +3,12 @@
 Input: one selector byte and the rest. The selector's low bits pick the route (completions,
 chat, tokenize, detokenize, apply-template, sessions/restore: ``byte % 6``); with its top bit
 clear the rest is the request body's bytes as they are, with it set the rest drives a
-generator of JSON objects made of the route's field names (and unknown ones) with values of
-every JSON type, nested, extreme numbers (``NaN``, ``1e400``, 2**64) and odd strings included,
-so that the fuzzer reaches past JSON syntax (pydantic's parser is not instrumented). The body
-goes through what the server does
-before it reaches the engine: the pydantic model of the route (``model_validate_json``, strict),
+generator of JSON objects of the route's fields, each present or not, with values mostly of
+the field's declared type (nested models and unions included) and now and then of any JSON
+type, extreme numbers (``NaN``, ``Infinity``, 2**65) and odd strings included, plus now and
+then an unknown field, so that the fuzzer reaches past JSON syntax and strict validation
+(pydantic's parser is not instrumented). The body goes through what the server does before
+it reaches the engine: the pydantic model of the route (``model_validate_json``, strict),
 the 400 built from a validation error, the engine options of the fields (``_options``,
 ``_logprobs_option``, the chat's ``top_logprobs`` rule, ``_prompts``), and
 ``kvserve.options.resolve`` as the engine runs it (its ``ValueError``/``TypeError`` answered as a
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import json
 import sys
+import types
+import typing
 from typing import Any
 
 import atheris
@@ -79,21 +82,59 @@ def _value(fdp: atheris.FuzzedDataProvider, depth: int) -> Any:
         return [_value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))]
     if kind == 8:
         return {"role": _value(fdp, depth + 1), "content": _value(fdp, depth + 1)}
-    return _object(fdp, _EXTRA_FIELDS, depth + 1)
+    return {fdp.PickValueInList(_EXTRA_FIELDS): _value(fdp, depth + 1)}
 
 
-def _object(fdp: atheris.FuzzedDataProvider, fields: list[str], depth: int) -> dict[str, Any]:
+def _typed(fdp: atheris.FuzzedDataProvider, ann: Any, depth: int) -> Any:
+    """A value of the type ``ann`` (a field's annotation) most of the time, else any value."""
+    if depth > 4 or fdp.ConsumeIntInRange(0, 15) == 0:
+        return _value(fdp, depth)
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Union or origin is types.UnionType:
+        return _typed(fdp, fdp.PickValueInList(list(args)), depth)
+    if origin is typing.Literal:
+        return fdp.PickValueInList(list(args))
+    if origin is list:
+        return [_typed(fdp, args[0], depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))]
+    if origin is dict:
+        n = fdp.ConsumeIntInRange(0, 4)
+        return {str(_value(fdp, 3)): _typed(fdp, args[1], depth + 1) for _ in range(n)}
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return _object(fdp, ann, depth + 1)
+    if ann is bool:
+        return fdp.ConsumeBool()
+    if ann is int:
+        if fdp.ConsumeBool():
+            return fdp.ConsumeIntInRange(-3, 70)
+        return fdp.ConsumeIntInRange(-(2**65), 2**65)
+    if ann is float:
+        return fdp.ConsumeFloat() if fdp.ConsumeBool() else fdp.ConsumeIntInRange(-2, 3) / 2
+    if ann is str:
+        return _value(fdp, 3) if fdp.ConsumeIntInRange(0, 7) == 0 else _string(fdp)
+    return None if ann is type(None) else _value(fdp, depth)
+
+
+def _string(fdp: atheris.FuzzedDataProvider) -> str:
+    if fdp.ConsumeBool():
+        return str(fdp.PickValueInList(_STRINGS))
+    return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 40))
+
+
+def _object(fdp: atheris.FuzzedDataProvider, model: type[BaseModel], depth: int) -> dict[str, Any]:
+    """An object of ``model``'s fields (each present or not) with mostly well-typed values,
+    now and then an unknown field."""
     out: dict[str, Any] = {}
-    for _ in range(fdp.ConsumeIntInRange(0, 8)):
-        name = fdp.PickValueInList(fields) if fdp.ConsumeIntInRange(0, 7) else str(_value(fdp, 3))
-        out[name] = _value(fdp, depth)
+    for name, info in model.model_fields.items():
+        if info.is_required() or fdp.ConsumeIntInRange(0, 3) == 0:
+            out[name] = _typed(fdp, info.annotation, depth)
+    if fdp.ConsumeIntInRange(0, 15) == 0:
+        out[fdp.PickValueInList(_EXTRA_FIELDS)] = _value(fdp, depth + 1)
     return out
 
 
 def _generated(model: type[BaseModel], rest: bytes) -> bytes:
     fdp = atheris.FuzzedDataProvider(rest)
-    body = _object(fdp, [*model.model_fields, *_EXTRA_FIELDS], 0)
-    return json.dumps(body).encode()  # NaN and Infinity as JavaScript writes them
+    return json.dumps(_object(fdp, model, 0)).encode()  # NaN, Infinity as JavaScript writes them
 
 
 def _check_400(error: ApiError) -> None:
