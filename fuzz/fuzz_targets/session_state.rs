@@ -111,7 +111,7 @@ fn run(r: &mut Runner, data: &[u8]) {
                     assert_eq!(back, f.state, "the reference state reads back as written");
                 }
                 let end = f.ctx.memory().seq_pos_max(1);
-                if r.writes % 16 == 0 && end >= 0 {
+                if r.writes.is_multiple_of(16) && end >= 0 {
                     // Continues (or fails cleanly: a full pool, a window that cannot resume).
                     let _ = f.ctx.decode(&Batch::prompt(&[f.next], end + 1, 1));
                 }
@@ -145,7 +145,7 @@ fn run(r: &mut Runner, data: &[u8]) {
         );
         let now = f.ctx.seq_state_read(0).expect("reference state");
         assert!(now == f.state, "the reference sequence changed");
-        if r.inputs % 64 == 0 {
+        if r.inputs.is_multiple_of(64) {
             let logits = next_logits(&mut f.ctx, &f.tokens, f.next).expect("decode");
             assert!(
                 logits == f.logits,
