@@ -888,3 +888,41 @@ fn real_model_matches_reference_reader() {
     let w0 = f32::from_le_bytes(data[..4].try_into().unwrap());
     assert!(w0.is_finite() && w0 != 0.0, "{w0}");
 }
+
+/// Found by fuzzing (`scripts/fuzz.sh gguf`; the input is kept as
+/// fuzz/corpus/gguf/finding-block-count-alloc-*): a 30 KB file whose `llama.block_count` was
+/// 2^24 (the largest the config took) made `llama::Weights::load` reserve room for 2^24 layers,
+/// gigabytes, before it looked for the first layer's tensors. The config now refuses a block
+/// count beyond the tensor table, with a message naming the key, before anything is sized by it.
+#[test]
+fn block_count_beyond_the_tensor_table_is_refused_before_allocation() {
+    use crate::model::config::Config;
+    let kvs = |blocks: u32| {
+        vec![
+            ("general.architecture", s("llama")),
+            ("llama.block_count", Value::U32(blocks)),
+            ("llama.embedding_length", Value::U32(32)),
+            ("llama.feed_forward_length", Value::U32(64)),
+            ("llama.attention.head_count", Value::U32(2)),
+        ]
+    };
+    let tensors: Vec<T> = vec![("token_embd.weight", &[32, 8], GgmlType::F32, 32 * 8 * 4)];
+    for blocks in [1 << 24, 2] {
+        let g = GgufFile::from_bytes(build(&kvs(blocks), &tensors, 32)).unwrap();
+        let err = Config::from_gguf(&g).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "'llama.block_count' is {blocks}, but the file has only 1 tensors"
+            )),
+            "{err}"
+        );
+        let err = crate::model::Model::from_gguf(g, Some(1))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("block_count"), "{err}");
+    }
+    // As many blocks as tensors passes this check (and fails later, on the missing tensors).
+    let g = GgufFile::from_bytes(build(&kvs(1), &tensors, 32)).unwrap();
+    assert!(Config::from_gguf(&g).is_ok());
+}

@@ -163,6 +163,15 @@ impl Config {
             Ok(v as usize)
         };
         let n_layer = req("block_count")?;
+        // Every block has tensors of its own, so a count beyond the tensor table is malformed;
+        // refused here, before anything is sized by it (fuzzing found a 30 KB file whose
+        // block_count of 2^24 made weight loading reserve gigabytes for its layers).
+        if n_layer > g.tensors().len() {
+            return Err(model_err(format!(
+                "GGUF: key '{a}.block_count' is {n_layer}, but the file has only {} tensors",
+                g.tensors().len()
+            )));
+        }
         let n_embd = req("embedding_length")?;
         let n_ff = req("feed_forward_length")?;
         let n_head = req("attention.head_count")?;

@@ -670,3 +670,33 @@ fn golden_pre_tokenizer_variants_match_llama_cpp() {
         assert!(n >= 200, "{pre}: fixture too small: {n} cases");
     }
 }
+
+/// Found by fuzzing (`scripts/fuzz.sh tokenizer`; the input is kept as
+/// fuzz/corpus/tokenizer/finding-smollm2-missing-byte-*): SmolLM2's vocabulary has no
+/// byte-level token for the bytes 0x04, 0x06, 0x13, 0x14, 0x16 and 0x1d, so they cannot be
+/// spelled and are dropped from the encoding, as llama.cpp's BPE tokenizer drops a byte it
+/// finds no token for; everything around them still round-trips, and the ids stay in range.
+#[test]
+fn bpe_drops_bytes_the_vocabulary_lacks() {
+    let tok = Tokenizer::new(vocab_from_gguf(&model_path("KVSERVE_TEST_MODEL"))).unwrap();
+    let text = "user@example.c\u{13}\0om, @handle #hashtag";
+    let ids = tok.encode(text, false, false);
+    assert!(ids.iter().all(|&id| (id as usize) < tok.n_vocab()));
+    assert_eq!(tok.decode(&ids), b"user@example.c\0om, @handle #hashtag");
+    for b in [0x04u8, 0x06, 0x13, 0x14, 0x16, 0x1d] {
+        let text = format!("a{}b", char::from(b));
+        assert_eq!(
+            tok.decode(&tok.encode(&text, false, false)),
+            b"ab",
+            "byte {b:#04x}"
+        );
+        assert!(tok
+            .encode(&char::from(b).to_string(), false, false)
+            .is_empty());
+    }
+    // The other control bytes have tokens and survive.
+    assert_eq!(
+        tok.decode(&tok.encode("a\u{5}\u{7f}b", false, false)),
+        b"a\x05\x7fb"
+    );
+}
