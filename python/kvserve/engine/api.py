@@ -136,11 +136,13 @@ class Engine:
     full block the prefix cache keys is also written there (in the background), and a prompt
     whose blocks the pool evicted reads them back instead of recomputing them, also after a
     restart; ``kv_disk_size`` (bytes or a size string) bounds it, least recently used blocks
-    going first. Prompts shorter than ``kv_disk_min_tokens`` (None: the break-even measured by
-    benches/bench_kv_disk.py) skip it. The tier belongs to the
-    model's K/V memory and lives as long as the model; :meth:`close` waits for its queued
-    writes. A model whose memory is not one full-attention group (sliding-window or recurrent
-    layers: Gemma 3, LFM2) runs without it, with a warning (``kv_disk_enabled`` is 0).
+    going first. Prompts shorter than ``kv_disk_min_tokens`` skip it (None: the break-even
+    measured by benches/bench_kv_disk.py, 0: reading was faster than computing at every
+    prompt length that maps a block, so none is skipped; raise it for a slow disk). The tier
+    belongs to the model's K/V memory and lives as long as the model; :meth:`close` waits for
+    its queued writes. A model whose memory is not one full-attention group (sliding-window
+    or recurrent layers: Gemma 3, LFM2) runs without it, with a warning (``kv_disk_enabled``
+    is 0).
     """
 
     def __init__(

@@ -65,15 +65,17 @@ const FIXED: usize = 72;
 const TRAILER: usize = 16;
 const DOMAIN_DISK: u64 = 0x6b76_7365_7276_6544; // "kvserveD"
 
-/// Prompts shorter than this many tokens do not look in the tier (reading is not faster than
-/// recomputing below it). Measured by `benches/bench_kv_disk.py` on the development machine
-/// (BENCHMARKS.md, "K/V disk tier"): reading a SmolLM2 block from a warm page cache takes
-/// ~0.2 ms and recomputing its 16 tokens ~20 ms, and a prompt of two blocks plus one token
-/// already has a lower time to first token from disk than cold, so the break-even is below the
-/// smallest prompt that can map a block. The default therefore only keeps the tier out of the
-/// shortest prompts; a slow disk wants more ([`DiskOptions::min_tokens`], Engine
-/// `kv_disk_min_tokens`).
-pub const DEFAULT_MIN_TOKENS: usize = 32;
+/// Prompts shorter than this many tokens do not look in the tier: the break-even below which
+/// reading a prompt's blocks is not faster than recomputing them. Measured by
+/// `benches/bench_kv_disk.py` (BENCHMARKS.md, "K/V disk tier"): on the development machine
+/// (2 shared cores, SmolLM2-135M, f16 K/V, warm page cache) a 360 KiB block reads back in
+/// ~0.3 ms (open, read, checksum, copy into the pool) while computing its 16 tokens takes
+/// tens of milliseconds, and the shortest prompt that can map a block (one block and a token,
+/// 17 tokens) already reaches its first token in about half the cold time from disk. The
+/// break-even is below every prompt the tier can serve, so the default skips none; a tier on
+/// a disk slow enough that a block's read approaches the compute time of its tokens wants a
+/// higher value ([`DiskOptions::min_tokens`], Engine `kv_disk_min_tokens`).
+pub const DEFAULT_MIN_TOKENS: usize = 0;
 
 /// Default byte budget of the write queue ([`DiskOptions::queue_bytes`]).
 pub const DEFAULT_QUEUE_BYTES: usize = 64 << 20;
