@@ -556,6 +556,9 @@ impl DiskTier {
         fs::create_dir_all(&sub).map_err(|e| io_err("cannot create", &sub, e))?;
         let sub = fs::canonicalize(&sub).map_err(|e| io_err("cannot resolve", &sub, e))?;
         let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+        // A tier of this directory that is closing (its last holder is dropping it) holds
+        // the lock until its writer has written what was queued: wait for it below.
+        let closing = open.iter().any(|(p, w)| *p == sub && w.strong_count() == 0);
         open.retain(|(_, w)| w.strong_count() > 0);
         if let Some(t) = open
             .iter()
@@ -579,15 +582,24 @@ impl DiskTier {
             .write(true)
             .open(&lock_path)
             .map_err(|e| io_err("cannot open", &lock_path, e))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                return Err(Error::Io(format!(
-                    "kv disk tier: {} is in use by another process",
-                    sub.display()
-                )))
+        let mut waited = 0;
+        loop {
+            match lock.try_lock() {
+                Ok(()) => break,
+                Err(fs::TryLockError::WouldBlock) if closing && waited < 3000 => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    waited += 10;
+                }
+                Err(fs::TryLockError::WouldBlock) => {
+                    return Err(Error::Io(format!(
+                        "kv disk tier: {} is in use by another process",
+                        sub.display()
+                    )))
+                }
+                Err(fs::TryLockError::Error(e)) => {
+                    return Err(io_err("cannot lock", &lock_path, e))
+                }
             }
-            Err(fs::TryLockError::Error(e)) => return Err(io_err("cannot lock", &lock_path, e)),
         }
         let s = Arc::new(Shared {
             dir: sub.clone(),
@@ -1080,6 +1092,39 @@ mod tests {
         let held = (0..N).filter(|&i| get(&t, i)).count();
         assert_eq!(held, 40);
         drop(t);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A tier reopened while its last holder is still closing it (the writer writing what was
+    /// queued, the directory still locked) waits for the close, then finds every block.
+    #[test]
+    fn reopening_waits_for_a_closing_tier() {
+        let dir = tmp_dir("closing");
+        let t = DiskTier::open(&dir, MODEL, BS, BB, opts(16)).unwrap();
+        let sub = t.dir().to_path_buf();
+        let release = t.hold_writer();
+        for i in 0..5 {
+            put(&t, i);
+        }
+        let alive = || {
+            OPEN.lock()
+                .unwrap()
+                .iter()
+                .any(|(p, w)| *p == sub && w.strong_count() > 0)
+        };
+        std::thread::scope(|sc| {
+            sc.spawn(move || drop(t)); // waits for the held writer
+            while alive() {
+                std::thread::yield_now();
+            }
+            let reopened = sc.spawn(|| DiskTier::open(&dir, MODEL, BS, BB, opts(16)).unwrap());
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(!reopened.is_finished(), "the directory is still locked");
+            drop(release);
+            let t = reopened.join().unwrap();
+            assert_eq!(t.stats().loaded, 5);
+            assert!((0..5).all(|i| get(&t, i)));
+        });
         fs::remove_dir_all(&dir).unwrap();
     }
 
