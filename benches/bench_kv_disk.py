@@ -32,7 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO_ROOT, append_section, default_model, loadavg, machine_desc, utc_stamp
+from _common import (
+    REPO_ROOT,
+    add_idle_args,
+    append_section,
+    default_model,
+    loadavg,
+    machine_desc,
+    utc_stamp,
+    wait_for_idle,
+)
 
 from kvserve import Engine, GenerateResult, Model
 
@@ -129,6 +138,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pool-blocks", type=int, default=80)
     ap.add_argument("--write", action="store_true")
+    add_idle_args(ap)
     args = ap.parse_args()
     args.model = args.model or default_model()
     if not args.model:
@@ -136,7 +146,8 @@ def main() -> None:
     model = Model(args.model, threads=2)
     per_block = int(model.new_context(16).stats()["bytes_per_block"])
     model = Model(args.model, threads=2)  # a fresh instance: its pool is made at our size
-    load_before = loadavg()
+    busy = wait_for_idle(args.wait_idle, args.wait_max)
+    load_before = f"{loadavg()}, CPUs {busy:.0f}% busy before"
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-disk-") as tmp:
         with Engine(
             model,
@@ -200,6 +211,8 @@ def main() -> None:
                 " (`--kv-disk`) after RAM evicted it, and served from RAM; the target (issue"
                 " 21) is disk ≤ 0.5x cold for ~1,000-token prompts. The break-even table sets"
                 " the tier's default `kv_disk_min_tokens` (`kv::disk::DEFAULT_MIN_TOKENS`)."
+                " The machine is shared (each table gives its load): absolute times move with"
+                " it, the ratios of one run are what to compare."
                 f" Command: `{cmd}` (benches/bench_kv_disk.py)."
             ),
         )

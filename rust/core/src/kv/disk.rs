@@ -71,7 +71,7 @@ const DOMAIN_DISK: u64 = 0x6b76_7365_7276_6544; // "kvserveD"
 /// (2 shared cores, SmolLM2-135M, f16 K/V, warm page cache) a 360 KiB block reads back in
 /// ~0.3 ms (open, read, checksum, copy into the pool) while computing its 16 tokens takes
 /// tens of milliseconds, and the shortest prompt that can map a block (one block and a token,
-/// 17 tokens) already reaches its first token in about half the cold time from disk. The
+/// 17 tokens) already reaches its first token in under half the cold time from disk. The
 /// break-even is below every prompt the tier can serve, so the default skips none; a tier on
 /// a disk slow enough that a block's read approaches the compute time of its tokens wants a
 /// higher value ([`DiskOptions::min_tokens`], Engine `kv_disk_min_tokens`).
