@@ -54,6 +54,25 @@ STATS_KEYS = {
     "cancelled_requests",
     "decode_retries",
     "context_resets",
+    # the K/V disk tier (zeros without one)
+    "kv_disk_enabled",
+    "kv_disk_hit_blocks",
+    "kv_disk_hit_tokens",
+    "kv_disk_misses",
+    "kv_disk_bytes_read",
+    "kv_disk_bytes_written",
+    "kv_disk_writes",
+    "kv_disk_writes_dropped",
+    "kv_disk_removed",
+    "kv_disk_evicted",
+    "kv_disk_skipped",
+    "kv_disk_entries",
+    "kv_disk_loaded",
+    "kv_disk_queued",
+    "kv_disk_bytes",
+    "kv_disk_bytes_max",
+    "kv_disk_read_seconds",
+    "kv_disk_read_latency_s",
 }
 
 SUBJECTS = ["cats", "rivers", "bread", "winter", "trains", "music", "gardens", "the moon"]

@@ -1142,6 +1142,18 @@ _FAMILIES = {
     ("kvserve_running", "gauge"),
     ("kvserve_sessions", "gauge"),
     ("kvserve_decode_tokens_per_second", "gauge"),
+    ("kvserve_kv_disk_hit_blocks", "counter"),
+    ("kvserve_kv_disk_hit_tokens", "counter"),
+    ("kvserve_kv_disk_misses", "counter"),
+    ("kvserve_kv_disk_read_bytes", "counter"),
+    ("kvserve_kv_disk_written_bytes", "counter"),
+    ("kvserve_kv_disk_writes_dropped", "counter"),
+    ("kvserve_kv_disk_invalid_entries", "counter"),
+    ("kvserve_kv_disk_evicted_entries", "counter"),
+    ("kvserve_kv_disk_read_seconds", "counter"),
+    ("kvserve_kv_disk_entries", "gauge"),
+    ("kvserve_kv_disk_bytes", "gauge"),
+    ("kvserve_kv_disk_bytes_max", "gauge"),
 }
 
 
@@ -1739,6 +1751,8 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--ctx-size", "KVSERVE_CTX_SIZE"),
         ("--kv-memory", "KVSERVE_KV_MEMORY"),
         ("--kv-type", "KVSERVE_KV_TYPE"),
+        ("--kv-disk", "KVSERVE_KV_DISK"),
+        ("--kv-disk-size", "KVSERVE_KV_DISK_SIZE; default: 20GiB"),
         ("--batch-tokens", "KVSERVE_BATCH_TOKENS"),
         ("--max-queue", "KVSERVE_MAX_QUEUE"),
         ("--api-key", "KVSERVE_API_KEY"),
@@ -1766,6 +1780,7 @@ _ENGINE_FLAGS = {
     "--ctx-size": ("KVSERVE_CTX_SIZE", "96", "ctx_size", 96),
     "--kv-memory": ("KVSERVE_KV_MEMORY", "3MiB", "kv_memory", 3 * 2**20),
     "--kv-type": ("KVSERVE_KV_TYPE", "q8_0", "kv_type", "q8_0"),
+    "--kv-disk-size": ("KVSERVE_KV_DISK_SIZE", "64MiB", "kv_disk_size", 64 * 2**20),
     "--batch-tokens": ("KVSERVE_BATCH_TOKENS", "48", "batch_tokens", 48),
     "--kv-high-watermark": ("KVSERVE_KV_HIGH_WATERMARK", "0.8", "kv_high_watermark", 0.8),
     "--kv-low-watermark": ("KVSERVE_KV_LOW_WATERMARK", "0.6", "kv_low_watermark", 0.6),
@@ -1781,6 +1796,7 @@ def _serve_configs(
     """The ServerConfig that `kvserve serve ARGV` (with ``env``) would serve: the command runs
     with the server replaced by a recorder."""
     others = ["KVSERVE_MODEL", "KVSERVE_CONTEXT_SHIFT", "KVSERVE_MAX_PROMPT_CHARS"]
+    others.append("KVSERVE_KV_DISK")
     for var in [*(v[0] for v in _ENGINE_FLAGS.values()), *others]:
         monkeypatch.delenv(var, raising=False)
     for k, v in (env or {}).items():
@@ -1793,16 +1809,20 @@ def _serve_configs(
     return config
 
 
-def test_serve_flags_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_flags_reach_the_engine(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Each engine flag of `kvserve serve`, and its variable, becomes its Engine argument
     (ServerConfig.engine_kwargs) and an Engine built from those has the setting."""
-    argv = ["--model", str(model_path), "--context-shift"]
-    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_CONTEXT_SHIFT": "1"}
+    disk = str(tmp_path / "kv")
+    argv = ["--model", str(model_path), "--context-shift", "--kv-disk", disk]
+    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_CONTEXT_SHIFT": "1", "KVSERVE_KV_DISK": disk}
     for flag, (var, value, _arg, _want) in _ENGINE_FLAGS.items():
         argv += [flag, value]
         env[var] = value
     want = {arg: value for _var, _value, arg, value in _ENGINE_FLAGS.values()}
     want["context_shift"] = True
+    want["kv_disk"] = disk
     by_flags = _serve_configs(argv, monkeypatch)
     by_env = _serve_configs([], monkeypatch, env)
     assert by_flags.engine_kwargs() == want
@@ -1823,9 +1843,14 @@ def test_serve_flags_reach_the_engine(model_path: Path, monkeypatch: pytest.Monk
             "context_shift": engine.context_shift,
         }
         st = engine.stats()
-    assert got == {k: v for k, v in want.items() if k != "kv_memory"}
+    not_attrs = ("kv_memory", "kv_disk", "kv_disk_size")
+    assert got == {k: v for k, v in want.items() if k not in not_attrs}
     block = st["kv_full_bytes_total"] // st["kv_blocks_total"]
     assert st["kv_blocks_total"] == 3 * 2**20 // block  # --kv-memory, in whole blocks
+    # --kv-disk, --kv-disk-size: the tier is on, in the directory, at that size.
+    assert (st["kv_disk_enabled"], st["kv_disk_bytes_max"]) == (1, 64 * 2**20)
+    (sub,) = (tmp_path / "kv").iterdir()  # one directory per model and K/V format
+    assert re.fullmatch("[0-9a-f]{32}", sub.name) and (sub / "LOCK").is_file()
 
 
 def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1837,6 +1862,8 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         "ctx_size": 512,
         "kv_memory": None,
         "kv_type": "f16",
+        "kv_disk": None,
+        "kv_disk_size": 20 * 2**30,
         "batch_tokens": 512,
         "context_shift": False,
         "kv_high_watermark": 0.9,
@@ -1859,6 +1886,7 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         ({"KVSERVE_PORT": "http"}, [], "KVSERVE_PORT: expected an integer >= 0"),
         ({"KVSERVE_PARALLEL": "0"}, [], "KVSERVE_PARALLEL: expected a positive integer"),
         ({"KVSERVE_KV_MEMORY": "lots"}, [], "KVSERVE_KV_MEMORY: expected a size"),
+        ({"KVSERVE_KV_DISK_SIZE": "big"}, [], "KVSERVE_KV_DISK_SIZE: expected a size"),
         ({"KVSERVE_LOG_FORMAT": "xml"}, [], "KVSERVE_LOG_FORMAT: expected one of text, json"),
         ({"KVSERVE_CONTEXT_SHIFT": "maybe"}, [], "KVSERVE_CONTEXT_SHIFT: expected 1/true"),
         ({"KVSERVE_KV_HIGH_WATERMARK": "1.5"}, [], "expected a number in (0, 1]"),

@@ -136,12 +136,32 @@ class Context:
         next token sees, and a hybrid model's recurrent state is at position ``n - 1`` (none
         when ``n == 0``). ``ValueError`` saying what differs. A state that passes is written
         by :meth:`seq_state_write` (given room) as the sequence of ``tokens``."""
+    def set_kv_disk(
+        self, path: str | os.PathLike[str] | None, max_bytes: int, min_tokens: int | None = None
+    ) -> None:
+        """Attach the K/V disk tier under ``path`` to the model's K/V memory (``None``:
+        detach it): every context of the model then writes the blocks its decodes key through
+        to disk and continues prefix matches there. At most ``max_bytes`` of entries (least
+        recently used ones go); prompts shorter than ``min_tokens`` (default: the measured
+        break-even) skip it. ``ModelError`` for a model whose memory is not one
+        full-attention group, ``OSError`` for an unusable directory or one another process
+        holds, ``ValueError`` when ``max_bytes`` holds no block."""
+    def kv_disk_support(self) -> str | None:
+        """None when this model can have a K/V disk tier, else why not."""
+    def kv_disk_flush(self) -> None:
+        """Wait until the disk tier (if any) wrote every block handed to it so far."""
     def stats(self) -> dict[str, Any]:
         """Pool and context counters; ``groups``: one dict per layer group (kind, window,
         layers, blocks_total/free/cached/referenced, bytes_per_block/total/referenced,
         tokens_stored, blocks_held); a hybrid model's recurrent group comes last (kind
         ``recurrent``, ``states``: sequences holding a state; its blocks are the primary pool's,
-        ``blocks_referenced``/``blocks_held``: those this context's states take)."""
+        ``blocks_referenced``/``blocks_held``: those this context's states take). ``disk_*``:
+        the model's disk tier (``disk_enabled``, ``disk_dir``, ``disk_hit_blocks``,
+        ``disk_hit_tokens``, ``disk_misses``, ``disk_bytes_read``, ``disk_bytes_written``,
+        ``disk_writes``, ``disk_writes_dropped``, ``disk_removed``, ``disk_evicted``,
+        ``disk_skipped``, ``disk_entries``, ``disk_bytes_held``, ``disk_bytes_max``,
+        ``disk_loaded``, ``disk_queued``, ``disk_read_seconds``,
+        ``disk_min_tokens``; zeros without a tier)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""
     def _inject_panic(self) -> None:

@@ -83,6 +83,25 @@ def _group_stats(st: dict[str, Any]) -> dict[str, float | int]:
     return out
 
 
+# Context.stats() ``disk_<name>`` -> Engine.stats() ``kv_disk_<name>``.
+_DISK_KEYS = (
+    "hit_blocks", "hit_tokens", "misses", "bytes_read", "bytes_written", "writes",
+    "writes_dropped", "removed", "evicted", "skipped", "entries", "loaded", "queued",
+)  # fmt: skip
+
+
+def _disk_stats(st: dict[str, Any]) -> dict[str, float | int]:
+    """``kv_disk_*`` counters of the disk tier in a context's ``stats()``."""
+    out: dict[str, float | int] = {f"kv_disk_{k}": int(st[f"disk_{k}"]) for k in _DISK_KEYS}
+    out["kv_disk_enabled"] = int(bool(st["disk_enabled"]))
+    out["kv_disk_bytes"] = int(st["disk_bytes_held"])
+    out["kv_disk_bytes_max"] = int(st["disk_bytes_max"])
+    seconds, reads = float(st["disk_read_seconds"]), int(st["disk_hit_blocks"])
+    out["kv_disk_read_seconds"] = seconds
+    out["kv_disk_read_latency_s"] = seconds / reads if reads else 0.0
+    return out
+
+
 class Engine:
     """Serves one model to many callers at once; see the module docs.
 
@@ -112,6 +131,18 @@ class Engine:
     that has not, whatever their priorities (None: never), so low priority is never starved.
     The engine's context may use the whole K/V pool, so idle sessions can hold whatever the
     running requests leave; the reclaim rules keep it so.
+
+    ``kv_disk``: a directory for the K/V disk tier (docs/KV_SEMANTICS.md, "Disk tier"): every
+    full block the prefix cache keys is also written there (in the background), and a prompt
+    whose blocks the pool evicted reads them back instead of recomputing them, also after a
+    restart; ``kv_disk_size`` (bytes or a size string) bounds it, least recently used blocks
+    going first. Prompts shorter than ``kv_disk_min_tokens`` skip it (None: the break-even
+    measured by benches/bench_kv_disk.py, 0: reading was faster than computing at every
+    prompt length that maps a block, so none is skipped; raise it for a slow disk). The tier
+    belongs to the model's K/V memory and lives as long as the model; :meth:`close` waits for
+    its queued writes. A model whose memory is not one full-attention group (sliding-window
+    or recurrent layers: Gemma 3, LFM2) runs without it, with a warning (``kv_disk_enabled``
+    is 0).
     """
 
     def __init__(
@@ -133,6 +164,9 @@ class Engine:
         max_tokens_limit: int | None = None,
         priority_aging_s: float | None = 30.0,
         tenants: Mapping[str, TenantPolicy] | None = None,
+        kv_disk: StrPath | None = None,
+        kv_disk_size: int | str = "20GiB",
+        kv_disk_min_tokens: int | None = None,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -153,6 +187,9 @@ class Engine:
         if max_tokens_limit is not None and max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1 or None, got {max_tokens_limit}")
         kv_bytes = None if kv_memory is None else parse_size(kv_memory)
+        disk_bytes = parse_size(kv_disk_size, "kv_disk_size")
+        if kv_disk_min_tokens is not None and kv_disk_min_tokens < 0:
+            raise ValueError(f"kv_disk_min_tokens must be >= 0 or None, got {kv_disk_min_tokens}")
         self._tenants = check_policies(tenants)
         if priority_aging_s is not None and not priority_aging_s > 0:
             raise ValueError(
@@ -173,6 +210,9 @@ class Engine:
             parallel=parallel,
             # prompt chunks of batch_tokens plus one token per running sequence
             n_batch=batch_tokens + parallel,
+            kv_disk=kv_disk,
+            kv_disk_size=disk_bytes,
+            kv_disk_min_tokens=kv_disk_min_tokens,
         )
         self.kv_type = kv.kv_type
         self.parallel = parallel
@@ -213,8 +253,10 @@ class Engine:
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine thread; requests still queued or running fail with RuntimeError."""
+        """Stop the engine thread; requests still queued or running fail with RuntimeError.
+        Blocks queued for the K/V disk tier are written before it returns."""
         self._loop.close()
+        self._loop.kv.flush_disk()
 
     # The session settings, as given (read-only).
     @property
@@ -612,7 +654,18 @@ class Engine:
         requests failed by an error on the engine thread (containment: each failed alone);
         ``cancelled_requests``: requests cancelled before they finished;
         ``decode_retries``: batches that failed and were retried or split;
-        ``context_resets``: contexts replaced after an internal error closed them."""
+        ``context_resets``: contexts replaced after an internal error closed them.
+
+        ``kv_disk_*``: the K/V disk tier (zeros, and ``kv_disk_enabled`` 0, without one):
+        ``hit_blocks`` / ``hit_tokens`` read back instead of recomputed (counted in
+        ``cached_prompt_tokens`` too), ``misses`` (lookups that found no valid entry),
+        ``bytes_read`` / ``bytes_written``, ``writes`` and ``writes_dropped`` (the write queue
+        was full), ``removed`` (invalid entries: torn, corrupt, another model or version),
+        ``evicted`` (by the size limit), ``skipped`` (prompts under the break-even),
+        ``entries`` and ``bytes`` held now, ``bytes_max`` (the size limit), ``loaded``
+        (entries found in the directory when the tier was opened), ``queued``
+        (blocks waiting for the writer), ``read_seconds`` (the time the reads that hit took)
+        and ``read_latency_s`` (per block read back)."""
         loop = self._loop
         st = loop.kv.stats()
         total = int(st["blocks_total"])
@@ -661,4 +714,5 @@ class Engine:
             "kv_blocks_evicted": int(st["blocks_evicted"]),
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
             **_group_stats(st),
+            **_disk_stats(st),
         }

@@ -6,6 +6,8 @@ see rust/py/src/model.rs, ``Context::with``)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     from .._model import Model
 
 __all__ = ["KvManager"]
+
+log = logging.getLogger("kvserve.engine")
 
 
 class KvManager:
@@ -35,6 +39,9 @@ class KvManager:
         memory_tokens: int | None,
         parallel: int,
         n_batch: int,
+        kv_disk: StrPath | None = None,
+        kv_disk_size: int = 0,
+        kv_disk_min_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.prefix_cache = prefix_cache
@@ -58,6 +65,16 @@ class KvManager:
         self.block = int(st["block_size"])
         self.pool_tokens = int(st["blocks_total"]) * self.block
         self.n_ctx = int(self.ctx.n_ctx)
+        # Why the disk tier asked for is off (None: on, or not asked for).
+        self.disk_off: str | None = None
+        if kv_disk is not None:
+            self.disk_off = self.ctx.kv_disk_support()
+            if self.disk_off is not None:
+                log.warning("the K/V disk tier (kv_disk=%s) is off: %s", kv_disk, self.disk_off)
+            else:
+                # The tier belongs to the model's K/V memory: contexts made later (reopen)
+                # share it.
+                self.ctx.set_kv_disk(os.fspath(kv_disk), kv_disk_size, kv_disk_min_tokens)
 
     # -- sequence ids ----------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -182,3 +199,7 @@ class KvManager:
             self.ctx.clear()
         except EngineError:
             pass  # a closed context holds nothing
+
+    def flush_disk(self) -> None:
+        """Waits until the disk tier (if any) wrote every block handed to it so far."""
+        self.ctx.kv_disk_flush()

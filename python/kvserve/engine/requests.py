@@ -38,23 +38,24 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNOREC
 _SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: int | str, name: str = "kv_memory") -> int:
     """Bytes from an int or a size string: ``"2GiB"``, ``"512MiB"``, ``"1.5G"`` (binary units;
-    ``"KB"``, ``"MB"``, ``"GB"``, ``"TB"`` are decimal), ``"1000000"``."""
+    ``"KB"``, ``"MB"``, ``"GB"``, ``"TB"`` are decimal), ``"1000000"``. ``name``: the argument
+    a ``ValueError`` names."""
     if isinstance(size, bool):
-        raise ValueError(f"kv_memory must be bytes or a size string such as '2GiB', got {size!r}")
+        raise ValueError(f"{name} must be bytes or a size string such as '2GiB', got {size!r}")
     if isinstance(size, int):
         if size <= 0:
-            raise ValueError(f"kv_memory must be > 0 bytes, got {size}")
+            raise ValueError(f"{name} must be > 0 bytes, got {size}")
         return size
     m = _SIZE_RE.match(size) if isinstance(size, str) else None
     if m is None:
-        raise ValueError(f"kv_memory must be bytes or a size string such as '2GiB', got {size!r}")
+        raise ValueError(f"{name} must be bytes or a size string such as '2GiB', got {size!r}")
     number, unit, binary, b = m.groups()
     decimal = unit != "" and b != "" and binary == ""
     value = int(float(number) * (1000 if decimal else 1024) ** _SIZE_POWER[unit.lower()])
     if value <= 0:
-        raise ValueError(f"kv_memory must be > 0 bytes, got {size!r}")
+        raise ValueError(f"{name} must be > 0 bytes, got {size!r}")
     return value
 
 

@@ -21,7 +21,8 @@ class ServerConfig:
     per-request option), ``kv_high_watermark``, ``kv_low_watermark``, ``session_ttl``,
     ``max_sessions``: as :class:`kvserve.Engine` takes them. ``session_dir``: where
     ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
-    sessions live in memory only).
+    sessions live in memory only). ``kv_disk``, ``kv_disk_size``: the K/V disk tier's
+    directory (None: no tier) and size, as :class:`kvserve.Engine` takes them.
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
     ``api_keys_file``: tenants and their keys and limits instead (TOML;
     python/kvserve/server/tenants.py); session ids are then scoped by tenant.
@@ -56,6 +57,8 @@ class ServerConfig:
     batch_tokens: int = 512
     context_shift: bool = False
     session_dir: str | None = None
+    kv_disk: str | None = None
+    kv_disk_size: int | str = "20GiB"
     kv_high_watermark: float = 0.9
     kv_low_watermark: float = 0.7
     session_ttl: float | None = None
@@ -87,6 +90,8 @@ class ServerConfig:
             "ctx_size": self.ctx_size,
             "kv_memory": self.kv_memory,
             "kv_type": self.kv_type,
+            "kv_disk": self.kv_disk,
+            "kv_disk_size": self.kv_disk_size,
             "batch_tokens": self.batch_tokens,
             "context_shift": self.context_shift,
             "kv_high_watermark": self.kv_high_watermark,

@@ -7,8 +7,10 @@ at each scrape (a custom collector), so the numbers can never drift from the eng
 counters: prompt, cached-prompt (by source: the request's session or the prefix index),
 generated and computed tokens, the K/V pool (usage ratio; blocks free, cached and used; the
 same per layer group), the prefix cache (hit rates, lookups, hit tokens, shared and indexed
-blocks), evictions, preemptions, waiting (by priority class) and running sequences,
-sessions, and the K/V blocks each tenant holds (label values: the keys file's tenants).
+blocks), the K/V disk tier (blocks and tokens read back, misses, bytes read and written,
+dropped writes, invalid and evicted entries, read time and count, entries and bytes held),
+evictions, preemptions, waiting (by priority class) and running sequences, sessions, and the
+K/V blocks each tenant holds (label values: the keys file's tenants).
 
 Priority labels: a request's priority is an integer in [-1000, 1000]; a label per value
 could make 2001 series per metric (and 17 per histogram), so the label is its *class*
@@ -77,6 +79,40 @@ _COUNTERS = {
         "kvserve_prefix_hit_tokens",
         "Prompt tokens the prefix index mapped to cached blocks",
     ),
+    "kv_disk_hit_blocks": (
+        "kvserve_kv_disk_hit_blocks",
+        "K/V blocks read back from the disk tier instead of recomputed",
+    ),
+    "kv_disk_hit_tokens": (
+        "kvserve_kv_disk_hit_tokens",
+        "Prompt tokens whose K/V was read back from the disk tier",
+    ),
+    "kv_disk_misses": (
+        "kvserve_kv_disk_misses",
+        "Disk tier lookups that found no valid entry (the prompt was computed from there)",
+    ),
+    "kv_disk_bytes_read": ("kvserve_kv_disk_read_bytes", "Bytes read from the K/V disk tier"),
+    "kv_disk_bytes_written": (
+        "kvserve_kv_disk_written_bytes",
+        "Bytes written to the K/V disk tier",
+    ),
+    "kv_disk_writes_dropped": (
+        "kvserve_kv_disk_writes_dropped",
+        "K/V blocks not written to the disk tier (its write queue was full)",
+    ),
+    "kv_disk_removed": (
+        "kvserve_kv_disk_invalid_entries",
+        "Disk tier entries removed as invalid (torn, corrupt, another model or version)",
+    ),
+    "kv_disk_evicted": (
+        "kvserve_kv_disk_evicted_entries",
+        "Disk tier entries evicted to stay within its size (least recently used first)",
+    ),
+    "kv_disk_read_seconds": (
+        "kvserve_kv_disk_read_seconds",
+        "Seconds spent reading K/V blocks back from the disk tier (per block: divide by"
+        " kvserve_kv_disk_hit_blocks_total)",
+    ),
 }
 _GAUGES = {
     "kv_usage": ("kvserve_kv_usage_ratio", "Share of K/V blocks referenced by live sequences"),
@@ -98,6 +134,9 @@ _GAUGES = {
     "running": ("kvserve_running", "Sequences running in the engine"),
     "sessions": ("kvserve_sessions", "Sessions held"),
     "decode_tok_s": ("kvserve_decode_tokens_per_second", "Generated tokens/s over the last 10 s"),
+    "kv_disk_entries": ("kvserve_kv_disk_entries", "K/V blocks held by the disk tier"),
+    "kv_disk_bytes": ("kvserve_kv_disk_bytes", "Bytes held by the K/V disk tier"),
+    "kv_disk_bytes_max": ("kvserve_kv_disk_bytes_max", "Size limit of the K/V disk tier"),
 }
 
 

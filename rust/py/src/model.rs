@@ -4,8 +4,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvserve_core::gguf::Value;
+use kvserve_core::kv::disk::{DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_BYTES};
 use kvserve_core::kv::storage::KvType;
-use kvserve_core::kv::{Memory, PagedCache, SharedKv};
+use kvserve_core::kv::{DiskOptions, Memory, PagedCache, SharedKv};
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, LayerKind, Model as CoreModel,
 };
@@ -576,9 +577,51 @@ impl Context {
         self.with(py, move |c| c.seq_state_check(&data, &tokens))
     }
 
+    /// Attaches the K/V disk tier under `path` to the model's K/V memory (every context of it
+    /// then writes the blocks its decodes key through to disk and continues prefix matches
+    /// there), at most `max_bytes` of entries; prompts shorter than `min_tokens` (default: the
+    /// measured break-even) skip it. `path=None` detaches it. `ModelError` for a model whose
+    /// memory is not one full-attention group (`kv_disk_support` says why), `OSError` when the
+    /// directory cannot be used or another process holds it, `ValueError` when `max_bytes`
+    /// holds no block.
+    #[pyo3(signature = (path, max_bytes, min_tokens=None))]
+    fn set_kv_disk(
+        &self,
+        py: Python<'_>,
+        path: Option<std::path::PathBuf>,
+        max_bytes: u64,
+        min_tokens: Option<usize>,
+    ) -> PyResult<()> {
+        let o = DiskOptions {
+            max_bytes,
+            min_tokens: min_tokens.unwrap_or(DEFAULT_MIN_TOKENS),
+            queue_bytes: DEFAULT_QUEUE_BYTES,
+        };
+        self.with(py, move |c| c.set_kv_disk(path.as_deref(), o))
+    }
+
+    /// None when this model can have a K/V disk tier, else why not (a model whose memory is
+    /// not one full-attention group: sliding-window or recurrent layers).
+    fn kv_disk_support(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, |c| Ok(c.kv_disk_support().err().map(|e| e.to_string())))
+    }
+
+    /// Waits until the disk tier (if any) has written every block handed to it so far (or
+    /// dropped it); never waits for the context.
+    fn kv_disk_flush(&self, py: Python<'_>) {
+        if let Some(d) = self.shared.disk() {
+            py.detach(|| d.flush());
+        }
+    }
+
     /// Cache statistics (never waits for a running decode): the model's block pool for this
     /// K/V format (shared by all its contexts) by state, and this context's sequences, tokens,
-    /// unused slots, prefix lookups and the tokens they mapped.
+    /// unused slots, prefix lookups and the tokens they mapped. `disk_*`: the model's disk
+    /// tier (zeros and `disk_enabled=False` without one): blocks and tokens read back,
+    /// misses, bytes read and written, entries written and writes dropped (queue full),
+    /// entries removed as invalid and evicted by the size limit, lookups that skipped the
+    /// tier (prompt under `disk_min_tokens`), entries and bytes held, the size limit, entries
+    /// found at open, blocks queued, and the seconds the reads that hit took.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let p = self.shared.pool_stats();
         let layout = self.shared.layout();
@@ -602,6 +645,34 @@ impl Context {
         d.set_item("prefix_lookups", pb.lookups.load(Ordering::Relaxed))?;
         d.set_item("prefix_hit_tokens", pb.hit_tokens.load(Ordering::Relaxed))?;
         d.set_item("prefix_indexed", self.shared.index().len())?;
+        let disk = self.shared.disk();
+        let ds = disk.as_ref().map(|t| t.stats()).unwrap_or_default();
+        d.set_item("disk_enabled", disk.is_some())?;
+        d.set_item(
+            "disk_dir",
+            disk.as_ref().map(|t| t.dir().display().to_string()),
+        )?;
+        for (k, v) in [
+            ("disk_hit_blocks", ds.hit_blocks),
+            ("disk_hit_tokens", ds.hit_tokens),
+            ("disk_misses", ds.misses),
+            ("disk_bytes_read", ds.bytes_read),
+            ("disk_bytes_written", ds.bytes_written),
+            ("disk_writes", ds.writes),
+            ("disk_writes_dropped", ds.writes_dropped),
+            ("disk_removed", ds.removed),
+            ("disk_evicted", ds.evicted),
+            ("disk_skipped", ds.skipped),
+            ("disk_entries", ds.entries),
+            ("disk_bytes_held", ds.bytes_held),
+            ("disk_bytes_max", ds.max_bytes),
+            ("disk_loaded", ds.loaded),
+            ("disk_queued", ds.queued),
+        ] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("disk_read_seconds", ds.read_seconds)?;
+        d.set_item("disk_min_tokens", ds.min_tokens)?;
         // Per layer group (one for most models; full and window groups for Gemma 3): the
         // group's pool and what this context holds in it.
         let groups = PyList::empty(py);

@@ -13,11 +13,13 @@
 //!   K/V; `commit` then gives newly filled clean blocks their content keys and indexes them (a
 //!   key never names unwritten data), or `rollback` undoes the batch if the pass failed.
 //! - `match_prefix(seq, tokens)` attaches the longest indexed prefix (whole blocks) to a new
-//!   sequence, whichever context computed it.
+//!   sequence, whichever context computed it, and continues it from the memory's disk tier
+//!   ([`super::disk`]) where one is attached ([`SharedKv::set_disk`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::disk::DiskTier;
 use super::pool::{BlockId, BlockPool, PoolStats};
 #[cfg(test)]
 use super::prefix::salt_root;
@@ -58,6 +60,8 @@ pub struct SharedKv {
     model_id: Key,
     lookups: AtomicU64,
     hit_tokens: AtomicU64,
+    /// The disk tier (L2) below the pool, if any.
+    disk: Mutex<Option<Arc<DiskTier>>>,
 }
 
 impl std::fmt::Debug for SharedKv {
@@ -122,6 +126,7 @@ impl SharedKv {
             model_id: h.finish(),
             lookups: AtomicU64::new(0),
             hit_tokens: AtomicU64::new(0),
+            disk: Mutex::new(None),
         })
     }
 
@@ -199,6 +204,29 @@ impl SharedKv {
     /// back before releasing the lock, so a poisoned lock still guards consistent data.
     pub fn lock_storage(&self) -> MutexGuard<'_, KvStorage> {
         self.storage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The disk tier below this memory's pool, if one is attached.
+    pub fn disk(&self) -> Option<Arc<DiskTier>> {
+        self.disk.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Attaches a disk tier (its model id must be this memory's) or detaches it (`None`):
+    /// from then on every context of the memory writes the blocks its decodes key through to
+    /// the tier ([`PagedCache::write_through`]) and continues prefix matches there
+    /// ([`PagedCache::match_prefix`]). The caller decides that the memory's blocks are worth
+    /// storing alone (a model whose memory is one full-attention group: `Context::set_kv_disk`).
+    pub fn set_disk(&self, tier: Option<Arc<DiskTier>>) -> Result<()> {
+        if let Some(t) = &tier {
+            if t.model_id() != self.model_id {
+                return Err(Error::InvalidInput(format!(
+                    "the kv disk tier {} belongs to another model or K/V format",
+                    t.dir().display()
+                )));
+            }
+        }
+        *self.disk.lock().unwrap_or_else(|e| e.into_inner()) = tier;
+        Ok(())
     }
 
     /// Pool counts, O(1).
@@ -401,6 +429,54 @@ impl PagedCache {
         out
     }
 
+    /// Write-through to the disk tier (if the memory has one): hands it a copy of each block in
+    /// `keyed` (blocks a commit just keyed, as `commit` returns them) that it does not hold
+    /// yet. `storage` is this memory's storage, locked by the caller (the copy is taken under
+    /// that lock; the writing happens on the tier's thread). A block the tier cannot queue is
+    /// simply not written (`DiskStats::writes_dropped`).
+    pub fn write_through(&self, storage: &KvStorage, keyed: &[(BlockId, Key)]) {
+        let Some(d) = self.shared.disk() else {
+            return;
+        };
+        let index = &self.shared.index;
+        for &(b, key) in keyed {
+            if d.contains(key) || index.key_of(b) != key {
+                continue;
+            }
+            if let Ok(bytes) = storage.block_raw(b) {
+                d.offer(key, index.parent_of(b), self.table.block_tokens(b), bytes);
+            }
+        }
+    }
+
+    /// Loads `key`'s block (of `parent` and `tokens`) from the disk tier into a fresh pool
+    /// block, which gets the key in the pool and the index as a commit would give it; the
+    /// caller holds the returned block. `None` (nothing taken) when the pool has no block to
+    /// give or the tier no valid entry.
+    fn load_from_disk(
+        &self,
+        d: &DiskTier,
+        storage: &mut KvStorage,
+        key: Key,
+        parent: Key,
+        tokens: &[u32],
+    ) -> Option<BlockId> {
+        let (pool, index) = (&self.shared.pool, &self.shared.index);
+        let (b, old) = pool.allocate_evicting()?;
+        if let Some(tag) = old {
+            index.forget(b, tag);
+        }
+        let read = storage
+            .block_raw_mut(b)
+            .is_ok_and(|out| d.read(key, parent, tokens, out));
+        if read && index.insert(pool, b, key, parent, tokens).is_ok() {
+            return Some(b);
+        }
+        // Never keyed: the block goes back free, whatever the failed read left in it.
+        let _ = pool.release(b);
+        None
+    }
+
     /// The batch's K/V could not be written: undoes it (see [`KvTable::rollback`]).
     pub fn rollback(&mut self, tx: BatchTx) {
         self.table.rollback(tx);
@@ -411,6 +487,12 @@ impl PagedCache {
     /// for its logits), onto cached blocks of the model, which `seq` then references at
     /// positions `0..n`. Returns `n`, a multiple of the block size; the caller decodes
     /// `tokens[n..]` at positions `n..`. `InvalidInput` if `seq < 0` or `seq` has cells.
+    ///
+    /// With a disk tier ([`SharedKv::set_disk`]) and a prompt of at least its break-even
+    /// (`DiskTier::min_tokens`), a block the index misses is read from the tier into a fresh
+    /// pool block (keyed and indexed as a commit would), and the match goes on, block by
+    /// block from RAM or disk, until neither holds the next one, the tier's entry is invalid
+    /// or the pool has no block to give.
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
         self.match_prefix_in(seq, tokens, None)
     }
@@ -456,7 +538,14 @@ impl PagedCache {
             index.contains(pool, keys[j], parent, &tokens[j * bs..(j + 1) * bs])
         };
         match window {
-            None => (0..n_max).take_while(|&j| has(j)).count() * bs,
+            None => {
+                let disk = self
+                    .shared
+                    .disk()
+                    .filter(|d| tokens.len() >= d.min_tokens());
+                let on_disk = |j: usize| disk.as_ref().is_some_and(|d| d.contains(keys[j]));
+                (0..n_max).take_while(|&j| has(j) || on_disk(j)).count() * bs
+            }
             Some(w) => {
                 let lo = |k: usize| (k * bs + 1).saturating_sub(w.max(1)) / bs;
                 let (mut k, mut i) = (n_max, n_max);
@@ -529,14 +618,42 @@ impl PagedCache {
             blocks = found[first..k].iter().map(|b| b.expect("found")).collect();
             keys.truncate(k);
         } else {
+            let disk = self.shared.disk();
+            let shared = Arc::clone(&self.shared);
+            // Locked at the first block read from disk, in the order decodes take it (storage,
+            // then the index inside it).
+            let mut storage = None;
+            let mut in_ram = Vec::new();
             for chunk in tokens.chunks_exact(bs).take(n_max) {
                 let key = block_key(self.shared.model_id, parent, chunk);
-                let Some(b) = index.lookup(pool, key, parent, chunk) else {
-                    break;
+                let b = match index.lookup(pool, key, parent, chunk) {
+                    Some(b) => {
+                        in_ram.push(key);
+                        b
+                    }
+                    None => {
+                        let Some(d) = disk.as_deref().filter(|d| d.worth_it(tokens.len())) else {
+                            break;
+                        };
+                        if !d.contains(key) {
+                            d.count_miss();
+                            break;
+                        }
+                        let st = storage.get_or_insert_with(|| shared.lock_storage());
+                        let Some(b) = self.load_from_disk(d, st, key, parent, chunk) else {
+                            break;
+                        };
+                        b
+                    }
                 };
                 blocks.push(b);
                 keys.push(key);
                 parent = key;
+            }
+            drop(storage);
+            if let Some(d) = &disk {
+                // Blocks served from RAM keep their disk copies warm in the tier's LRU.
+                d.touch(&in_ram);
             }
         }
         let n = (first + blocks.len()) * bs;
@@ -619,21 +736,27 @@ mod tests {
     const BS: usize = 4;
     const D: usize = 8;
 
-    fn cache(n_ctx: usize) -> PagedCache {
-        let rope = Rope {
+    fn rope() -> Rope {
+        Rope {
             n_rot: D,
             neox: false,
             freq_base: 10000.0,
             scaling: RopeScaling::None,
             freq_factors: None,
-        };
-        let layout = KvLayout {
+        }
+    }
+
+    fn layout() -> KvLayout {
+        KvLayout {
             ty: KvType::F32,
             n_layers: 1,
             kv_dim: D,
             block_size: BS,
-        };
-        PagedCache::standalone(layout, D, rope, n_ctx).unwrap()
+        }
+    }
+
+    fn cache(n_ctx: usize) -> PagedCache {
+        PagedCache::standalone(layout(), D, rope(), n_ctx).unwrap()
     }
 
     /// Reserves and writes `tokens` of `seq` at `pos0..`; V holds (token, position) so that the
@@ -651,7 +774,8 @@ mod tests {
             v[i * D + 1] = (pos0 + i as Pos) as f32;
         }
         PagedCache::write(&mut st, 0, &slots, &k, &v);
-        c.commit(tx);
+        let keyed = c.commit(tx);
+        c.write_through(&st, &keyed);
         c.table().check().unwrap();
     }
 
@@ -1185,5 +1309,187 @@ mod tests {
         assert_eq!(c.match_window_prefix(4, &q, 64).unwrap(), 0);
         assert!(c.table().seq_ids().is_empty() || c.table().seq_pos_max(4) < 0);
         c.table().check().unwrap();
+    }
+
+    /// A memory of `n_blocks` blocks (weights id 7) with a disk tier under `dir`.
+    fn memory_on_disk(n_blocks: usize, dir: &std::path::Path, min_tokens: usize) -> Arc<SharedKv> {
+        let shared = Arc::new(SharedKv::new(layout(), D, rope(), n_blocks, 7).unwrap());
+        let o = crate::kv::DiskOptions {
+            max_bytes: 1 << 30,
+            min_tokens,
+            queue_bytes: 1 << 20,
+        };
+        let bb = layout().bytes_per_block();
+        let tier = DiskTier::open(dir, shared.model_id(), BS, bb, o).unwrap();
+        shared.set_disk(Some(tier)).unwrap();
+        shared
+    }
+
+    fn disk_dir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("kvserve-cache-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// The raw bytes of each block of `seq`, in position order.
+    fn raw_blocks(c: &PagedCache, seq: SeqId) -> Vec<Vec<u8>> {
+        let mut cells = c.table().cells(seq);
+        cells.sort_by_key(|x| x.0);
+        let st = c.shared().lock_storage();
+        cells
+            .iter()
+            .filter(|&&(p, _, _)| (p as usize).is_multiple_of(BS))
+            .map(|&(_, b, _)| st.block_raw(b).unwrap().to_vec())
+            .collect()
+    }
+
+    /// Takes every block of the pool with another prompt and lets it go: the cached blocks
+    /// of earlier prompts are all evicted from RAM.
+    fn flush_ram(shared: &Arc<SharedKv>, salt: u32) {
+        let total = shared.n_blocks();
+        let mut c = PagedCache::new(Arc::clone(shared), total * BS).unwrap();
+        decode(&mut c, 0, &prompt(total * BS, salt), 0);
+        c.table_mut().seq_rm(0, -1, -1);
+        c.table().check().unwrap();
+    }
+
+    /// Blocks evicted from the pool come back from the disk tier bit for bit, in another
+    /// context of the memory and after a restart (a new memory and tier on the directory);
+    /// the match stops at the first block the tier does not hold.
+    #[test]
+    fn evicted_blocks_come_back_from_disk() {
+        let dir = disk_dir("evicted");
+        let shared = memory_on_disk(24, &dir, 0);
+        let p = prompt(41, 3); // 10 whole blocks and a token
+        let mut a = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        decode(&mut a, 0, &p, 0);
+        let want = raw_blocks(&a, 0);
+        assert_eq!(want.len(), 11);
+        a.table_mut().seq_rm(0, -1, -1);
+        let tier = shared.disk().unwrap();
+        tier.flush();
+        assert_eq!(
+            tier.stats().entries,
+            10,
+            "every keyed block was written through"
+        );
+        flush_ram(&shared, 500);
+        assert!(shared.pool_stats().evicted >= 10);
+        let before = shared.pool_stats();
+        assert_eq!(a.peek_prefix(&p, ROOT_KEY, None, usize::MAX), 40);
+        assert_eq!(shared.pool_stats(), before, "peeking changes nothing");
+        // Another context maps the whole prefix from disk.
+        let mut b = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        assert_eq!(b.match_prefix(0, &p).unwrap(), 40);
+        assert_eq!(content(&b, 0), expect(&p[..40]));
+        assert_eq!(raw_blocks(&b, 0), want[..10].to_vec());
+        b.table().check().unwrap();
+        shared.pool().audit().unwrap();
+        let st = tier.stats();
+        assert_eq!((st.hit_blocks, st.hit_tokens, st.misses), (10, 40, 0));
+        assert_eq!(b.prefix_stats().hit_tokens, 40);
+        // Loaded blocks are keyed in the pool: the next match is served from RAM.
+        assert_eq!(b.match_prefix(1, &p).unwrap(), 40);
+        assert_eq!(tier.stats().hit_blocks, 10);
+        // The sequence continues its chain: its next blocks are keyed and written through.
+        let mut q = p.clone();
+        q.extend(prompt(8, 900));
+        tier.flush();
+        let e0 = tier.stats().entries;
+        decode(&mut b, 0, &q[40..], 40);
+        tier.flush();
+        assert_eq!(tier.stats().entries, e0 + 2);
+        b.table_mut().seq_rm(-1, -1, -1);
+        let held = tier.stats().entries;
+        drop((a, b, tier));
+        drop(shared);
+        // A restart: a new memory of the same model and format, a new tier on the directory.
+        let shared = memory_on_disk(24, &dir, 0);
+        let tier = shared.disk().unwrap();
+        assert_eq!(tier.stats().loaded, held);
+        let mut c = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        let mut q1 = q.clone();
+        q1.push(1);
+        assert_eq!(c.match_prefix(0, &q1).unwrap(), 48);
+        assert_eq!(content(&c, 0), expect(&q[..48]));
+        assert_eq!(raw_blocks(&c, 0)[..10], want[..10]);
+        c.table_mut().seq_rm(0, -1, -1);
+        // An entry gone from disk ends the match there (block 5: 20 tokens).
+        flush_ram(&shared, 700);
+        let keys = crate::kv::prefix::chain_keys(shared.model_id(), ROOT_KEY, &p, BS);
+        std::fs::remove_file(tier.dir().join(format!("{:032x}.kvb", keys[5]))).unwrap();
+        assert_eq!(c.match_prefix(1, &p).unwrap(), 20);
+        assert_eq!(content(&c, 1), expect(&p[..20]));
+        let st = tier.stats();
+        assert_eq!((st.misses, st.removed), (1, 1));
+        c.table().check().unwrap();
+        shared.pool().audit().unwrap();
+        drop((c, tier, shared));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A salted sequence finds on disk only blocks computed under its salt.
+    #[test]
+    fn disk_blocks_follow_the_salt() {
+        let dir = disk_dir("salt");
+        let shared = memory_on_disk(24, &dir, 0);
+        let ra = salt_root(b"tenant a");
+        let p = prompt(25, 9);
+        let mut a = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        a.table_mut().set_root(0, ra).unwrap();
+        decode(&mut a, 0, &p, 0);
+        a.table_mut().seq_rm(0, -1, -1);
+        shared.disk().unwrap().flush();
+        flush_ram(&shared, 300);
+        let mut b = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        for (seq, root, want) in [
+            (1, ROOT_KEY, 0),
+            (2, salt_root(b"tenant b"), 0),
+            (3, ra, 24),
+        ] {
+            assert_eq!(b.peek_prefix(&p, root, None, usize::MAX), want);
+            b.table_mut().set_root(seq, root).unwrap();
+            assert_eq!(b.match_prefix(seq, &p).unwrap(), want, "seq {seq}");
+        }
+        assert_eq!(content(&b, 3), expect(&p[..24]));
+        let st = shared.disk().unwrap().stats();
+        assert_eq!((st.hit_blocks, st.misses), (6, 2));
+        b.table().check().unwrap();
+        drop((a, b, shared));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The break-even: a prompt shorter than `min_tokens` does not look on disk; a pool with
+    /// no block to give stops the match where it is.
+    #[test]
+    fn disk_reads_stop_at_the_break_even_and_a_full_pool() {
+        let dir = disk_dir("limits");
+        let shared = memory_on_disk(16, &dir, 30);
+        let p = prompt(29, 4);
+        let mut a = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        decode(&mut a, 0, &p, 0);
+        a.table_mut().seq_rm(0, -1, -1);
+        let tier = shared.disk().unwrap();
+        tier.flush();
+        flush_ram(&shared, 100);
+        assert_eq!(a.peek_prefix(&p, ROOT_KEY, None, usize::MAX), 0);
+        assert_eq!(a.match_prefix(1, &p).unwrap(), 0, "29 tokens < 30");
+        assert_eq!(tier.stats().skipped, 1);
+        let mut q = p.clone();
+        q.push(5);
+        assert_eq!(a.match_prefix(2, &q).unwrap(), 28, "30 tokens");
+        a.table_mut().seq_rm(-1, -1, -1);
+        // Hold all but 3 blocks: the match maps 3 blocks and stops.
+        flush_ram(&shared, 200);
+        let mut holder = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        decode(&mut holder, 0, &prompt(13 * BS, 800), 0);
+        assert_eq!(shared.pool_stats().free + shared.pool_stats().cached, 3);
+        assert_eq!(a.match_prefix(3, &q).unwrap(), 12);
+        assert_eq!(content(&a, 3), expect(&q[..12]));
+        assert_eq!(shared.pool_stats().free + shared.pool_stats().cached, 0);
+        a.table().check().unwrap();
+        shared.pool().audit().unwrap();
+        drop((a, holder, tier, shared));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

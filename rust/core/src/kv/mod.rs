@@ -9,6 +9,9 @@
 //!
 //! - [`prefix`]: content keys of full blocks and the key -> block index for prefix reuse.
 //!
+//! - [`disk`]: the local disk tier (L2): full keyed blocks the RAM pool evicted, found again
+//!   by their content keys (and after a restart).
+//!
 //! - [`state`]: a sequence's cells (positions, tokens, K/V as stored) as bytes and back
 //!   (saving and restoring sessions).
 //!
@@ -25,6 +28,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod disk;
 pub mod memory;
 pub mod pool;
 pub mod prefix;
@@ -49,6 +53,7 @@ pub(crate) fn try_vec<T: Clone>(n: usize, v: T, what: &str) -> crate::Result<Vec
 pub use cache::{
     blocks_for_tokens, BatchNeed, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE,
 };
+pub use disk::{DiskOptions, DiskStats, DiskTier};
 pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, PlannedBatch, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use prefix::{block_key, salt_root, Key, KeyHasher, PrefixIndex, ROOT_KEY};

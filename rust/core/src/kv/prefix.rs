@@ -326,6 +326,15 @@ impl PrefixIndex {
             .unwrap_or(ROOT_KEY)
     }
 
+    /// The parent key recorded for block `b` (`ROOT_KEY` if none).
+    pub fn parent_of(&self, b: BlockId) -> Key {
+        self.inner()
+            .parent
+            .get(b as usize)
+            .copied()
+            .unwrap_or(ROOT_KEY)
+    }
+
     /// Number of entries.
     pub fn len(&self) -> usize {
         self.inner().map.len()

@@ -20,8 +20,8 @@ use crate::kv::recurrent::{RecurrentGroup, StateLayout};
 use crate::kv::storage::KvStorage;
 use crate::kv::storage::{KvLayout, KvType};
 use crate::kv::{
-    blocks_for_tokens, BlockId, Key, KeyHasher, PagedCache, Pos, SeqId, SeqView, SharedKv,
-    DEFAULT_BLOCK_SIZE,
+    blocks_for_tokens, BlockId, DiskOptions, DiskTier, Key, KeyHasher, PagedCache, Pos, SeqId,
+    SeqView, SharedKv, DEFAULT_BLOCK_SIZE,
 };
 use crate::tokenizer::{Tokenizer, VocabData};
 
@@ -613,6 +613,52 @@ impl Context {
         self.memory.seq_set_salt(seq, salt)
     }
 
+    /// Whether this context's memory can have a disk tier: one full-attention group (no
+    /// sliding-window layers, no recurrent state); else why not.
+    pub fn kv_disk_support(&self) -> Result<()> {
+        let m = &self.memory;
+        let one_full = m.groups().len() == 1
+            && m.groups()[0].kind == LayerKind::Full
+            && m.recurrent().is_none();
+        if one_full {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "the K/V disk tier stores models whose K/V memory is one full-attention group; \
+             this {} model also has {} layers, whose blocks the tier does not store yet \
+             (planned next: docs/KV_SEMANTICS.md, \"Disk tier\")",
+            self.model.config.arch.name(),
+            if m.recurrent().is_some() {
+                "recurrent (short-convolution)"
+            } else {
+                "sliding-window"
+            }
+        )))
+    }
+
+    /// Attaches the disk tier under `dir` (docs/KV_SEMANTICS.md, "Disk tier"; `kv::disk`) to
+    /// the model's K/V memory, so every context of it writes the blocks its decodes key
+    /// through to disk and continues prefix matches there; `None` detaches it (the tier
+    /// closes once nothing holds it: queued writes are written first). `Unsupported` for a
+    /// model whose memory is not one full-attention group ([`Context::kv_disk_support`]);
+    /// `Io` when the directory cannot be used or another process holds it; `InvalidInput`
+    /// when `o.max_bytes` holds no block.
+    pub fn set_kv_disk(&mut self, dir: Option<&Path>, o: DiskOptions) -> Result<()> {
+        self.kv_disk_support()?;
+        let sh = self.memory.primary().shared();
+        let Some(dir) = dir else {
+            return sh.set_disk(None);
+        };
+        let l = sh.layout();
+        let tier = DiskTier::open(dir, sh.model_id(), l.block_size, l.bytes_per_block(), o)?;
+        sh.set_disk(Some(tier))
+    }
+
+    /// The disk tier of the model's K/V memory, if one is attached.
+    pub fn kv_disk(&self) -> Option<Arc<DiskTier>> {
+        self.memory.primary().shared().disk()
+    }
+
     /// The checks of `batch` that `decode` makes before planning it: its columns and values
     /// ([`Batch::validate`]) and, with sliding-window layers, its size (`n_batch`).
     fn check_batch(&self, batch: &Batch) -> Result<()> {
@@ -776,6 +822,10 @@ impl Context {
         let mut keyed = Vec::new();
         if ok {
             keyed = self.memory.commit_kv(txs, &seqs);
+            if self.memory.groups().len() == 1 && self.memory.recurrent().is_none() {
+                // Write-through to the disk tier (if any), copied under the storage lock.
+                self.memory.primary().write_through(&storages[pi], &keyed);
+            }
         } else {
             self.memory.rollback_kv(txs);
         }
@@ -1278,6 +1328,101 @@ mod tests {
             let mut c = Context::with_options(Arc::clone(&m2), &other).unwrap();
             assert!(c.seq_state_write(0, &state).is_err());
         }
+    }
+
+    /// The disk tier on a real model (SmolLM2, one full-attention group): a prompt whose
+    /// blocks the pool evicted is read back from disk, in the same model instance and after a
+    /// restart (another instance, a new tier on the directory), and the next logits are
+    /// bit for bit those of the same prompt served from RAM and of a model without the tier
+    /// computing it whole. Gemma 3 (a window group) refuses the tier.
+    #[test]
+    fn disk_tier_serves_evicted_prompts_bit_identically() {
+        let path = std::env::var("KVSERVE_TEST_MODEL")
+            .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
+        let dir = std::env::temp_dir().join(format!("kvserve-model-disk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let disk = crate::kv::DiskOptions {
+            max_bytes: 1 << 30,
+            min_tokens: 0,
+            queue_bytes: 64 << 20,
+        };
+        let load = || Arc::new(Model::load(&path, Some(2)).unwrap());
+        let m1 = load();
+        let n_vocab = m1.n_vocab() as u32;
+        let p: Vec<u32> = (0..101u32).map(|i| (i * 7919 + 13) % n_vocab).collect();
+        let other: Vec<u32> = (0..192u32).map(|i| (i * 104_729 + 5) % n_vocab).collect();
+        let per_block = KvLayout {
+            ty: KvType::F16,
+            n_layers: m1.config.n_layer,
+            kv_dim: m1.config.kv_dim(),
+            block_size: 16,
+        }
+        .bytes_per_block();
+        let o = KvOptions {
+            kv_memory: Some(12 * per_block),
+            ..KvOptions::default()
+        };
+        // The oracle: another instance without a tier computes the whole prompt.
+        let cold = {
+            let mut c = Context::with_options(load(), &o).unwrap();
+            c.decode(&Batch::prompt(&p, 0, 0)).unwrap().data
+        };
+        let mut a = Context::with_options(Arc::clone(&m1), &o).unwrap();
+        a.set_kv_disk(Some(&dir), disk).unwrap();
+        assert!(a.decode(&Batch::prompt(&p, 0, 0)).unwrap().data == cold);
+        a.memory_mut().seq_rm(0, -1, -1).unwrap();
+        let tier = a.kv_disk().unwrap();
+        tier.flush();
+        assert_eq!(tier.stats().entries, 6, "the prompt's 6 whole blocks");
+        // From RAM.
+        let n = a.match_prefix(1, &p).unwrap();
+        assert_eq!(n, 96);
+        let ram = a.decode(&Batch::prompt(&p[n..], n as Pos, 1)).unwrap().data;
+        assert!(ram == cold, "a RAM hit continues as the recomputation");
+        a.memory_mut().seq_rm(1, -1, -1).unwrap();
+        // Another prompt takes every block of the pool: the prompt leaves RAM.
+        a.decode(&Batch::prompt(&other, 0, 2)).unwrap();
+        a.memory_mut().seq_rm(2, -1, -1).unwrap();
+        assert_eq!(
+            a.cache()
+                .peek_prefix(&p, crate::kv::ROOT_KEY, None, usize::MAX),
+            96
+        );
+        tier.flush();
+        let hits = tier.stats().hit_blocks;
+        assert_eq!(a.match_prefix(3, &p).unwrap(), 96);
+        assert_eq!(
+            tier.stats().hit_blocks,
+            hits + 6,
+            "all 6 blocks came from disk"
+        );
+        let from_disk = a.decode(&Batch::prompt(&p[96..], 96, 3)).unwrap().data;
+        assert!(
+            from_disk == cold,
+            "a disk hit continues as the recomputation"
+        );
+        audit(&a);
+        drop((a, tier, m1));
+        // A restart: another instance of the model, a new tier on the directory.
+        let mut b = Context::with_options(load(), &o).unwrap();
+        b.set_kv_disk(Some(&dir), disk).unwrap();
+        let tier = b.kv_disk().unwrap();
+        assert_eq!(tier.stats().loaded, 6 + 12);
+        assert_eq!(b.match_prefix(0, &p).unwrap(), 96);
+        assert_eq!(tier.stats().hit_blocks, 6);
+        let restarted = b.decode(&Batch::prompt(&p[96..], 96, 0)).unwrap().data;
+        assert!(restarted == cold, "after a restart too");
+        audit(&b);
+        drop((b, tier));
+        // A model with a sliding-window group keeps the tier off and says why.
+        let gemma = std::env::var("KVSERVE_TEST_GEMMA").expect("KVSERVE_TEST_GEMMA is not set");
+        let g = Arc::new(Model::load(&gemma, Some(2)).unwrap());
+        let mut c = Context::with_options(g, &KvOptions::default()).unwrap();
+        let err = c.set_kv_disk(Some(&dir), disk).unwrap_err();
+        assert!(matches!(err, Error::Unsupported(_)), "{err}");
+        assert!(err.to_string().contains("sliding-window"), "{err}");
+        assert!(c.kv_disk().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A hybrid state's footer: split exactly (values, position) or refused, and checked

@@ -1,0 +1,235 @@
+"""The K/V disk tier (issue 21, L2): full blocks the prefix cache keys are written to
+``kv_disk``; a prompt whose blocks the RAM pool evicted reads them back instead of computing
+them, also after a restart; an entry that is not intact is a miss, never a wrong answer.
+
+Oracles: the same request's greedy output from an engine on a separate model instance without
+the tier; and a simple model of what the tier must hold: every whole block of every prompt
+computed, so a repeated prompt's whole blocks (all but its last token) come back, RAM having
+evicted them. The entry files are read with an independent parser of the documented format
+(docs/KV_SEMANTICS.md, "Disk tier")."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve import Engine, Model
+from kvserve._model import prompt_ids
+from kvserve.server.metrics import Metrics
+
+BLOCK = 16
+FIXED = 72  # magic, version, block size, model id, key, parent, payload length
+
+
+def _prompt(model: Model, k: int, n_tokens: int = 1000) -> str:
+    """A prompt of about ``n_tokens`` tokens whose first block differs from every other k's."""
+    words = [f"Document {k}:"] + [f"item{(i * (k + 3) + k) % 997}" for i in range(n_tokens)]
+    text = ""
+    for w in words:
+        longer = f"{text} {w}" if text else w
+        if len(prompt_ids(model, longer)) > n_tokens:
+            break
+        text = longer
+    return text
+
+
+def _per_block(model_path: Path) -> int:
+    return int(Model(model_path, threads=1).new_context(16).stats()["bytes_per_block"])
+
+
+def _engine(model_path: Path, per_block: int, **kw: Any) -> Engine:
+    """An engine on a fresh model instance (its pool sized by kv_memory: 128 blocks, about two
+    of the prompts), one sequence at a time."""
+    model = Model(model_path, threads=2)
+    return Engine(model, parallel=1, ctx_size=1100, kv_memory=128 * per_block, **kw)
+
+
+def _written(engine: Engine) -> dict[str, Any]:
+    """The engine's stats once the disk tier wrote everything queued."""
+    deadline = time.monotonic() + 60
+    while (st := engine.stats())["kv_disk_queued"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st["kv_disk_queued"] == 0, "the disk tier's writer did not catch up"
+    return st
+
+
+def _gone() -> None:
+    """After ``engine.close(); del engine``: the model goes, and with it the tier (it lives as
+    long as the model's K/V memory and holds the directory's lock), as in a restart."""
+    gc.collect()
+
+
+def _entries(disk: Path) -> dict[int, tuple[int, list[int], Path]]:
+    """Every entry file under ``disk``: key -> (parent key, tokens, path), read from the
+    headers."""
+    out = {}
+    for f in disk.glob("*/*.kvb"):
+        head = f.read_bytes()[: FIXED + 4 * BLOCK]
+        magic, version, bs = struct.unpack_from("<8sII", head)
+        assert (magic, version, bs) == (b"KVSDISK\0", 1, BLOCK)
+        lo, hi = struct.unpack_from("<QQ", head, 32)
+        plo, phi = struct.unpack_from("<QQ", head, 48)
+        key, parent = lo | hi << 64, plo | phi << 64
+        assert f.name == f"{key:032x}.kvb"
+        tokens = list(struct.unpack_from(f"<{BLOCK}I", head, FIXED))
+        out[key] = (parent, tokens, f)
+    return out
+
+
+def _chain(disk: Path, ids: list[int]) -> list[Path]:
+    """The entry files of ``ids``'s whole blocks, in order (by parent keys and tokens)."""
+    by_parent = {(parent, tuple(t)): (key, f) for key, (parent, t, f) in _entries(disk).items()}
+    files, parent = [], 0
+    for i in range(len(ids) // BLOCK):
+        key, f = by_parent[(parent, tuple(ids[i * BLOCK : (i + 1) * BLOCK]))]
+        files.append(f)
+        parent = key
+    return files
+
+
+def _metric(engine: Engine, name: str) -> float:
+    text = Metrics(engine.stats, engine.waiting_by_priority).render().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise AssertionError(f"{name} is not exported")
+
+
+def test_evicted_prompts_come_back_from_disk(model_path: Path, tmp_path: Path) -> None:
+    per_block = _per_block(model_path)
+    model = Model(model_path, threads=1)
+    prompts = [_prompt(model, k) for k in range(4)]
+    ids = prompt_ids(model, prompts[0])
+    assert 990 <= len(ids) <= 1000
+    usable = (len(ids) - 1) // BLOCK * BLOCK  # what a prefix match can map
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with _engine(model_path, per_block) as oracle:
+        want = oracle.generate(prompts[0], **greedy).tokens
+        assert oracle.stats()["kv_disk_enabled"] == 0
+    disk = tmp_path / "kv"
+    engine = _engine(model_path, per_block, kv_disk=disk, kv_disk_size="1GiB")
+    first = engine.generate(prompts[0], **greedy)
+    assert (first.tokens, first.cached_tokens) == (want, 0)
+    # Three more prompts than the pool's two: the first one's blocks leave RAM.
+    for p in prompts[1:]:
+        assert engine.generate(p, max_tokens=1).cached_tokens == 0
+    st = _written(engine)
+    assert st["kv_disk_enabled"] == 1
+    assert st["kv_disk_writes_dropped"] == 0
+    n_blocks = [len(prompt_ids(model, p)) // BLOCK for p in prompts]
+    assert st["kv_disk_entries"] >= sum(n_blocks)
+    assert len(_chain(disk, ids)) == n_blocks[0]
+    assert st["kv_blocks_evicted"] >= n_blocks[0]
+    again = engine.generate(prompts[0], **greedy)
+    st2 = engine.stats()
+    assert again.cached_tokens == usable
+    assert st2["kv_disk_hit_tokens"] - st["kv_disk_hit_tokens"] == usable, "all from disk"
+    assert st2["kv_disk_hit_blocks"] - st["kv_disk_hit_blocks"] == usable // BLOCK
+    assert again.tokens == want
+    assert st2["kv_disk_read_seconds"] > 0
+    assert 0 < st2["kv_disk_read_latency_s"] < 0.5
+    assert st2["kv_disk_bytes_read"] > usable // BLOCK * per_block
+    assert _metric(engine, "kvserve_kv_disk_hit_tokens_total") == st2["kv_disk_hit_tokens"]
+    assert _metric(engine, "kvserve_kv_disk_entries") == st2["kv_disk_entries"]
+    held = _written(engine)["kv_disk_entries"]
+    engine.close()
+    del engine
+    _gone()
+
+    # A restart on the same directory: the tier finds its entries; still a disk hit.
+    engine = _engine(model_path, per_block, kv_disk=disk, kv_disk_size="1GiB")
+    st = engine.stats()
+    assert st["kv_disk_loaded"] == st["kv_disk_entries"] == held
+    r = engine.generate(prompts[0], **greedy)
+    assert (r.cached_tokens, r.tokens) == (usable, want)
+    assert engine.stats()["kv_disk_hit_tokens"] == usable
+    engine.close()
+    del engine
+    _gone()
+
+    # A flipped byte in the payload of the prompt's block 10: a miss there, the entry
+    # removed, the blocks before it still from disk, the rest computed, the output right.
+    chain = _chain(disk, ids)
+    original = chain[10].read_bytes()
+    damaged = bytearray(original)
+    damaged[FIXED + 4 * BLOCK + 1000] ^= 0x01
+    chain[10].write_bytes(bytes(damaged))
+    engine = _engine(model_path, per_block, kv_disk=disk, kv_disk_size="1GiB")
+    r = engine.generate(prompts[0], **greedy)
+    st = _written(engine)
+    assert (r.cached_tokens, r.tokens) == (10 * BLOCK, want)
+    assert (st["kv_disk_hit_blocks"], st["kv_disk_removed"]) == (10, 1)
+    assert st["kv_disk_misses"] == 1
+    # The recomputed block was written through again: the same bytes as the first time.
+    assert chain[10].read_bytes() == original
+    engine.close()
+    del engine
+    _gone()
+
+
+def test_a_full_tier_keeps_its_size(model_path: Path, tmp_path: Path) -> None:
+    """With room for 40 entries, the tier keeps the 40 most recently used blocks: the
+    prompt computed last comes back whole; the one before it only as far as the tier
+    kept it, and its output is still the right one."""
+    per_block = _per_block(model_path)
+    model = Model(model_path, threads=1)
+    prompts = [_prompt(model, k, 400) for k in (7, 8)]
+    greedy = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    with _engine(model_path, per_block) as oracle:
+        want = [oracle.generate(p, **greedy).tokens for p in prompts]
+    entry = FIXED + 4 * BLOCK + per_block + 16
+    disk = tmp_path / "kv"
+    engine = _engine(model_path, per_block, kv_disk=disk, kv_disk_size=40 * entry)
+    for p in prompts:
+        engine.generate(p, **greedy)
+    st = _written(engine)
+    assert st["kv_disk_entries"] == 40 and st["kv_disk_bytes"] == 40 * entry
+    n = [len(prompt_ids(model, p)) for p in prompts]
+    written = sum((k + greedy["max_tokens"] - 1) // BLOCK for k in n)
+    assert st["kv_disk_evicted"] == written - 40
+    engine.close()
+    del engine
+    _gone()
+    engine = _engine(model_path, per_block, kv_disk=disk, kv_disk_size=40 * entry)
+    # The second prompt's blocks are the newest: all on disk.
+    r = engine.generate(prompts[1], **greedy)
+    assert (r.cached_tokens, r.tokens) == ((n[1] - 1) // BLOCK * BLOCK, want[1])
+    # The first prompt lost its oldest (leading) blocks: nothing of it maps; right output.
+    r = engine.generate(prompts[0], **greedy)
+    assert (r.cached_tokens, r.tokens) == (0, want[0])
+    engine.close()
+    del engine
+    _gone()
+
+
+def test_models_with_window_layers_run_without_the_tier(
+    gemma_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gemma 3 (a sliding-window group beside the full one): the tier stays off with a
+    warning saying why, and the engine serves as without it."""
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        engine = Engine(Model(gemma_path, threads=2), parallel=1, kv_disk=tmp_path / "kv")
+    with engine:
+        assert any("sliding-window" in r.getMessage() for r in caplog.records)
+        assert engine.stats()["kv_disk_enabled"] == 0
+        assert engine.generate("Hello", max_tokens=2).tokens
+    assert not (tmp_path / "kv").exists()
+
+
+def test_bad_settings(model_path: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="kv disk tier"):
+        Engine(Model(model_path, threads=1), parallel=1, kv_disk=blocker / "kv")
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(Model(model_path, threads=1), parallel=1, kv_disk=tmp_path, kv_disk_size=1000)
+    with pytest.raises(ValueError, match="kv_disk_size"):
+        Engine(Model(model_path, threads=1), parallel=1, kv_disk=tmp_path, kv_disk_size="big")
