@@ -10,7 +10,7 @@
 #     panics, hangs (-timeout) and allocations beyond -rss_limit_mb/-malloc_limit_mb are findings;
 #   - request: atheris 2.3.0 (libFuzzer for Python) over the server's request parsing.
 # Installs cargo-fuzz and atheris when missing. Seeds: fuzz/corpus/<target>/ (committed, read
-# only); the corpus a run grows: fuzz/work/<target>/ (kept between runs); findings:
+# only); the corpus a run grows: fuzz/grown/<target>/ (kept between runs); findings:
 # fuzz/artifacts/<target>/; logs: fuzz/logs/<target>.log (those three ignored by git). Models:
 # KVSERVE_TEST_MODEL (SmolLM2) and KVSERVE_TEST_GEMMA (Gemma 3), else ~/.cache/kvserve/models.
 # Prints per target: executions, executions per second, coverage, corpus size and findings.
@@ -42,7 +42,7 @@ mkdir -p "$ROOT/fuzz/logs"
 summary=()
 for t in "${run[@]}"; do
     seeds=$ROOT/fuzz/corpus/$t
-    corpus=$ROOT/fuzz/work/$t
+    corpus=$ROOT/fuzz/grown/$t
     artifacts=$ROOT/fuzz/artifacts/$t
     log=$ROOT/fuzz/logs/$t.log
     mkdir -p "$seeds" "$corpus" "$artifacts"
