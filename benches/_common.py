@@ -216,6 +216,13 @@ def display_cmd(cmd: list[str], args, n_exe: int) -> str:
     return " ".join(head + [shlex.quote(w) for w in rest])
 
 
+def this_command(script: str, model: str | None) -> str:
+    """How this bench was run, for the recorded section: ``python benches/SCRIPT`` and its
+    arguments, the model path as ``MODEL``."""
+    words = ["MODEL" if a == model else a for a in sys.argv[1:]]
+    return " ".join([f"python benches/{script}", *words])
+
+
 def scrub(text: str, args) -> str:
     """``text`` with the model path and the llama.cpp bin dir replaced by placeholders."""
     return text.replace(args.model, "MODEL").replace(args.llama_bin_dir, "$LLAMA_CPP_BIN_DIR")

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from _common import (
     default_model,
     loadavg,
     machine_desc,
+    this_command,
     utc_stamp,
     wait_for_idle,
 )
@@ -246,9 +246,7 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.write:
-        cmd = "python benches/bench_fair_share.py " + " ".join(
-            "MODEL" if a == args.model else a for a in sys.argv[1:]
-        )
+        cmd = this_command("bench_fair_share.py", args.model)
         append_section(
             Path(REPO_ROOT) / "BENCHMARKS.md",
             "## Fair share between tenants: a flooding tenant and a light one",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from _common import (
     default_model,
     loadavg,
     machine_desc,
+    this_command,
     utc_stamp,
     wait_for_idle,
 )
@@ -198,9 +198,7 @@ def main() -> None:
     )
     print(table)
     if args.write:
-        cmd = "python benches/bench_kv_disk.py " + " ".join(
-            "MODEL" if a == args.model else a for a in sys.argv[1:]
-        )
+        cmd = this_command("bench_kv_disk.py", args.model)
         append_section(
             Path(REPO_ROOT) / "BENCHMARKS.md",
             "## K/V disk tier (issue 21)",

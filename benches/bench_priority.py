@@ -20,11 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from _common import REPO_ROOT, append_section, default_model, loadavg, machine_desc, utc_stamp
+from _common import (
+    REPO_ROOT,
+    append_section,
+    default_model,
+    loadavg,
+    machine_desc,
+    this_command,
+    utc_stamp,
+)
 
 from kvserve import Engine
 
@@ -101,9 +108,7 @@ def main() -> None:
     )
     print(table)
     if args.write:
-        cmd = "python benches/bench_priority.py " + " ".join(
-            "MODEL" if a == args.model else a for a in sys.argv[1:]
-        )
+        cmd = this_command("bench_priority.py", args.model)
         append_section(
             Path(REPO_ROOT) / "BENCHMARKS.md",
             "## A high-priority request on a full engine",
