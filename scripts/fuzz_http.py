@@ -34,6 +34,7 @@ def fuzz(url: str, examples: int, seed: int) -> dict[str, Any]:
     import requests
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
     from hypothesis.errors import Unsatisfiable
     from schemathesis.generation import GenerationMode
 
@@ -76,6 +77,7 @@ def fuzz(url: str, examples: int, seed: int) -> dict[str, Any]:
                 suppress_health_check=list(HealthCheck),
                 phases=[Phase.generate],
             )
+            @hypothesis_seed(seed)  # reproducible: --seed picks the cases
             @given(case=strategy)
             def run(case: Any) -> None:
                 check(case)
