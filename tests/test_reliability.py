@@ -150,3 +150,34 @@ def test_a_save_killed_mid_write_leaves_the_old_file(
             create_app(ServerConfig(session_dir=str(tmp_path)), engine=e2)
         assert sorted(os.listdir(tmp_path)) == ["s.kvs", "saver.py"]
     assert mid_write >= kills // 2, f"only {mid_write} of {kills} kills landed mid-write"
+
+
+def test_only_dead_writers_temporary_files_are_removed(tmp_path: Path) -> None:
+    """A temporary file names its writer's pid: one of a process that is gone is removed, one
+    of a live process (another server saving into the same directory, or this one) is kept,
+    and files that are not a save's temporary files are never touched."""
+    from kvserve.sessions import remove_stale_temps
+
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as live:
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        dead_pid = int(dead.stdout)
+        names = {
+            f".s.kvs.{dead_pid}.{'a' * 32}.tmp": False,
+            f".s.kvs.{live.pid}.{'b' * 32}.tmp": True,
+            f".s.kvs.{os.getpid()}.{'c' * 32}.tmp": True,
+            "s.kvs": True,
+            ".s.kvs.tmp": True,
+            f".s.kvs.{'d' * 32}.tmp": True,  # no pid: not this writer's name
+        }
+        (tmp_path / "t").mkdir()
+        for name in names:
+            (tmp_path / "t" / name).write_bytes(b"x")
+        removed = remove_stale_temps(tmp_path)
+        live.kill()
+    assert [p.name for p in removed] == [f".s.kvs.{dead_pid}.{'a' * 32}.tmp"]
+    assert {n: (tmp_path / "t" / n).exists() for n in names} == names

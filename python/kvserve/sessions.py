@@ -282,7 +282,8 @@ def write_session_file(path: StrPath, header: dict[str, Any], kv: bytes) -> None
     digest = hashlib.sha256()
     for part in (prefix, head, kv):
         digest.update(part)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    # The writer's pid in the name: remove_stale_temps leaves a live process's writes alone.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         # Owner-only (0600) from the start: a session file holds a conversation.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
@@ -307,17 +308,31 @@ def write_session_file(path: StrPath, header: dict[str, Any], kv: bytes) -> None
         os.close(fd)
 
 
-_TEMP = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
+_TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{32}\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by someone else
+        return True
+    return True
 
 
 def remove_stale_temps(folder: StrPath) -> list[Path]:
     """Removes the temporary files that :func:`write_session_file` left in ``folder`` and its
     subdirectories when its process was killed mid-write (SIGKILL, power loss: the session
-    file itself is then the old one, intact). Only for a directory no writer is using (e.g.
+    file itself is then the old one, intact): those whose writer (the pid in the name) is no
+    longer running, so another live server's save in the same directory is left alone (e.g.
     at server start); returns what it removed."""
     removed = []
     for path in Path(os.fspath(folder)).rglob(".*.tmp"):
-        if _TEMP.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+        m = _TEMP.fullmatch(path.name)
+        if m and not _alive(int(m.group(1))) and path.is_file() and not path.is_symlink():
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
