@@ -114,10 +114,35 @@ class Context:
         """Salt the empty sequence ``seq``: it reuses cached prefixes only of sequences with
         the same salt (``b""``: unsalted). Kept for the id until set again; ``seq_cp`` into
         an empty sequence copies it."""
-    def match_prefix(self, seq: int, tokens: list[int]) -> int:
+    def match_prefix(self, seq: int, tokens: list[int], staged: KvStaged | None = None) -> int:
         """Map the longest cached prefix of ``tokens`` (whole blocks, at most
         ``len(tokens) - 1`` tokens) into the empty sequence ``seq``; returns its length ``n``.
-        Decode ``tokens[n:]`` at positions ``n, n+1, ...`` next."""
+        Decode ``tokens[n:]`` at positions ``n, n+1, ...`` next. ``staged``: blocks
+        :meth:`kv_remote_fetch` brought for these tokens and the sequence's salt; a block
+        neither RAM nor disk holds is copied from them (taken once)."""
+    def kv_remote_fetch(self, tokens: list[int], salt: bytes = b"") -> KvStaged:
+        """The blocks a match of ``tokens`` under ``salt`` needs beyond RAM and disk that the
+        shared tier has (the leading run, verified). Any thread; never waits for the context;
+        never fails (a store that is down or slow gives fewer blocks, counted)."""
+    def kv_remote_keys(self, tokens: list[int], salt: bytes = b"") -> list[str]:
+        """The shared tier's store keys of the whole blocks of ``tokens`` under ``salt``."""
+    def set_kv_remote(
+        self,
+        url: str | None,
+        ttl_s: float | None = None,
+        min_tokens: int | None = None,
+        timeout_s: float | None = None,
+        max_fetch_blocks: int = 0,
+    ) -> None:
+        """Attach the shared K/V tier on the Redis / Valkey store at ``url`` (``None``:
+        detach it); does not connect. ``ModelError`` for a model whose memory is not one
+        full-attention group or a TLS URL, ``ValueError`` for a bad URL or option."""
+    def kv_remote_support(self) -> str | None:
+        """None when this model can have a shared K/V tier, else why not."""
+    def kv_remote_flush(self) -> None:
+        """Wait until the shared tier (if any) sent every block handed to it so far."""
+    def kv_remote_ping(self) -> str | None:
+        """None when the shared tier's store answers (or there is none), else why not."""
     def seq_state_read(self, seq: int) -> bytes:
         """The state of ``seq``: positions, token ids and K/V rows as stored (f16/q8_0/f32
         bytes), with the weights identity and K/V format; with several layer groups
@@ -161,7 +186,14 @@ class Context:
         ``disk_writes``, ``disk_writes_dropped``, ``disk_removed``, ``disk_evicted``,
         ``disk_skipped``, ``disk_entries``, ``disk_bytes_held``, ``disk_bytes_max``,
         ``disk_loaded``, ``disk_queued``, ``disk_read_seconds``,
-        ``disk_min_tokens``; zeros without a tier)."""
+        ``disk_min_tokens``; zeros without a tier). ``remote_*``: the shared tier
+        (``remote_enabled``, ``remote_url`` without the password, ``remote_fetches``,
+        ``remote_fetched_blocks``, ``remote_hit_blocks``, ``remote_hit_tokens``,
+        ``remote_misses``, ``remote_invalid``, ``remote_lost``, ``remote_bytes_read``,
+        ``remote_bytes_written``, ``remote_writes``, ``remote_writes_existing``,
+        ``remote_writes_dropped``, ``remote_errors``, ``remote_skipped_short``,
+        ``remote_skipped_down``, ``remote_queued``, ``remote_fetch_seconds``,
+        ``remote_min_tokens``, ``remote_down``)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""
     def _inject_panic(self) -> None:
@@ -170,6 +202,15 @@ class Context:
         context closes as after a real internal error: that call raises ``EngineError``, the
         context's blocks go back to the model's shared pools at once (``stats()`` still reports
         the pools; its own counts read 0), and every later call raises ``EngineError``."""
+
+class KvStaged:
+    """Blocks fetched from the shared K/V tier for one prompt, until a ``match_prefix``
+    takes them."""
+
+    @property
+    def blocks(self) -> int: ...
+    def release(self) -> None:
+        """Give the staged bytes back now."""
 
 class Logits:
     """Row-major float32 logits, ``n_rows`` x ``n_vocab``, exposed through the buffer protocol.

@@ -315,6 +315,12 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      " recomputed once RAM evicted them, also after a restart (default: none)"),
     (("--kv-disk-size",), "SIZE", "KVSERVE_KV_DISK_SIZE", _size, "20GiB",
      "most bytes the K/V disk tier keeps; least recently used blocks go first"),
+    (("--kv-remote",), "URL", "KVSERVE_KV_REMOTE", str, None,
+     "shared K/V tier on Redis or Valkey (redis://[[user]:password@]host[:port][/db]):"
+     " computed prompt blocks are also stored there, and every process serving the same model"
+     " fetches them instead of recomputing (default: none)"),
+    (("--kv-remote-ttl",), "SECONDS", "KVSERVE_KV_REMOTE_TTL", _seconds, None,
+     "time to live of blocks stored in the shared K/V tier (default: one day)"),
     (("--batch-tokens",), "N", "KVSERVE_BATCH_TOKENS", _positive_int, 512,
      "prompt tokens computed per step (chunked prefill)"),
     (("--context-shift",), "", "KVSERVE_CONTEXT_SHIFT", _bool, False,
@@ -416,6 +422,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         kv_type=s["kv_type"],
         kv_disk=s["kv_disk"],
         kv_disk_size=s["kv_disk_size"],
+        kv_remote=s["kv_remote"],
+        kv_remote_ttl=s["kv_remote_ttl"],
         batch_tokens=s["batch_tokens"],
         context_shift=s["context_shift"],
         session_dir=s["session_dir"],

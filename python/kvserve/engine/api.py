@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
@@ -21,10 +23,12 @@ from ..testing import Faults
 from .kv import KvManager
 from .loop import HIT_WINDOW_S, RATE_WINDOW_S, EngineLoop
 from .requests import (
+    DONE,
     Call,
     ChoiceSink,
     Delta,
     End,
+    EngineClosed,
     FutureSink,
     LoopSink,
     Request,
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
     from ..chat import Message
 
 __all__ = ["Engine"]
+
+log = logging.getLogger("kvserve.engine")
 
 T = TypeVar("T")
 
@@ -102,6 +108,25 @@ def _disk_stats(st: dict[str, Any]) -> dict[str, float | int]:
     return out
 
 
+# Context.stats() ``remote_<name>`` -> Engine.stats() ``kv_remote_<name>``.
+_REMOTE_KEYS = (
+    "fetches", "fetched_blocks", "hit_blocks", "hit_tokens", "misses", "invalid", "lost",
+    "bytes_read", "bytes_written", "writes", "writes_existing", "writes_dropped", "errors",
+    "skipped_short", "skipped_down", "queued",
+)  # fmt: skip
+
+
+def _remote_stats(st: dict[str, Any]) -> dict[str, float | int]:
+    """``kv_remote_*`` counters of the shared tier in a context's ``stats()``."""
+    out: dict[str, float | int] = {f"kv_remote_{k}": int(st[f"remote_{k}"]) for k in _REMOTE_KEYS}
+    out["kv_remote_enabled"] = int(bool(st["remote_enabled"]))
+    out["kv_remote_down"] = int(bool(st["remote_down"]))
+    seconds, fetches = float(st["remote_fetch_seconds"]), int(st["remote_fetches"])
+    out["kv_remote_fetch_seconds"] = seconds
+    out["kv_remote_fetch_latency_s"] = seconds / fetches if fetches else 0.0
+    return out
+
+
 class Engine:
     """Serves one model to many callers at once; see the module docs.
 
@@ -143,6 +168,18 @@ class Engine:
     its queued writes. A model whose memory is not one full-attention group (sliding-window
     or recurrent layers: Gemma 3, LFM2) runs without it, with a warning (``kv_disk_enabled``
     is 0).
+
+    ``kv_remote``: ``redis://[[user]:password@]host[:port][/db]`` of a Redis or Valkey store
+    shared by every process serving this model (docs/KV_SEMANTICS.md, "Shared tier"): every
+    full block the prefix cache keys is also sent there (in the background, ``SET NX`` with a
+    time to live of ``kv_remote_ttl`` seconds, default a day), and before a request is queued,
+    the leading blocks of its prompt that neither RAM nor disk holds are fetched from it (on a
+    worker thread, never the engine's) and mapped at admission instead of computed. Prompts
+    shorter than ``kv_remote_min_tokens`` skip it (None: the measured break-even).
+    ``kv_remote_timeout``: seconds each store command may take (default 0.5); a store that is
+    down, slow or loses blocks costs a request at most that, and it computes what it did not
+    get (``kv_remote_errors`` counts it, and the tier rests a few seconds). Models whose
+    memory is not one full-attention group run without it, with a warning.
     """
 
     def __init__(
@@ -167,6 +204,10 @@ class Engine:
         kv_disk: StrPath | None = None,
         kv_disk_size: int | str = "20GiB",
         kv_disk_min_tokens: int | None = None,
+        kv_remote: str | None = None,
+        kv_remote_ttl: float | None = None,
+        kv_remote_min_tokens: int | None = None,
+        kv_remote_timeout: float | None = None,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -190,6 +231,10 @@ class Engine:
         disk_bytes = parse_size(kv_disk_size, "kv_disk_size")
         if kv_disk_min_tokens is not None and kv_disk_min_tokens < 0:
             raise ValueError(f"kv_disk_min_tokens must be >= 0 or None, got {kv_disk_min_tokens}")
+        if kv_remote_min_tokens is not None and kv_remote_min_tokens < 0:
+            raise ValueError(
+                f"kv_remote_min_tokens must be >= 0 or None, got {kv_remote_min_tokens}"
+            )
         self._tenants = check_policies(tenants)
         if priority_aging_s is not None and not priority_aging_s > 0:
             raise ValueError(
@@ -213,6 +258,17 @@ class Engine:
             kv_disk=kv_disk,
             kv_disk_size=disk_bytes,
             kv_disk_min_tokens=kv_disk_min_tokens,
+            kv_remote=kv_remote,
+            kv_remote_ttl=kv_remote_ttl,
+            kv_remote_min_tokens=kv_remote_min_tokens,
+            kv_remote_timeout=kv_remote_timeout,
+        )
+        # Fetches from the shared tier run here, before a request is queued: the engine
+        # thread never waits on the network.
+        self._fetcher = (
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-kv-fetch")
+            if kv.remote and prefix_cache
+            else None
         )
         self.kv_type = kv.kv_type
         self.parallel = parallel
@@ -254,9 +310,13 @@ class Engine:
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the engine thread; requests still queued or running fail with RuntimeError.
-        Blocks queued for the K/V disk tier are written before it returns."""
+        Blocks queued for the K/V disk tier and the shared tier are written before it returns.
+        """
         self._loop.close()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True, cancel_futures=True)
         self._loop.kv.flush_disk()
+        self._loop.kv.flush_remote()
 
     # The session settings, as given (read-only).
     @property
@@ -360,7 +420,33 @@ class Engine:
         return ids
 
     def _submit(self, req: Request) -> None:
+        fetcher = self._fetcher
+        # A text turn of a session continues what the session holds here: nothing to fetch.
+        if fetcher is not None and (req.turn is None or req.turn.cont is None):
+            if self._loop.closed:
+                raise EngineClosed(self._loop.fatal or "the engine is closed")
+            try:
+                fetcher.submit(self._fetch_then_submit, req)
+                return
+            except RuntimeError:  # shut down by close() meanwhile
+                raise EngineClosed(self._loop.fatal or "the engine is closed") from None
         self._loop.submit(req, lambda: next(self._arrival))
+
+    def _fetch_then_submit(self, req: Request) -> None:
+        """On a fetch worker: the blocks of the request's prompt that the shared tier holds
+        and this process lacks, then the request goes to the engine (a failed fetch is an
+        empty one: the request computes its prompt)."""
+        try:
+            if not req.cancel_requested:
+                req.staged = self._loop.kv.fetch(req.ids, req.salt)
+        except Exception:
+            log.exception("fetching from the shared K/V tier failed (the prompt is computed)")
+        try:
+            self._loop.submit(req, lambda: next(self._arrival))
+        except EngineClosed as e:
+            req.staged = None
+            req.state = DONE
+            req.sink.fail(e)
 
     def _cancel(self, *reqs: Request) -> None:
         """Ask the engine thread to drop ``reqs`` at its next step."""
@@ -665,7 +751,19 @@ class Engine:
         ``entries`` and ``bytes`` held now, ``bytes_max`` (the size limit), ``loaded``
         (entries found in the directory when the tier was opened), ``queued``
         (blocks waiting for the writer), ``read_seconds`` (the time the reads that hit took)
-        and ``read_latency_s`` (per block read back)."""
+        and ``read_latency_s`` (per block read back).
+
+        ``kv_remote_*``: the shared tier (zeros, and ``kv_remote_enabled`` 0, without one):
+        ``fetches`` (requests that asked the store), ``fetched_blocks`` (brought and
+        verified), ``hit_blocks`` / ``hit_tokens`` (mapped at admission instead of computed;
+        counted in ``cached_prompt_tokens`` too), ``misses`` (fetches that met a block the
+        store lacks), ``invalid`` (values that failed verification), ``lost`` (blocks gone
+        between the existence check and the read), ``bytes_read`` / ``bytes_written``,
+        ``writes`` / ``writes_existing`` (already stored by someone) / ``writes_dropped``
+        (queue full, store down), ``errors`` (connection, protocol, timeout: a warning sign),
+        ``skipped_short`` (prompts under the break-even), ``skipped_down`` (fetches skipped
+        while the tier rests after an error), ``queued``, ``down`` (1 while resting),
+        ``fetch_seconds`` and ``fetch_latency_s`` (per fetch)."""
         loop = self._loop
         st = loop.kv.stats()
         total = int(st["blocks_total"])
@@ -715,4 +813,5 @@ class Engine:
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
             **_group_stats(st),
             **_disk_stats(st),
+            **_remote_stats(st),
         }

@@ -15,7 +15,7 @@ from .._model import EngineError, KvCacheFull, StrPath
 from ..sessions import SessionFileError
 
 if TYPE_CHECKING:
-    from .._core import Context, Logits
+    from .._core import Context, KvStaged, Logits
     from .._model import Model
 
 __all__ = ["KvManager"]
@@ -42,6 +42,10 @@ class KvManager:
         kv_disk: StrPath | None = None,
         kv_disk_size: int = 0,
         kv_disk_min_tokens: int | None = None,
+        kv_remote: str | None = None,
+        kv_remote_ttl: float | None = None,
+        kv_remote_min_tokens: int | None = None,
+        kv_remote_timeout: float | None = None,
     ) -> None:
         self.model = model
         self.prefix_cache = prefix_cache
@@ -75,6 +79,30 @@ class KvManager:
                 # The tier belongs to the model's K/V memory: contexts made later (reopen)
                 # share it.
                 self.ctx.set_kv_disk(os.fspath(kv_disk), kv_disk_size, kv_disk_min_tokens)
+        # Why the shared tier asked for is off (None: on, or not asked for).
+        self.remote_off: str | None = None
+        self.remote = False
+        if kv_remote is not None:
+            self.remote_off = self.ctx.kv_remote_support()
+            if self.remote_off is not None:
+                log.warning("the shared K/V tier (kv_remote) is off: %s", self.remote_off)
+            else:
+                self.ctx.set_kv_remote(
+                    kv_remote,
+                    ttl_s=kv_remote_ttl,
+                    min_tokens=kv_remote_min_tokens,
+                    timeout_s=kv_remote_timeout,
+                    # One request's fetch brings at most half the pool (the rest is computed).
+                    max_fetch_blocks=max(1, int(st["blocks_total"]) // 2),
+                )
+                self.remote = True
+                down = self.ctx.kv_remote_ping()
+                if down is not None:
+                    log.warning(
+                        "the shared K/V tier's store does not answer (%s): requests compute"
+                        " what they would have fetched until it does",
+                        down,
+                    )
 
     # -- sequence ids ----------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -96,12 +124,26 @@ class KvManager:
             self._free.append(seq)
 
     # -- contents ---------------------------------------------------------------------------------
-    def match(self, seq: int, ids: Sequence[int], salt: bytes) -> int:
+    def match(
+        self, seq: int, ids: Sequence[int], salt: bytes, staged: KvStaged | None = None
+    ) -> int:
         """Salts the new (empty) sequence ``seq`` with ``salt`` (its blocks' content keys, so
         the cached prefixes it may reuse and the ones it leaves: tenancy.salt_for) and maps
-        the longest cached prefix of ``ids`` under that salt onto it."""
+        the longest cached prefix of ``ids`` under that salt onto it, taking blocks that
+        neither RAM nor disk holds from ``staged`` (:meth:`fetch`)."""
         self.ctx.seq_set_salt(seq, salt)
-        return self.ctx.match_prefix(seq, list(ids)) if self.prefix_cache else 0
+        if not self.prefix_cache:
+            return 0
+        return self.ctx.match_prefix(seq, list(ids), staged)
+
+    def fetch(self, ids: Sequence[int], salt: bytes) -> KvStaged | None:
+        """The blocks of ``ids`` under ``salt`` that the shared tier has and RAM and disk
+        lack (for :meth:`match`): any thread, never waits for the engine; None without a
+        tier or when it brought nothing."""
+        if not (self.remote and self.prefix_cache):
+            return None
+        staged = self.ctx.kv_remote_fetch(list(ids), salt)
+        return staged if staged.blocks else None
 
     def peek(self, ids: Sequence[int], salt: bytes) -> int:
         """What :meth:`match` would map now, changing nothing."""
@@ -203,3 +245,7 @@ class KvManager:
     def flush_disk(self) -> None:
         """Waits until the disk tier (if any) wrote every block handed to it so far."""
         self.ctx.kv_disk_flush()
+
+    def flush_remote(self) -> None:
+        """Waits until the shared tier (if any) sent every block handed to it so far."""
+        self.ctx.kv_remote_flush()

@@ -119,6 +119,10 @@ class EngineLoop:
         with self.cond:
             if self.closed:
                 raise EngineClosed(self.fatal or "the engine is closed")
+            if req.cancel_requested:
+                # Cancelled before it got here (while its K/V was fetched): the engine
+                # thread already failed it (_drop of a NEW request).
+                return
             req.key = (-req.priority, arrival())
             for child in req.children:  # after it, in choice order
                 child.key = (-child.priority, arrival())
@@ -445,6 +449,7 @@ class EngineLoop:
     def finish(
         self, req: Request, reason: str = FINISH_LENGTH, error: BaseException | None = None
     ) -> None:
+        req.staged = None
         turn = req.turn
         if req.state == DONE:  # a finished session turn still computing its last token
             if turn is not None and turn.closing:
@@ -561,7 +566,10 @@ class EngineLoop:
         with self.cond:
             self.waiting_changed(req, -1)
         req.state = RUNNING  # from here a failure releases its sequence
-        matched = self.contain(req, self._attach, req)
+        try:
+            matched = self.contain(req, self._attach, req)
+        finally:
+            req.staged = None  # taken by the match (or not needed any more)
         if matched is None:
             return None
         if req.cached_tokens < 0:  # first admission (not a resume after preemption)
@@ -586,7 +594,7 @@ class EngineLoop:
             req.seq = self.kv.alloc()
             self.sched.running[req.seq] = req  # a failure below releases it
             self.faults.check("prefix_match", req)
-            n = self.kv.match(req.seq, req.context(), req.salt)
+            n = self.kv.match(req.seq, req.context(), req.salt, req.staged)
         self.sched.running[req.seq] = req
         return n
 

@@ -14,6 +14,7 @@ from ..sampling import Sampler, TokenLogprob
 from ..textstream import TextStream
 
 if TYPE_CHECKING:
+    from .._core import KvStaged
     from ..sessions import Turn
 
 __all__ = [
@@ -228,6 +229,9 @@ class Request:
         self.protected = False  # admitted by aging: never preempted for priority
         self.seq = -1  # sequence id in the context while running
         self.n_done = 0  # ids[:n_done] have their K/V in the context
+        # Blocks fetched from the shared K/V tier for its prompt before it was queued, taken
+        # by its prefix match at admission (then None).
+        self.staged: KvStaged | None = None
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
         self.session_cached = 0  # of those, held by its resident session (the rest: prefix index)
         self.text = TextStream(stops)

@@ -223,7 +223,7 @@ class SessionManager:
             req.seq = s.seq
             if n == 0:
                 s.salt = req.salt
-                return kv.match(req.seq, context, req.salt)
+                return kv.match(req.seq, context, req.salt, req.staged)
             if req.cached_tokens < 0:
                 req.session_cached = n
             return n
@@ -232,7 +232,7 @@ class SessionManager:
             self.misses += 1
         s.evicted = False
         s.salt = req.salt
-        return kv.match(req.seq, context, req.salt)
+        return kv.match(req.seq, context, req.salt, req.staged)
 
     def end_turn(self, req: Request, ok: bool) -> None:
         """The session's running or waiting request ends. Finished: the session takes its

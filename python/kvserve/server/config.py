@@ -22,7 +22,9 @@ class ServerConfig:
     ``max_sessions``: as :class:`kvserve.Engine` takes them. ``session_dir``: where
     ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
     sessions live in memory only). ``kv_disk``, ``kv_disk_size``: the K/V disk tier's
-    directory (None: no tier) and size, as :class:`kvserve.Engine` takes them.
+    directory (None: no tier) and size, as :class:`kvserve.Engine` takes them. ``kv_remote``,
+    ``kv_remote_ttl``: the shared K/V tier's store URL (None: no tier) and its blocks' time to
+    live in seconds (None: a day), as :class:`kvserve.Engine` takes them.
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
     ``api_keys_file``: tenants and their keys and limits instead (TOML;
     python/kvserve/server/tenants.py); session ids are then scoped by tenant.
@@ -59,6 +61,8 @@ class ServerConfig:
     session_dir: str | None = None
     kv_disk: str | None = None
     kv_disk_size: int | str = "20GiB"
+    kv_remote: str | None = None
+    kv_remote_ttl: float | None = None
     kv_high_watermark: float = 0.9
     kv_low_watermark: float = 0.7
     session_ttl: float | None = None
@@ -92,6 +96,8 @@ class ServerConfig:
             "kv_type": self.kv_type,
             "kv_disk": self.kv_disk,
             "kv_disk_size": self.kv_disk_size,
+            "kv_remote": self.kv_remote,
+            "kv_remote_ttl": self.kv_remote_ttl,
             "batch_tokens": self.batch_tokens,
             "context_shift": self.context_shift,
             "kv_high_watermark": self.kv_high_watermark,

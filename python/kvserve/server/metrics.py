@@ -113,6 +113,55 @@ _COUNTERS = {
         "Seconds spent reading K/V blocks back from the disk tier (per block: divide by"
         " kvserve_kv_disk_hit_blocks_total)",
     ),
+    "kv_remote_fetches": (
+        "kvserve_kv_remote_fetches",
+        "Requests that asked the shared K/V tier for blocks RAM and disk lacked",
+    ),
+    "kv_remote_hit_blocks": (
+        "kvserve_kv_remote_hit_blocks",
+        "K/V blocks fetched from the shared tier and mapped instead of recomputed",
+    ),
+    "kv_remote_hit_tokens": (
+        "kvserve_kv_remote_hit_tokens",
+        "Prompt tokens whose K/V came from the shared tier",
+    ),
+    "kv_remote_misses": (
+        "kvserve_kv_remote_misses",
+        "Fetches that met a block the shared tier lacked (the prompt was computed from there)",
+    ),
+    "kv_remote_invalid": (
+        "kvserve_kv_remote_invalid",
+        "Shared tier values that failed verification (another model or version, damaged)",
+    ),
+    "kv_remote_lost": (
+        "kvserve_kv_remote_lost",
+        "Shared tier blocks evicted between the existence check and the read",
+    ),
+    "kv_remote_bytes_read": (
+        "kvserve_kv_remote_read_bytes",
+        "Bytes read from the shared K/V tier",
+    ),
+    "kv_remote_bytes_written": (
+        "kvserve_kv_remote_written_bytes",
+        "Bytes written to the shared K/V tier",
+    ),
+    "kv_remote_writes_dropped": (
+        "kvserve_kv_remote_writes_dropped",
+        "K/V blocks not sent to the shared tier (queue full, store down)",
+    ),
+    "kv_remote_errors": (
+        "kvserve_kv_remote_errors",
+        "Shared K/V tier connection, protocol and timeout errors (requests recomputed)",
+    ),
+    "kv_remote_skipped_down": (
+        "kvserve_kv_remote_skipped_down",
+        "Fetches skipped while the shared tier rested after an error",
+    ),
+    "kv_remote_fetch_seconds": (
+        "kvserve_kv_remote_fetch_seconds",
+        "Seconds spent fetching from the shared K/V tier (per fetch: divide by"
+        " kvserve_kv_remote_fetches_total)",
+    ),
 }
 _GAUGES = {
     "kv_usage": ("kvserve_kv_usage_ratio", "Share of K/V blocks referenced by live sequences"),
@@ -137,6 +186,10 @@ _GAUGES = {
     "kv_disk_entries": ("kvserve_kv_disk_entries", "K/V blocks held by the disk tier"),
     "kv_disk_bytes": ("kvserve_kv_disk_bytes", "Bytes held by the K/V disk tier"),
     "kv_disk_bytes_max": ("kvserve_kv_disk_bytes_max", "Size limit of the K/V disk tier"),
+    "kv_remote_down": (
+        "kvserve_kv_remote_down",
+        "1 while the shared K/V tier rests after an error (fetches and writes skipped)",
+    ),
 }
 
 

@@ -17,6 +17,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Logits>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<model::Context>()?;
+    m.add_class::<model::KvStaged>()?;
     m.add_function(wrap_pyfunction!(model::bench, m)?)?;
     m.add_function(wrap_pyfunction!(model::bench_batched, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;

@@ -5,8 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use kvserve_core::gguf::Value;
 use kvserve_core::kv::disk::{DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_BYTES};
+use kvserve_core::kv::remote::{RemoteOptions, Staged};
 use kvserve_core::kv::storage::KvType;
-use kvserve_core::kv::{DiskOptions, Memory, PagedCache, SharedKv};
+use kvserve_core::kv::{block_key, salt_root, DiskOptions, Memory, PagedCache, SharedKv};
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, LayerKind, Model as CoreModel,
 };
@@ -521,12 +522,62 @@ impl Context {
     /// For a new (empty) sequence `seq`: maps the longest cached prefix of `tokens` (whole
     /// blocks, at most `len(tokens) - 1` tokens), computed by any context of this model, onto
     /// cached blocks and returns its length `n`; decode `tokens[n:]` at positions `n..` next.
-    fn match_prefix(&self, py: Python<'_>, seq: i32, tokens: Vec<i64>) -> PyResult<usize> {
+    ///
+    /// `staged`: blocks `kv_remote_fetch` brought from the shared tier for these tokens and
+    /// this sequence's salt; a block neither RAM nor disk holds is copied from them.
+    #[pyo3(signature = (seq, tokens, staged = None))]
+    fn match_prefix(
+        &self,
+        py: Python<'_>,
+        seq: i32,
+        tokens: Vec<i64>,
+        staged: Option<PyRef<'_, KvStaged>>,
+    ) -> PyResult<usize> {
         let tokens = tokens
             .into_iter()
             .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
-        self.with(py, |c| c.match_prefix(seq, &tokens))
+        let staged = staged.and_then(|s| s.take());
+        self.with(py, move |c| {
+            c.match_prefix_staged(seq, &tokens, staged.as_deref())
+        })
+    }
+
+    /// Fetches from the shared tier (if one is attached) the blocks a match of `tokens` in a
+    /// sequence salted with `salt` would need beyond what RAM and disk hold (the leading run
+    /// the store has, verified), for `match_prefix(..., staged=)`. Never waits for the context
+    /// (runs on any thread while decodes go on, without the GIL); never fails: a store that
+    /// is down or slow gives fewer blocks (counted in `stats()`).
+    #[pyo3(signature = (tokens, salt = b"".as_slice()))]
+    fn kv_remote_fetch(&self, py: Python<'_>, tokens: Vec<i64>, salt: &[u8]) -> PyResult<KvStaged> {
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_vocab(self.n_vocab, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let root = salt_root(salt);
+        let shared = Arc::clone(&self.shared);
+        let staged = py.detach(move || shared.fetch_remote(&tokens, root));
+        Ok(KvStaged::new(staged))
+    }
+
+    /// The shared tier's store keys (`kvs:v1:<model id>:<block key>`) of the whole blocks of
+    /// `tokens` in a sequence salted with `salt`, in order (tools and tests).
+    #[pyo3(signature = (tokens, salt = b"".as_slice()))]
+    fn kv_remote_keys(&self, tokens: Vec<i64>, salt: &[u8]) -> PyResult<Vec<String>> {
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_vocab(self.n_vocab, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let id = self.shared.model_id();
+        let mut parent = salt_root(salt);
+        let bs = self.shared.layout().block_size;
+        Ok(tokens
+            .chunks_exact(bs)
+            .map(|chunk| {
+                parent = block_key(id, parent, chunk);
+                format!("kvs:v1:{id:032x}:{parent:032x}")
+            })
+            .collect())
     }
 
     /// How many tokens `match_prefix` would map for `tokens` now in a sequence salted with
@@ -606,6 +657,65 @@ impl Context {
         self.with(py, |c| Ok(c.kv_disk_support().err().map(|e| e.to_string())))
     }
 
+    /// Attaches the shared K/V tier on the Redis / Valkey store at `url` to the model's K/V
+    /// memory (every context of it then writes the blocks its decodes key through to the
+    /// store; `kv_remote_fetch` stages blocks from it). `ttl_s`: time to live of written blocks;
+    /// prompts shorter than `min_tokens` (default: the measured break-even) skip it;
+    /// `timeout_s` bounds each command; at most `max_fetch_blocks` blocks a fetch (0: no
+    /// limit). `url=None` detaches it. Does not connect. `ModelError` for a model whose memory
+    /// is not one full-attention group or a TLS URL, `ValueError` for a bad URL or option.
+    #[pyo3(signature = (url, ttl_s=None, min_tokens=None, timeout_s=None, max_fetch_blocks=0))]
+    fn set_kv_remote(
+        &self,
+        py: Python<'_>,
+        url: Option<String>,
+        ttl_s: Option<f64>,
+        min_tokens: Option<usize>,
+        timeout_s: Option<f64>,
+        max_fetch_blocks: usize,
+    ) -> PyResult<()> {
+        let secs = |v: Option<f64>, name: &str, d: std::time::Duration| match v {
+            None => Ok(d),
+            Some(x) if x.is_finite() && x > 0.0 && x < 1e9 => {
+                Ok(std::time::Duration::from_secs_f64(x))
+            }
+            Some(x) => Err(PyValueError::new_err(format!(
+                "{name} must be a positive number of seconds, got {x}"
+            ))),
+        };
+        let d = RemoteOptions::default();
+        let o = RemoteOptions {
+            ttl: secs(ttl_s, "ttl_s", d.ttl)?,
+            min_tokens: min_tokens.unwrap_or(d.min_tokens),
+            timeout: secs(timeout_s, "timeout_s", d.timeout)?,
+            max_fetch_blocks,
+            ..d
+        };
+        self.with(py, move |c| c.set_kv_remote(url.as_deref(), o))
+    }
+
+    /// None when this model can have a shared K/V tier, else why not (as `kv_disk_support`).
+    fn kv_remote_support(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, |c| {
+            Ok(c.kv_remote_support().err().map(|e| e.to_string()))
+        })
+    }
+
+    /// Waits until the shared tier (if any) has sent every block handed to it so far (or
+    /// dropped it); never waits for the context.
+    fn kv_remote_flush(&self, py: Python<'_>) {
+        if let Some(r) = self.shared.remote() {
+            py.detach(|| r.flush());
+        }
+    }
+
+    /// None when the shared tier's store answers `PING` now (or there is no tier), else why
+    /// not. Never waits for the context.
+    fn kv_remote_ping(&self, py: Python<'_>) -> Option<String> {
+        let r = self.shared.remote()?;
+        py.detach(|| r.ping().err())
+    }
+
     /// Waits until the disk tier (if any) has written every block handed to it so far (or
     /// dropped it); never waits for the context.
     fn kv_disk_flush(&self, py: Python<'_>) {
@@ -673,6 +783,36 @@ impl Context {
         }
         d.set_item("disk_read_seconds", ds.read_seconds)?;
         d.set_item("disk_min_tokens", ds.min_tokens)?;
+        let remote = self.shared.remote();
+        let rs = remote.as_ref().map(|t| t.stats()).unwrap_or_default();
+        d.set_item("remote_enabled", remote.is_some())?;
+        d.set_item(
+            "remote_url",
+            remote.as_ref().map(|t| format!("{:?}", t.addr())),
+        )?;
+        for (k, v) in [
+            ("remote_fetches", rs.fetches),
+            ("remote_fetched_blocks", rs.fetched_blocks),
+            ("remote_hit_blocks", rs.hit_blocks),
+            ("remote_hit_tokens", rs.hit_tokens),
+            ("remote_misses", rs.misses),
+            ("remote_invalid", rs.invalid),
+            ("remote_lost", rs.lost),
+            ("remote_bytes_read", rs.bytes_read),
+            ("remote_bytes_written", rs.bytes_written),
+            ("remote_writes", rs.writes),
+            ("remote_writes_existing", rs.writes_existing),
+            ("remote_writes_dropped", rs.writes_dropped),
+            ("remote_errors", rs.errors),
+            ("remote_skipped_short", rs.skipped_short),
+            ("remote_skipped_down", rs.skipped_down),
+            ("remote_queued", rs.queued),
+        ] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("remote_fetch_seconds", rs.fetch_seconds)?;
+        d.set_item("remote_min_tokens", rs.min_tokens)?;
+        d.set_item("remote_down", rs.down)?;
         // Per layer group (one for most models; full and window groups for Gemma 3): the
         // group's pool and what this context holds in it.
         let groups = PyList::empty(py);
@@ -819,4 +959,39 @@ pub fn bench_batched<'py>(
         out.append(d)?;
     }
     Ok(out)
+}
+
+/// Blocks fetched from the shared K/V tier for one prompt (`Context.kv_remote_fetch`), until
+/// a `match_prefix(..., staged=)` takes them (once) or the object goes.
+#[pyclass(frozen, module = "kvserve._core")]
+pub struct KvStaged {
+    inner: Mutex<Option<Arc<Staged>>>,
+    n_blocks: usize,
+}
+
+impl KvStaged {
+    fn new(s: Staged) -> KvStaged {
+        KvStaged {
+            n_blocks: s.len(),
+            inner: Mutex::new((!s.is_empty()).then(|| Arc::new(s))),
+        }
+    }
+
+    fn take(&self) -> Option<Arc<Staged>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+#[pymethods]
+impl KvStaged {
+    /// Blocks the fetch brought.
+    #[getter]
+    fn blocks(&self) -> usize {
+        self.n_blocks
+    }
+
+    /// Gives the staged bytes back now (a request that will not be matched).
+    fn release(&self) {
+        self.take();
+    }
 }

@@ -14,7 +14,8 @@
 //!   key never names unwritten data), or `rollback` undoes the batch if the pass failed.
 //! - `match_prefix(seq, tokens)` attaches the longest indexed prefix (whole blocks) to a new
 //!   sequence, whichever context computed it, and continues it from the memory's disk tier
-//!   ([`super::disk`]) where one is attached ([`SharedKv::set_disk`]).
+//!   ([`super::disk`]) where one is attached ([`SharedKv::set_disk`]), and from blocks
+//!   fetched beforehand from the shared tier ([`super::remote`], [`SharedKv::fetch_remote`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,6 +25,7 @@ use super::pool::{BlockId, BlockPool, PoolStats};
 #[cfg(test)]
 use super::prefix::salt_root;
 use super::prefix::{block_key, Key, KeyHasher, PrefixIndex, ROOT_KEY};
+use super::remote::{Candidate, RemoteTier, Staged};
 use super::storage::{KvLayout, KvStorage};
 use super::table::{BatchTx, KvTable, Pos, SeqId, SeqView, TableStats, Updates};
 use crate::batch::Batch;
@@ -62,6 +64,8 @@ pub struct SharedKv {
     hit_tokens: AtomicU64,
     /// The disk tier (L2) below the pool, if any.
     disk: Mutex<Option<Arc<DiskTier>>>,
+    /// The shared tier (L3), if any.
+    remote: Mutex<Option<Arc<RemoteTier>>>,
 }
 
 impl std::fmt::Debug for SharedKv {
@@ -127,6 +131,7 @@ impl SharedKv {
             lookups: AtomicU64::new(0),
             hit_tokens: AtomicU64::new(0),
             disk: Mutex::new(None),
+            remote: Mutex::new(None),
         })
     }
 
@@ -227,6 +232,59 @@ impl SharedKv {
         }
         *self.disk.lock().unwrap_or_else(|e| e.into_inner()) = tier;
         Ok(())
+    }
+
+    /// The shared tier of this memory, if one is attached.
+    pub fn remote(&self) -> Option<Arc<RemoteTier>> {
+        self.remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Attaches a shared tier (its model id must be this memory's) or detaches it (`None`):
+    /// from then on every context writes the blocks its decodes key through to it
+    /// ([`PagedCache::write_through`]), and [`SharedKv::fetch_remote`] stages blocks from it
+    /// for [`PagedCache::match_prefix_staged`]. As for the disk tier, the caller decides that
+    /// the memory's blocks are worth storing alone (`Context::set_kv_remote`).
+    pub fn set_remote(&self, tier: Option<Arc<RemoteTier>>) -> Result<()> {
+        if let Some(t) = &tier {
+            if t.model_id() != self.model_id {
+                return Err(Error::InvalidInput(format!(
+                    "the kv remote tier {:?} belongs to another model or K/V format",
+                    t.addr()
+                )));
+            }
+        }
+        *self.remote.lock().unwrap_or_else(|e| e.into_inner()) = tier;
+        Ok(())
+    }
+
+    /// Fetches from the shared tier (if any) the blocks a prefix match of `tokens` under the
+    /// salt root `root` would need after what RAM and disk hold: the leading full blocks (at
+    /// most `len(tokens) - 1` tokens, as a match maps) that neither the index nor the disk tier
+    /// has, up to the first the store lacks. Reads only the index and the disk tier's index,
+    /// never the pool or the storage: safe on any thread while decodes run. The staged
+    /// blocks go into the pool at the match ([`PagedCache::match_prefix_staged`]).
+    pub fn fetch_remote(&self, tokens: &[u32], root: Key) -> Staged {
+        let Some(r) = self.remote() else {
+            return Staged::default();
+        };
+        let bs = self.layout.block_size;
+        let n_max = tokens.len().saturating_sub(1) / bs;
+        let disk = self.disk().filter(|d| d.worth_it(tokens.len()));
+        let mut parent = root;
+        let mut cands: Vec<Candidate<'_>> = Vec::new();
+        for chunk in tokens.chunks_exact(bs).take(n_max) {
+            let key = block_key(self.model_id, parent, chunk);
+            let local = self.index.contains(&self.pool, key, parent, chunk)
+                || disk.as_ref().is_some_and(|d| d.contains(key));
+            if !local {
+                cands.push((key, parent, chunk));
+            }
+            parent = key;
+        }
+        r.fetch(&cands, tokens.len())
     }
 
     /// Pool counts, O(1).
@@ -429,46 +487,56 @@ impl PagedCache {
         out
     }
 
-    /// Write-through to the disk tier (if the memory has one): hands it a copy of each block in
-    /// `keyed` (blocks a commit just keyed, as `commit` returns them) that it does not hold
-    /// yet. `storage` is this memory's storage, locked by the caller (the copy is taken under
+    /// Write-through to the disk tier and the shared tier (those the memory has): hands each a
+    /// copy of each block in `keyed` (blocks a commit just keyed, as `commit` returns them)
+    /// (the disk tier: those it does not hold yet; the shared tier sends `SET NX`). `storage` is this memory's storage, locked by the caller (the copy is taken under
     /// that lock; the writing happens on the tier's thread). A block the tier cannot queue is
     /// simply not written (`DiskStats::writes_dropped`).
     pub fn write_through(&self, storage: &KvStorage, keyed: &[(BlockId, Key)]) {
-        let Some(d) = self.shared.disk() else {
+        let disk = self.shared.disk();
+        let remote = self.shared.remote();
+        if disk.is_none() && remote.is_none() {
             return;
-        };
+        }
         let index = &self.shared.index;
         for &(b, key) in keyed {
-            if d.contains(key) || index.key_of(b) != key {
+            if index.key_of(b) != key {
+                continue;
+            }
+            let to_disk = disk.as_ref().filter(|d| !d.contains(key));
+            if to_disk.is_none() && remote.is_none() {
                 continue;
             }
             if let Ok(bytes) = storage.block_raw(b) {
-                d.offer(key, index.parent_of(b), self.table.block_tokens(b), bytes);
+                let (parent, tokens) = (index.parent_of(b), self.table.block_tokens(b));
+                if let Some(d) = to_disk {
+                    d.offer(key, parent, tokens, bytes);
+                }
+                if let Some(r) = &remote {
+                    r.offer(key, parent, tokens, bytes);
+                }
             }
         }
     }
 
-    /// Loads `key`'s block (of `parent` and `tokens`) from the disk tier into a fresh pool
-    /// block, which gets the key in the pool and the index as a commit would give it; the
-    /// caller holds the returned block. `None` (nothing taken) when the pool has no block to
-    /// give or the tier no valid entry.
-    fn load_from_disk(
+    /// Loads `key`'s block (of `parent` and `tokens`) into a fresh pool block, its bytes
+    /// written by `fill` (false: no valid bytes), and gives it the key in the pool and the
+    /// index as a commit would; the caller holds the returned block. `None` (nothing taken)
+    /// when the pool has no block to give or `fill` failed.
+    fn load_block(
         &self,
-        d: &DiskTier,
         storage: &mut KvStorage,
         key: Key,
         parent: Key,
         tokens: &[u32],
+        fill: impl FnOnce(&mut [u8]) -> bool,
     ) -> Option<BlockId> {
         let (pool, index) = (&self.shared.pool, &self.shared.index);
         let (b, old) = pool.allocate_evicting()?;
         if let Some(tag) = old {
             index.forget(b, tag);
         }
-        let read = storage
-            .block_raw_mut(b)
-            .is_ok_and(|out| d.read(key, parent, tokens, out));
+        let read = storage.block_raw_mut(b).is_ok_and(fill);
         if read && index.insert(pool, b, key, parent, tokens).is_ok() {
             return Some(b);
         }
@@ -494,7 +562,19 @@ impl PagedCache {
     /// block from RAM or disk, until neither holds the next one, the tier's entry is invalid
     /// or the pool has no block to give.
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        self.match_prefix_in(seq, tokens, None)
+        self.match_prefix_in(seq, tokens, None, None)
+    }
+
+    /// [`PagedCache::match_prefix`] that also takes a block neither RAM nor disk holds from
+    /// `staged` (blocks [`SharedKv::fetch_remote`] brought from the shared tier for this
+    /// prompt and salt), copying it into a fresh pool block as a disk read would.
+    pub fn match_prefix_staged(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        staged: Option<&Staged>,
+    ) -> Result<usize> {
+        self.match_prefix_in(seq, tokens, None, staged)
     }
 
     /// [`PagedCache::match_prefix`] for a sliding-window group of `window` positions: a token
@@ -510,7 +590,7 @@ impl PagedCache {
         tokens: &[u32],
         window: usize,
     ) -> Result<usize> {
-        self.match_prefix_in(seq, tokens, Some(window.max(1)))
+        self.match_prefix_in(seq, tokens, Some(window.max(1)), None)
     }
 
     /// How many tokens of `tokens` [`PagedCache::match_prefix`] (`window: None`) or
@@ -566,6 +646,7 @@ impl PagedCache {
         seq: SeqId,
         tokens: &[u32],
         window: Option<usize>,
+        staged: Option<&Staged>,
     ) -> Result<usize> {
         if seq < 0 {
             return Err(Error::InvalidInput(format!(
@@ -624,6 +705,7 @@ impl PagedCache {
             // then the index inside it).
             let mut storage = None;
             let mut in_ram = Vec::new();
+            let mut from_remote = 0;
             for chunk in tokens.chunks_exact(bs).take(n_max) {
                 let key = block_key(self.shared.model_id, parent, chunk);
                 let b = match index.lookup(pool, key, parent, chunk) {
@@ -632,15 +714,30 @@ impl PagedCache {
                         b
                     }
                     None => {
-                        let Some(d) = disk.as_deref().filter(|d| d.worth_it(tokens.len())) else {
-                            break;
-                        };
-                        if !d.contains(key) {
+                        let d = disk.as_deref().filter(|d| d.worth_it(tokens.len()));
+                        let on_disk = d.is_some_and(|d| d.contains(key));
+                        if let (Some(d), false) = (d, on_disk) {
                             d.count_miss();
+                        }
+                        let from_disk = d.filter(|_| on_disk);
+                        let staged = staged.and_then(|s| s.get(key, parent, chunk));
+                        if from_disk.is_none() && staged.is_none() {
                             break;
                         }
                         let st = storage.get_or_insert_with(|| shared.lock_storage());
-                        let Some(b) = self.load_from_disk(d, st, key, parent, chunk) else {
+                        let mut b = from_disk.and_then(|d| {
+                            self.load_block(st, key, parent, chunk, |out| {
+                                d.read(key, parent, chunk, out)
+                            })
+                        });
+                        if let (None, Some(p)) = (b, staged) {
+                            b = self.load_block(st, key, parent, chunk, |out| {
+                                out.copy_from_slice(p);
+                                true
+                            });
+                            from_remote += usize::from(b.is_some());
+                        }
+                        let Some(b) = b else {
                             break;
                         };
                         b
@@ -651,6 +748,9 @@ impl PagedCache {
                 parent = key;
             }
             drop(storage);
+            if let (Some(r), true) = (self.shared.remote(), from_remote > 0) {
+                r.count_hits(from_remote);
+            }
             if let Some(d) = &disk {
                 // Blocks served from RAM keep their disk copies warm in the tier's LRU.
                 d.touch(&in_ram);

@@ -257,7 +257,7 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
 /// open of one directory shares the tier instead of fighting over its lock and files.
 static OPEN: Mutex<Vec<(PathBuf, Weak<DiskTier>)>> = Mutex::new(Vec::new());
 
-fn entry_len(block_size: usize, payload: usize) -> usize {
+pub(crate) fn entry_len(block_size: usize, payload: usize) -> usize {
     FIXED + 4 * block_size + payload + TRAILER
 }
 
@@ -293,6 +293,57 @@ fn checksum(header: &[u8], payload: &[u8]) -> [u8; 16] {
     h.write_bytes(header);
     h.write_bytes(payload);
     h.finish().to_le_bytes()
+}
+
+/// A whole entry (the format above) for a block: what the shared tier (`super::remote`)
+/// stores as a value.
+pub(crate) fn encode_entry(
+    model_id: Key,
+    key: Key,
+    parent: Key,
+    tokens: &[u32],
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut e = header(model_id, key, parent, tokens, payload.len());
+    let sum = checksum(&e, payload);
+    e.reserve_exact(payload.len() + TRAILER);
+    e.extend_from_slice(payload);
+    e.extend_from_slice(&sum);
+    e
+}
+
+/// The payload of `entry` when it is exactly the entry [`encode_entry`] gives for this model,
+/// `key`, `parent`, `tokens` and a payload of `payload_len` bytes, checksum included; `None`
+/// for anything else (another version, model, key, parent or content, a wrong length, a
+/// damaged byte).
+pub(crate) fn entry_payload<'a>(
+    entry: &'a [u8],
+    model_id: Key,
+    key: Key,
+    parent: Key,
+    tokens: &[u32],
+    payload_len: usize,
+) -> Option<&'a [u8]> {
+    let h_len = FIXED + 4 * tokens.len();
+    if entry.len() != entry_len(tokens.len(), payload_len) {
+        return None;
+    }
+    let (h, rest) = entry.split_at(h_len);
+    let (payload, sum) = rest.split_at(payload_len);
+    let same_tokens = h[FIXED..]
+        .chunks_exact(4)
+        .zip(tokens)
+        .all(|(b, &t)| u32::from_le_bytes(b.try_into().expect("4 bytes")) == t);
+    let ok = h[..8] == MAGIC
+        && u32_at(h, 8) == VERSION
+        && u32_at(h, 12) as usize == tokens.len()
+        && u128_at(h, 16) == model_id
+        && u128_at(h, 32) == key
+        && u128_at(h, 48) == parent
+        && u64_at(h, 64) == payload_len as u64
+        && same_tokens
+        && sum == checksum(h, payload);
+    ok.then_some(payload)
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {

@@ -18,6 +18,7 @@ use super::cache::PagedCache;
 use super::pool::{BlockId, BlockPool};
 use super::prefix::{chain_keys, salt_root, Key};
 use super::recurrent::{RecurrentGroup, StateTx};
+use super::remote::Staged;
 use super::storage::KvStorage;
 use super::table::{BatchTx, Pos, SeqId};
 use crate::batch::Batch;
@@ -279,8 +280,23 @@ impl LayerGroups {
     /// can resume; the sequence gets that state, so nothing of the prefix is recomputed. Without
     /// one it maps nothing (0).
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        self.match_prefix_staged(seq, tokens, None)
+    }
+
+    /// [`LayerGroups::match_prefix`] that also maps blocks `staged` from the shared tier
+    /// (`SharedKv::fetch_remote`) into the memory of one full-attention group (the only kind
+    /// that has a shared tier; elsewhere `staged` is ignored).
+    pub fn match_prefix_staged(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        staged: Option<&Staged>,
+    ) -> Result<usize> {
+        if self.groups.len() == 1 && self.recurrent.is_none() {
+            return self.match_kv_prefix(seq, tokens, staged);
+        }
         if self.recurrent.is_none() {
-            return self.match_kv_prefix(seq, tokens);
+            return self.match_kv_prefix(seq, tokens, None);
         }
         if seq < 0 || self.seq_pos_max(seq) >= 0 {
             return Err(crate::Error::InvalidInput(format!(
@@ -290,7 +306,7 @@ impl LayerGroups {
         if !self.recurrent().is_some_and(RecurrentGroup::can_checkpoint) {
             return Ok(0);
         }
-        let n = self.match_kv_prefix(seq, tokens)?;
+        let n = self.match_kv_prefix(seq, tokens, None)?;
         let primary = self.primary();
         let bs = primary.table().block_size();
         let model_id = primary.model_id();
@@ -409,7 +425,12 @@ impl LayerGroups {
     }
 
     /// [`LayerGroups::match_prefix`] over the K/V groups only.
-    fn match_kv_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+    fn match_kv_prefix(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        staged: Option<&Staged>,
+    ) -> Result<usize> {
         let mut n = usize::MAX;
         // Full groups first: a window group only needs the window before their match.
         let mut order: Vec<usize> = (0..self.groups.len()).collect();
@@ -422,7 +443,9 @@ impl LayerGroups {
             let part = &tokens[..tokens.len().min(n.saturating_add(1))];
             let m = match g.kind {
                 GroupKind::Window(w) => g.cache.match_window_prefix(seq, part, w)?,
-                GroupKind::Full | GroupKind::Recurrent => g.cache.match_prefix(seq, part)?,
+                GroupKind::Full | GroupKind::Recurrent => {
+                    g.cache.match_prefix_staged(seq, part, staged)?
+                }
             };
             n = n.min(m);
         }

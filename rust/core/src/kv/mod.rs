@@ -12,6 +12,9 @@
 //! - [`disk`]: the local disk tier (L2): full keyed blocks the RAM pool evicted, found again
 //!   by their content keys (and after a restart).
 //!
+//! - [`remote`]: the shared tier (L3): full keyed blocks in Redis / Valkey, shared by every
+//!   process serving the model.
+//!
 //! - [`state`]: a sequence's cells (positions, tokens, K/V as stored) as bytes and back
 //!   (saving and restoring sessions).
 //!
@@ -33,6 +36,7 @@ pub mod memory;
 pub mod pool;
 pub mod prefix;
 pub mod recurrent;
+pub mod remote;
 pub mod state;
 pub mod storage;
 pub mod table;
@@ -57,6 +61,7 @@ pub use disk::{DiskOptions, DiskStats, DiskTier};
 pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, PlannedBatch, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
 pub use prefix::{block_key, salt_root, Key, KeyHasher, PrefixIndex, ROOT_KEY};
+pub use remote::{RemoteOptions, RemoteStats, RemoteTier, Staged};
 pub use table::{
     BatchTx, CellShift, CowCopy, KvTable, Pos, SeqId, SeqView, TableStats, Updates, WritePlan,
 };

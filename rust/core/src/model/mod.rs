@@ -20,8 +20,8 @@ use crate::kv::recurrent::{RecurrentGroup, StateLayout};
 use crate::kv::storage::KvStorage;
 use crate::kv::storage::{KvLayout, KvType};
 use crate::kv::{
-    blocks_for_tokens, BlockId, DiskOptions, DiskTier, Key, KeyHasher, PagedCache, Pos, SeqId,
-    SeqView, SharedKv, DEFAULT_BLOCK_SIZE,
+    blocks_for_tokens, BlockId, DiskOptions, DiskTier, Key, KeyHasher, PagedCache, Pos,
+    RemoteOptions, RemoteTier, SeqId, SeqView, SharedKv, Staged, DEFAULT_BLOCK_SIZE,
 };
 use crate::tokenizer::{Tokenizer, VocabData};
 
@@ -616,6 +616,15 @@ impl Context {
     /// Whether this context's memory can have a disk tier: one full-attention group (no
     /// sliding-window layers, no recurrent state); else why not.
     pub fn kv_disk_support(&self) -> Result<()> {
+        self.kv_tier_support("disk tier")
+    }
+
+    /// Whether this context's memory can have a shared (remote) tier: as for the disk tier.
+    pub fn kv_remote_support(&self) -> Result<()> {
+        self.kv_tier_support("shared (remote) tier")
+    }
+
+    fn kv_tier_support(&self, tier: &str) -> Result<()> {
         let m = &self.memory;
         let one_full = m.groups().len() == 1
             && m.groups()[0].kind == LayerKind::Full
@@ -624,7 +633,7 @@ impl Context {
             return Ok(());
         }
         Err(Error::Unsupported(format!(
-            "the K/V disk tier stores models whose K/V memory is one full-attention group; \
+            "the K/V {tier} stores models whose K/V memory is one full-attention group; \
              this {} model also has {} layers, whose blocks the tier does not store yet \
              (planned next: docs/KV_SEMANTICS.md, \"Disk tier\")",
             self.model.config.arch.name(),
@@ -657,6 +666,39 @@ impl Context {
     /// The disk tier of the model's K/V memory, if one is attached.
     pub fn kv_disk(&self) -> Option<Arc<DiskTier>> {
         self.memory.primary().shared().disk()
+    }
+
+    /// Attaches the shared tier on the Redis / Valkey store at `url` (docs/KV_SEMANTICS.md,
+    /// "Shared tier"; `kv::remote`) to the model's K/V memory: every context of it writes the
+    /// blocks its decodes key through to the store, and `SharedKv::fetch_remote` stages
+    /// blocks from it for `match_prefix_staged`. `None` detaches it. Does not connect (a store
+    /// that is down is a tier that is off until it answers). `Unsupported` for a model whose
+    /// memory is not one full-attention group, or a TLS URL; `InvalidInput` for a bad URL.
+    pub fn set_kv_remote(&mut self, url: Option<&str>, o: RemoteOptions) -> Result<()> {
+        self.kv_remote_support()?;
+        let sh = self.memory.primary().shared();
+        let Some(url) = url else {
+            return sh.set_remote(None);
+        };
+        let l = sh.layout();
+        let tier = RemoteTier::open(url, sh.model_id(), l.block_size, l.bytes_per_block(), o)?;
+        sh.set_remote(Some(tier))
+    }
+
+    /// The shared tier of the model's K/V memory, if one is attached.
+    pub fn kv_remote(&self) -> Option<Arc<RemoteTier>> {
+        self.memory.primary().shared().remote()
+    }
+
+    /// [`Context::match_prefix`] that also maps blocks staged from the shared tier
+    /// (`SharedKv::fetch_remote` for these tokens under this sequence's salt).
+    pub fn match_prefix_staged(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        staged: Option<&Staged>,
+    ) -> Result<usize> {
+        self.memory.match_prefix_staged(seq, tokens, staged)
     }
 
     /// The checks of `batch` that `decode` makes before planning it: its columns and values
