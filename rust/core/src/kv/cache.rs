@@ -1592,4 +1592,59 @@ mod tests {
         drop((a, holder, tier, shared));
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// A memory of `n_blocks` blocks (weights id 7) with the shared tier on `url`.
+    fn memory_on_store(n_blocks: usize, url: &str) -> Arc<SharedKv> {
+        let shared = Arc::new(SharedKv::new(layout(), D, rope(), n_blocks, 7).unwrap());
+        let bb = layout().bytes_per_block();
+        let tier = RemoteTier::open(url, shared.model_id(), BS, bb, Default::default()).unwrap();
+        shared.set_remote(Some(tier)).unwrap();
+        shared
+    }
+
+    /// A prefix one memory computed (another process: its own pool, index and tier, the same
+    /// model id) is fetched by another and mapped bit for bit; only the blocks RAM lacks are
+    /// fetched; the staged blocks are keyed as a commit would (the next match is from RAM),
+    /// and a salted sequence fetches only blocks of its own salt.
+    #[test]
+    fn blocks_computed_elsewhere_come_from_the_shared_tier() {
+        let r = super::super::remote::test_server::RedisServer::start();
+        let one = memory_on_store(32, &r.url());
+        let p = prompt(41, 5); // 10 whole blocks and a token
+        let mut a = PagedCache::new(Arc::clone(&one), 64).unwrap();
+        decode(&mut a, 0, &p, 0);
+        let want = raw_blocks(&a, 0);
+        one.remote().unwrap().flush();
+        assert_eq!(one.remote().unwrap().stats().writes, 10);
+
+        let two = memory_on_store(32, &r.url());
+        let mut b = PagedCache::new(Arc::clone(&two), 64).unwrap();
+        // Three leading blocks are in this memory's RAM already: only the other 7 come.
+        decode(&mut b, 0, &p[..12], 0);
+        b.table_mut().seq_rm(0, -1, -1);
+        let before = two.pool_stats();
+        let staged = two.fetch_remote(&p, ROOT_KEY);
+        assert_eq!(staged.len(), 7);
+        assert_eq!(two.pool_stats(), before, "a fetch touches no pool block");
+        assert_eq!(b.match_prefix_staged(1, &p, Some(&staged)).unwrap(), 40);
+        assert_eq!(content(&b, 1), expect(&p[..40]));
+        assert_eq!(raw_blocks(&b, 1)[..10], want[..10]);
+        b.table().check().unwrap();
+        two.pool().audit().unwrap();
+        let st = two.remote().unwrap().stats();
+        assert_eq!((st.fetched_blocks, st.hit_blocks, st.hit_tokens), (7, 7, 28));
+        // Keyed and indexed: a new sequence maps them from RAM without a fetch.
+        assert!(two.fetch_remote(&p, ROOT_KEY).is_empty());
+        assert_eq!(b.match_prefix(2, &p).unwrap(), 40);
+        // Another salt's keys are not in the store; the writer's salt finds its blocks.
+        let three = memory_on_store(32, &r.url());
+        assert!(three.fetch_remote(&p, salt_root(b"tenant b")).is_empty());
+        let mut c = PagedCache::new(Arc::clone(&three), 64).unwrap();
+        c.table_mut().set_root(0, salt_root(b"tenant b")).unwrap();
+        decode(&mut c, 0, &p, 0);
+        three.remote().unwrap().flush();
+        let four = memory_on_store(32, &r.url());
+        assert_eq!(four.fetch_remote(&p, salt_root(b"tenant b")).len(), 10);
+        assert_eq!(four.fetch_remote(&p, salt_root(b"tenant c")).len(), 0);
+    }
 }

@@ -911,3 +911,311 @@ impl Drop for RemoteTier {
         }
     }
 }
+
+/// A real Redis server for tests: Debian's `redis-server` on a free loopback port, without
+/// persistence, killed when dropped. A missing binary is a clear failure, never a skip.
+#[cfg(all(test, not(loom)))]
+pub(crate) mod test_server {
+    use std::net::TcpListener;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub(crate) struct RedisServer {
+        child: Child,
+        pub port: u16,
+    }
+
+    impl RedisServer {
+        pub(crate) fn start() -> RedisServer {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .args(["--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "cannot start redis-server ({e}): the shared-tier tests need Debian's \
+                         redis-server on PATH (apt-get install redis-server; .ci/run installs it)"
+                    )
+                });
+            let s = RedisServer { child, port };
+            let t0 = Instant::now();
+            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "redis-server did not listen on port {port} within 10 s"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            s
+        }
+
+        pub(crate) fn url(&self) -> String {
+            format!("redis://127.0.0.1:{}", self.port)
+        }
+    }
+
+    impl Drop for RedisServer {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::test_server::RedisServer;
+    use super::*;
+    use std::net::TcpListener;
+
+    const BS: usize = 4;
+    const BYTES: usize = 64;
+
+    fn tier(url: &str, model_id: Key) -> Arc<RemoteTier> {
+        let o = RemoteOptions {
+            timeout: Duration::from_millis(300),
+            retry_after: Duration::from_millis(400),
+            ..RemoteOptions::default()
+        };
+        RemoteTier::open(url, model_id, BS, BYTES, o).unwrap()
+    }
+
+    /// Block `i` of a chain: its tokens, key, parent and payload.
+    fn block(i: u32) -> (Vec<u32>, Key, Key, Vec<u8>) {
+        let tokens: Vec<u32> = (0..BS as u32).map(|t| 100 * i + t).collect();
+        let key = 0xabc0_0000 + i as Key;
+        let parent = if i == 0 { 0 } else { key - 1 };
+        let payload = (0..BYTES).map(|b| (b as u32 * 7 + i) as u8).collect();
+        (tokens, key, parent, payload)
+    }
+
+    fn chain(n: u32) -> Vec<(Vec<u32>, Key, Key, Vec<u8>)> {
+        (0..n).map(block).collect()
+    }
+
+    fn cands(c: &[(Vec<u32>, Key, Key, Vec<u8>)]) -> Vec<Candidate<'_>> {
+        c.iter().map(|(t, k, p, _)| (*k, *p, t.as_slice())).collect()
+    }
+
+    fn raw(port: u16, args: &[&[u8]]) -> Reply {
+        let addr = RemoteAddr::parse(&format!("redis://127.0.0.1:{port}")).unwrap();
+        let mut c = Conn::open(&addr, Duration::from_secs(2)).unwrap();
+        c.send(args).unwrap();
+        c.w.flush().unwrap();
+        c.read(1 << 20).unwrap()
+    }
+
+    #[test]
+    fn parses_urls() {
+        let a = RemoteAddr::parse("redis://localhost").unwrap();
+        assert_eq!((a.host.as_str(), a.port, a.db), ("localhost", 6379, 0));
+        assert_eq!((a.user, a.password), (None, None));
+        let a = RemoteAddr::parse("redis://:p%40ss@10.0.0.2:7000/3").unwrap();
+        assert_eq!((a.host.as_str(), a.port, a.db), ("10.0.0.2", 7000, 3));
+        assert_eq!((a.user, a.password.as_deref()), (None, Some("p@ss")));
+        let a = RemoteAddr::parse("valkey://bob:secret@[::1]:6380/").unwrap();
+        assert_eq!((a.host.as_str(), a.port, a.db), ("::1", 6380, 0));
+        assert_eq!(
+            (a.user.as_deref(), a.password.as_deref()),
+            (Some("bob"), Some("secret"))
+        );
+        assert!(!format!("{a:?}").contains("secret"), "Debug hides the password");
+        for bad in [
+            "localhost:6379",
+            "http://h",
+            "redis://",
+            "redis://h:99999",
+            "redis://h/x",
+            "redis://h?db=1",
+            "redis://:%zz@h",
+        ] {
+            assert!(
+                matches!(RemoteAddr::parse(bad), Err(Error::InvalidInput(_))),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            RemoteAddr::parse("rediss://h"),
+            Err(Error::Unsupported(_))
+        ));
+    }
+
+    /// Blocks written by one tier are fetched by another (another process: same model id,
+    /// same keys), bit for bit; the run stops at the first block the store lacks.
+    #[test]
+    fn write_then_fetch_round_trip() {
+        let r = RedisServer::start();
+        let a = tier(&r.url(), 7);
+        let c = chain(6);
+        for (t, k, p, b) in &c[..4] {
+            assert!(a.offer(*k, *p, t, b));
+        }
+        a.flush();
+        let st = a.stats();
+        assert_eq!((st.writes, st.writes_dropped, st.errors), (4, 0, 0));
+        assert_eq!(st.bytes_written, 4 * super::super::disk::entry_len(BS, BYTES) as u64);
+        let b = tier(&r.url(), 7);
+        let got = b.fetch(&cands(&c), 6 * BS + 1);
+        assert_eq!(got.len(), 4);
+        for (t, k, p, payload) in &c[..4] {
+            assert_eq!(got.get(*k, *p, t), Some(payload.as_slice()));
+            assert_eq!(got.get(*k, *p + 1, t), None, "another parent is not this block");
+        }
+        let st = b.stats();
+        assert_eq!((st.fetches, st.fetched_blocks, st.misses), (1, 4, 1));
+        // The store's key names the model and the block, and the value has a time to live.
+        let key = format!("kvs:v1:{:032x}:{:032x}", 7, c[0].1);
+        assert_eq!(a.redis_key(c[0].1), key);
+        match raw(r.port, &[b"PTTL", key.as_bytes()]) {
+            Reply::Int(ms) => assert!(ms > 0 && ms <= DEFAULT_TTL.as_millis() as i64),
+            x => panic!("PTTL: {x:?}"),
+        }
+        // Another model (or K/V format: another model id) finds nothing.
+        let other = tier(&r.url(), 8);
+        assert!(other.fetch(&cands(&c), 100).is_empty());
+        // SET NX: a second writer of the same key keeps the first value.
+        let (t, k, p, _) = &c[0];
+        assert!(b.offer(*k, *p, t, &[9u8; BYTES]));
+        b.flush();
+        assert_eq!(b.stats().writes_existing, 1);
+        assert_eq!(
+            tier(&r.url(), 7).fetch(&cands(&c[..1]), 100).get(*k, *p, t),
+            Some(c[0].3.as_slice())
+        );
+    }
+
+    /// A deleted block ends the run before it; a damaged or foreign value is a miss
+    /// (`invalid`), never a block.
+    #[test]
+    fn deleted_and_damaged_values_end_the_run() {
+        let r = RedisServer::start();
+        let a = tier(&r.url(), 7);
+        let c = chain(6);
+        for (t, k, p, b) in &c {
+            a.offer(*k, *p, t, b);
+        }
+        a.flush();
+        assert!(a.delete(c[3].1).unwrap());
+        let got = a.fetch(&cands(&c), 100);
+        assert_eq!(got.len(), 3);
+        // Damage one byte of block 1's value in the store.
+        let key = a.redis_key(c[1].1);
+        let Reply::Bulk(Some(mut v)) = raw(r.port, &[b"GET", key.as_bytes()]) else {
+            panic!("GET");
+        };
+        let at = v.len() - 40;
+        v[at] ^= 1;
+        assert_eq!(
+            raw(r.port, &[b"SET", key.as_bytes(), &v]),
+            Reply::Status("OK".into())
+        );
+        let got = a.fetch(&cands(&c), 100);
+        assert_eq!(got.len(), 1, "only the block before the damaged one");
+        assert_eq!(a.stats().invalid, 1);
+        // A value stored under the right key for other tokens is not this block either.
+        let (t, k, p, _) = &c[0];
+        let forged = encode_entry(7, *k, *p, &[1, 2, 3, 4], &c[0].3);
+        raw(r.port, &[b"SET", a.redis_key(*k).as_bytes(), &forged]);
+        assert!(a.fetch(&cands(&c), 100).get(*k, *p, t).is_none());
+    }
+
+    /// A store that accepts connections and never answers costs one timeout, then the tier
+    /// rests (fetches and writes skipped) and comes back by itself; nothing panics or hangs.
+    #[test]
+    fn a_silent_store_costs_one_timeout_then_rests() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        l.set_nonblocking(true).unwrap();
+        let hold = std::thread::spawn(move || {
+            // Accept and hold connections without a word, for 2 s.
+            let mut held = Vec::new();
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(2) {
+                if let Ok(s) = l.accept() {
+                    held.push(s);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        let t = tier(&format!("redis://127.0.0.1:{port}"), 7);
+        let c = chain(3);
+        let t0 = Instant::now();
+        assert!(t.fetch(&cands(&c), 100).is_empty());
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(250), "{took:?}");
+        assert!(took < Duration::from_secs(2), "one timeout, not more: {took:?}");
+        let st = t.stats();
+        assert_eq!((st.errors, st.down), (1, true));
+        let t0 = Instant::now();
+        assert!(t.fetch(&cands(&c), 100).is_empty());
+        assert!(t0.elapsed() < Duration::from_millis(50), "resting: no wait");
+        assert_eq!(t.stats().skipped_down, 1);
+        let (tk, k, p, b) = &c[0];
+        assert!(!t.offer(*k, *p, tk, b), "writes are dropped while resting");
+        std::thread::sleep(Duration::from_millis(450));
+        assert!(!t.stats().down, "the rest ends");
+        drop(t);
+        hold.join().unwrap();
+    }
+
+    /// Replies that are not the protocol (garbage, a value longer than any block, a wrong
+    /// reply type) are errors, never a panic or a huge allocation; a refused connection too.
+    #[test]
+    fn malformed_replies_and_refused_connections_are_errors() {
+        for reply in [
+            &b"garbage\r\n"[..],
+            b"$999999999999\r\n",
+            b"*99999999\r\n",
+            b":1\r\n",
+            b"+OK",
+        ] {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = l.local_addr().unwrap().port();
+            let sent = reply.to_vec();
+            let srv = std::thread::spawn(move || {
+                if let Ok((mut s, _)) = l.accept() {
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf);
+                    let _ = s.write_all(&sent);
+                    std::thread::sleep(Duration::from_millis(400));
+                }
+            });
+            let t = tier(&format!("redis://127.0.0.1:{port}"), 7);
+            let c = chain(2);
+            // EXISTS gets the reply; `:1` passes it, then MGET meets a closed stream.
+            assert!(t.fetch(&cands(&c), 100).is_empty(), "{reply:?}");
+            assert_eq!(t.stats().errors, 1);
+            srv.join().unwrap();
+        }
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        let t = tier(&format!("redis://127.0.0.1:{port}"), 7);
+        assert!(t.fetch(&cands(&chain(2)), 100).is_empty());
+        assert!(t.ping().is_err());
+        assert_eq!(t.stats().errors, 2);
+    }
+
+    /// Prompts under the break-even do not ask the store.
+    #[test]
+    fn short_prompts_skip_the_store() {
+        let r = RedisServer::start();
+        let t = tier(&r.url(), 7);
+        t.configure(RemoteOptions {
+            min_tokens: 100,
+            ..t.options()
+        });
+        let c = chain(2);
+        assert!(t.fetch(&cands(&c), 99).is_empty());
+        let st = t.stats();
+        assert_eq!((st.skipped_short, st.fetches), (1, 0));
+        assert!(t.ping().is_ok());
+    }
+}
