@@ -175,6 +175,15 @@ class Context:
         """None when this model can have a K/V disk tier, else why not."""
     def kv_disk_flush(self) -> None:
         """Wait until the disk tier (if any) wrote every block handed to it so far."""
+    def kv_events_enable(self, capacity: int | None) -> None:
+        """Record the model's KV events for this K/V memory, at most ``capacity`` waiting
+        between drains (None: stop). Off by default."""
+    def kv_events_drain(self) -> tuple[list[tuple[Any, ...]], int]:
+        """``(events, dropped)``: ``("BlockStored", key, parent, tokens, medium)``,
+        ``("BlockRemoved", key, medium)``, ``("AllBlocksCleared",)``; after drops (or first
+        after enabling) a snapshot: ``AllBlocksCleared`` then every key held."""
+    def block_keys(self, tokens: list[int], salt: bytes = b"") -> list[int]:
+        """The content keys of the whole blocks of ``tokens`` under ``salt``, in order."""
     def stats(self) -> dict[str, Any]:
         """Pool and context counters; ``groups``: one dict per layer group (kind, window,
         layers, blocks_total/free/cached/referenced, bytes_per_block/total/referenced,

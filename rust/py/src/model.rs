@@ -7,7 +7,9 @@ use kvserve_core::gguf::Value;
 use kvserve_core::kv::disk::{DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_BYTES};
 use kvserve_core::kv::remote::{RemoteOptions, Staged};
 use kvserve_core::kv::storage::KvType;
-use kvserve_core::kv::{block_key, salt_root, DiskOptions, Memory, PagedCache, SharedKv};
+use kvserve_core::kv::{
+    block_key, salt_root, DiskOptions, KvEvent, Memory, PagedCache, SharedKv,
+};
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, LayerKind, Model as CoreModel,
 };
@@ -722,6 +724,54 @@ impl Context {
         if let Some(d) = self.shared.disk() {
             py.detach(|| d.flush());
         }
+    }
+
+    /// Starts recording the model's KV events for this K/V memory (every context of it feeds
+    /// them), at most `capacity` waiting between drains; `None` stops. Off by default.
+    #[pyo3(signature = (capacity))]
+    fn kv_events_enable(&self, capacity: Option<usize>) -> PyResult<()> {
+        if capacity == Some(0) {
+            return Err(PyValueError::new_err("capacity must be >= 1 or None"));
+        }
+        self.shared.kv_events_enable(capacity);
+        Ok(())
+    }
+
+    /// `(events, dropped)`: the KV events since the last drain, each a tuple
+    /// `("BlockStored", key, parent, tokens, medium)`, `("BlockRemoved", key, medium)` or
+    /// `("AllBlocksCleared",)` (keys: 128-bit ints); after drops, or first after enabling, a
+    /// snapshot (`AllBlocksCleared`, then every key held). Never waits for a decode.
+    fn kv_events_drain<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, u64)> {
+        let d = py.detach(|| self.shared.kv_events_drain());
+        let out = PyList::empty(py);
+        for e in d.events {
+            let item = match e {
+                KvEvent::BlockStored {
+                    key,
+                    parent,
+                    tokens,
+                    medium,
+                } => ("BlockStored", key, parent, tokens, medium.as_str()).into_pyobject(py)?,
+                KvEvent::BlockRemoved { key, medium } => {
+                    ("BlockRemoved", key, medium.as_str()).into_pyobject(py)?
+                }
+                KvEvent::AllBlocksCleared => ("AllBlocksCleared",).into_pyobject(py)?,
+            };
+            out.append(item)?;
+        }
+        Ok((out, d.dropped))
+    }
+
+    /// The content keys (128-bit ints) this memory gives the whole blocks of `tokens` in a
+    /// sequence salted with `salt` (empty: unsalted), in order: the keys its KV events name
+    /// and its prefix matches look up.
+    #[pyo3(signature = (tokens, salt = b"".as_slice()))]
+    fn block_keys(&self, tokens: Vec<i64>, salt: &[u8]) -> PyResult<Vec<u128>> {
+        let tokens = tokens
+            .into_iter()
+            .map(|t| check_vocab(self.n_vocab, t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        Ok(self.shared.block_keys(&tokens, salt))
     }
 
     /// Cache statistics (never waits for a running decode): the model's block pool for this

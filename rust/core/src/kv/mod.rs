@@ -8,6 +8,8 @@
 //! - [`attention`]: attention of a query head group over a sequence's own blocks.
 //!
 //! - [`prefix`]: content keys of full blocks and the key -> block index for prefix reuse.
+//! - [`events`]: KV events (a block's key stored in / removed from the index), opt-in and
+//!   bounded, in vLLM's KV-events shape, for routers outside the process.
 //!
 //! - [`disk`]: the local disk tier (L2): full keyed blocks the RAM pool evicted, found again
 //!   by their content keys (and after a restart).
@@ -32,6 +34,7 @@
 pub mod attention;
 pub mod cache;
 pub mod disk;
+pub mod events;
 pub mod memory;
 pub mod pool;
 pub mod prefix;
@@ -58,9 +61,10 @@ pub use cache::{
     blocks_for_tokens, BatchNeed, PagedCache, PrefixStats, SharedKv, DEFAULT_BLOCK_SIZE,
 };
 pub use disk::{DiskOptions, DiskStats, DiskTier};
+pub use events::{Drained, KvEvent, Medium};
 pub use memory::{Group, GroupKind, LayerGroups, LayerKind, Memory, PlannedBatch, RecurrentLayers};
 pub use pool::{BlockId, BlockPool, PoolStats, NO_KEY};
-pub use prefix::{block_key, salt_root, Key, KeyHasher, PrefixIndex, ROOT_KEY};
+pub use prefix::{block_key, chain_keys, salt_root, Key, KeyHasher, PrefixIndex, ROOT_KEY};
 pub use remote::{RemoteOptions, RemoteStats, RemoteTier, Staged};
 pub use table::{
     BatchTx, CellShift, CowCopy, KvTable, Pos, SeqId, SeqView, TableStats, Updates, WritePlan,

@@ -31,6 +31,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use super::events::{Drained, EventLog, KvEvent, Medium};
 use super::pool::{BlockId, BlockPool, NO_KEY};
 use super::try_vec;
 use crate::error::{Error, Result};
@@ -190,6 +191,36 @@ struct Inner {
     /// Per block: the tokens its key was computed from (`block_size` each).
     tokens: Vec<u32>,
     bs: usize,
+    /// KV events of the map's changes (off unless enabled; see [`super::events`]).
+    events: EventLog,
+}
+
+impl Inner {
+    /// Removes `key -> b` from the map (the caller checked it is there) and records it.
+    fn unmap(&mut self, key: Key) {
+        self.map.remove(&key);
+        self.events.record(|| KvEvent::BlockRemoved {
+            key,
+            medium: Medium::Ram,
+        });
+    }
+
+    /// The map's entries as `BlockStored` events (a snapshot for [`EventLog::drain`]).
+    fn snapshot(&self) -> Vec<KvEvent> {
+        let bs = self.bs;
+        self.map
+            .iter()
+            .map(|(&key, &b)| {
+                let i = b as usize;
+                KvEvent::BlockStored {
+                    key,
+                    parent: self.parent[i],
+                    tokens: self.tokens[i * bs..(i + 1) * bs].to_vec(),
+                    medium: Medium::Ram,
+                }
+            })
+            .collect()
+    }
 }
 
 /// Key -> block map with the content each key stands for (a hint; see the module docs).
@@ -211,6 +242,7 @@ impl PrefixIndex {
                 parent: try_vec(n_blocks, ROOT_KEY, "the prefix index")?,
                 tokens: try_vec(n_tokens, 0u32, "the prefix index")?,
                 bs: block_size,
+                events: EventLog::default(),
             }),
         })
     }
@@ -244,13 +276,20 @@ impl PrefixIndex {
             .map_err(|e| Error::InvalidInput(format!("kv bookkeeping: {e}")))?;
         let old = m.key[i];
         if old != ROOT_KEY && old != key && m.map.get(&old) == Some(&b) {
-            m.map.remove(&old);
+            m.unmap(old);
         }
         m.key[i] = key;
         m.parent[i] = parent;
         let bs = m.bs;
         m.tokens[i * bs..(i + 1) * bs].copy_from_slice(tokens);
-        m.map.insert(key, b);
+        if m.map.insert(key, b).is_none() {
+            m.events.record(|| KvEvent::BlockStored {
+                key,
+                parent,
+                tokens: tokens.to_vec(),
+                medium: Medium::Ram,
+            });
+        }
         Ok(())
     }
 
@@ -274,7 +313,7 @@ impl PrefixIndex {
         }
         // The block was evicted or re-keyed without our hearing of it yet, or the entry is a
         // hash collision: drop it.
-        m.map.remove(&key);
+        m.unmap(key);
         if !same {
             return None;
         }
@@ -311,7 +350,7 @@ impl PrefixIndex {
         let k = m.key[i];
         if k != ROOT_KEY && key_tag(k) == tag {
             if m.map.get(&k) == Some(&b) {
-                m.map.remove(&k);
+                m.unmap(k);
             }
             m.key[i] = ROOT_KEY;
         }
@@ -333,6 +372,28 @@ impl PrefixIndex {
             .get(b as usize)
             .copied()
             .unwrap_or(ROOT_KEY)
+    }
+
+    /// Starts recording KV events (at most `capacity` waiting; an enabled log is reset) or,
+    /// with `None`, stops. See [`super::events`].
+    pub fn set_events(&self, capacity: Option<usize>) {
+        let mut m = self.inner();
+        match capacity {
+            Some(c) => m.events.enable(c),
+            None => m.events.disable(),
+        }
+    }
+
+    /// The KV events recorded since the last drain (a snapshot of the map after drops or a
+    /// fresh start; see [`EventLog::drain`]). Nothing when disabled.
+    pub fn drain_events(&self) -> Drained {
+        let mut m = self.inner();
+        // The snapshot reads the map while the log drains: take the log out (under the lock,
+        // so no event is recorded meanwhile) and put it back.
+        let mut log = std::mem::take(&mut m.events);
+        let d = log.drain(|| m.snapshot());
+        m.events = log;
+        d
     }
 
     /// Number of entries.
