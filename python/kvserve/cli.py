@@ -363,6 +363,12 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "seconds requests in flight at SIGTERM get to finish before they end with an error"),
     (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
      "log lines as text, or one JSON object per line"),
+    (("--replicas",), "N", "KVSERVE_REPLICAS", _positive_int, 1,
+     "run N >= 2 engine replicas as Ray Serve deployments behind this one endpoint, routed"
+     " by prefix-cache affinity (needs: pip install kvserve[cluster]; docs/CLUSTER.md)"),
+    (("--ray-address",), "ADDR", "KVSERVE_RAY_ADDRESS", str, None,
+     "with --replicas: the Ray cluster to run on (auto, or ray://HOST:PORT; default: start"
+     " a local Ray instance)"),
 ]  # fmt: skip
 
 
@@ -449,10 +455,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     config = serve_config(args)
+    settings = _serve_settings(args)
+    replicas, ray_address = settings["replicas"], settings["ray_address"]
+    if replicas == 1 and ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N (N >= 2)")
+    if replicas > 1:
+        from .cluster.launch import import_ray
+
+        import_ray()  # before the model download: a missing extra fails at once
     model = config.model
     if model is None or (model in REGISTRY and not os.path.exists(model)):
         # progress bar on a terminal; cached after the first
         config.model = str(models.pull(model))
+    if replicas > 1:
+        from .cluster.launch import serve_replicas
+
+        serve_replicas(config, replicas, ray_address=ray_address)
+        return 0
     serve(config)
     return 0
 

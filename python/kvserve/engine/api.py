@@ -20,6 +20,7 @@ from .._model import GenerateResult, Model, StrPath, prompt_ids
 from ..options import RequestOptions, Resolved, resolve
 from ..sessions import SessionInfo, Turn, check_header, read_session_file, write_session_file
 from ..testing import Faults
+from .events import to_vllm
 from .kv import KvManager
 from .loop import HIT_WINDOW_S, RATE_WINDOW_S, EngineLoop
 from .requests import (
@@ -714,6 +715,25 @@ class Engine:
         running sequence and idle resident session, a shared block once per holder."""
         held = self._loop.kv_by_tenant
         return {**dict.fromkeys(self._tenants, 0), **held}
+
+    def kv_events(self, capacity: int = 1 << 16, resync: bool = False) -> list[dict[str, Any]]:
+        """What the K/V pool stored and evicted since the last call, as vLLM's KV events
+        (``BlockStored`` with ``block_hashes``, ``parent_block_hash``, ``token_ids``,
+        ``block_size``, ``medium``; ``BlockRemoved``; ``AllBlocksCleared``; keys as 32 hex
+        digits; docs/CLUSTER.md). Recording starts at the first call, which returns a
+        snapshot (``AllBlocksCleared``, then every block held); at most ``capacity`` events
+        wait between calls, and past that the next call returns a snapshot again (its
+        ``AllBlocksCleared`` has ``dropped`` > 0). ``resync``: start over with a snapshot (a
+        consumer that lost track). Any thread; never waits for a step."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        raw, dropped = self._loop.kv.kv_events(capacity, resync)
+        return to_vllm(raw, self._loop.kv.block, dropped)
+
+    def block_keys(self, ids: Sequence[int], salt: bytes = b"") -> list[int]:
+        """The content keys the K/V pool gives the whole blocks of prompt ``ids`` under
+        ``salt`` (``tenancy.salt_for``): what :meth:`kv_events` names them."""
+        return list(self._loop.kv.ctx.block_keys(list(ids), salt))
 
     def stats(self) -> dict[str, float | int]:
         """Counters for monitoring; cheap and safe from any thread (never waits for a step).

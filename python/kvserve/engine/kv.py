@@ -62,6 +62,7 @@ class KvManager:
         self._n_ctx = n_ctx
         self.ctx: Context = model.core.new_context(n_ctx, **self._args)
         self.reopened = 0  # times the context was replaced after an internal error
+        self._events_on = False  # whether kv_events enabled the memory's event log
         self._free = list(range(parallel - 1, -1, -1))
         self._next = parallel
         st = self.ctx.stats()
@@ -241,6 +242,16 @@ class KvManager:
             self.ctx.clear()
         except EngineError:
             pass  # a closed context holds nothing
+
+    def kv_events(self, capacity: int, resync: bool = False) -> tuple[list[tuple[Any, ...]], int]:
+        """The memory's KV events since the last call (recording starts at the first, with at
+        most ``capacity`` waiting, and hands out a snapshot; ``resync`` starts it over);
+        ``(events, dropped)``. The log is the model's memory's: it survives a replaced context
+        and never waits for a step."""
+        if resync or not self._events_on:
+            self.ctx.kv_events_enable(capacity)
+            self._events_on = True
+        return self.ctx.kv_events_drain()
 
     def flush_disk(self) -> None:
         """Waits until the disk tier (if any) wrote every block handed to it so far."""

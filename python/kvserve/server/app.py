@@ -79,7 +79,7 @@ from .schemas import (
 )
 from .tenants import Tenant, Tenants
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "load_engine"]
 
 log = logging.getLogger("kvserve.server")
 
@@ -671,6 +671,18 @@ def _completion_logprobs(
 # -- the app ----------------------------------------------------------------------------------
 
 
+def load_engine(config: ServerConfig) -> Engine:
+    """The engine ``config`` describes: ``Engine(config.model, **config.engine_kwargs())``,
+    with the chat template ``config.chat_template`` if given (one that does not compile fails
+    here). ``kvserve serve`` loads it so, and so does each replica of ``--replicas``."""
+    if config.chat_template is None:
+        return Engine(config.model, **config.engine_kwargs())
+    kwargs = config.engine_kwargs()
+    model = Model.load(config.model, kwargs.pop("threads"), chat_template=config.chat_template)
+    model.chat_template  # noqa: B018 - a template that does not compile fails the load
+    return Engine(model, **kwargs)
+
+
 def create_app(
     config: ServerConfig | None = None,
     *,
@@ -691,16 +703,7 @@ def create_app(
             log.warning("removed %s, left by a session save that was killed", stale)
     server = _Server(config, engine)
     owns_engine = engine is None
-
-    def default_load() -> Engine:
-        if config.chat_template is None:
-            return Engine(config.model, **config.engine_kwargs())
-        kwargs = config.engine_kwargs()
-        model = Model.load(config.model, kwargs.pop("threads"), chat_template=config.chat_template)
-        model.chat_template  # noqa: B018 - a template that does not compile fails the load
-        return Engine(model, **kwargs)
-
-    loader = load or default_load
+    loader = load or (lambda: load_engine(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
