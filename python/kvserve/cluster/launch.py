@@ -74,7 +74,8 @@ def serve_replicas(
         pythonpath = os.environ.get("PYTHONPATH")
         if pythonpath:  # kvserve from a source tree: the workers import the same one
             init["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath}}
-    ray.init(address=ray_address, **init)
+    # "local": a new instance even when RAY_ADDRESS names a running one.
+    ray.init(address=ray_address or "local", **init)
     try:
         serve.start(proxy_location="Disabled")  # the ingress below is the HTTP server
         t_ray = time.monotonic() - t0
