@@ -6,8 +6,9 @@
 #
 # 1. installs the test requirements into the current Python (`python` on PATH, or $PYTHON):
 #    pytest, gguf, numpy, the `openai` client and httpx (tests/test_server.py drives a live
-#    server with them), schemathesis (tests/test_fuzz_http.py fuzzes the HTTP API), and
-#    maturin for step 2;
+#    server with them), schemathesis (tests/test_fuzz_http.py fuzzes the HTTP API), Ray Serve
+#    (tests/test_cluster.py runs `kvserve serve --replicas 2`; ~25 s to install on the
+#    development machine, a no-op once there), and maturin for step 2;
 # 2. rebuilds and reinstalls the package from this checkout (`pip install --no-build-isolation .`)
 #    so that the Python tests run the code in the tree, not whatever an earlier `pip install .`
 #    installed (a developer who edited rust/ or python/ since gets their edits tested). Cargo's
@@ -55,7 +56,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON to a 
 say "installing the test requirements"
 "$PYTHON" -m pip install --quiet --disable-pip-version-check \
     "pytest>=7.4" "gguf>=0.10" "numpy>=1.22" "openai>=1.40" "httpx>=0.27" "maturin>=1.5,<2" \
-    "schemathesis>=4.1,<5"
+    "schemathesis>=4.1,<5" "ray[serve]>=2.40"
 
 # 2. the package from this checkout
 if [ "$rebuild" = 1 ]; then

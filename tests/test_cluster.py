@@ -69,7 +69,8 @@ class Cluster:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"kvserve serve --replicas exited ({self.proc.returncode}):\n{self.text()}")
+                code = self.proc.returncode
+                pytest.fail(f"kvserve serve --replicas exited ({code}):\n{self.text()}")
             m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.text())
             if m:
                 return m.group(1)

@@ -56,9 +56,7 @@ def test_a_prompt_stores_its_blocks_under_the_keys_the_core_computes(model_path:
         assert (e["parent_block_hash"], e["block_size"], e["medium"]) == (None, BS, "CPU")
         # The same prompt again maps the cached blocks: nothing new is stored.
         eng.generate(prompt, max_tokens=1)
-        assert all(
-            h not in keys for ev in eng.kv_events() for h in ev.get("block_hashes", [])
-        )
+        assert all(h not in keys for ev in eng.kv_events() for h in ev.get("block_hashes", []))
         # A salted request's chain starts at its salt's root: other keys, a parent that is no
         # block of the pool, and the keys Engine.block_keys gives under that salt.
         eng.generate(prompt, max_tokens=1, cache_salt="x")

@@ -214,8 +214,10 @@ class _Ingress:
                 )  # fmt: skip
             name = choice.replica
             self.router.started(name)
-            stream = self.handles[name].options(stream=True).request.remote(
-                request.method, request.url.path, query, headers, body
+            stream = (
+                self.handles[name]
+                .options(stream=True)
+                .request.remote(request.method, request.url.path, query, headers, body)
             )
             try:
                 start = await stream.__anext__()

@@ -60,9 +60,8 @@ def serve_replicas(
     if replicas < 2:
         raise ValueError(f"--replicas needs at least 2 replicas, got {replicas}")
     ray, serve = import_ray()
-    from ray.serve.api import RunTarget
-
     import uvicorn
+    from ray.serve.api import RunTarget
 
     configure_logging(config.log_format)
     cpus = replica_cpus if replica_cpus is not None else float(config.threads or 1)

@@ -284,7 +284,10 @@ mod memory_tests {
         for e in &d.events {
             match e {
                 KvEvent::BlockStored {
-                    key, parent, tokens, ..
+                    key,
+                    parent,
+                    tokens,
+                    ..
                 } => {
                     assert!(
                         mirror.insert(*key, (*parent, tokens.clone())).is_none(),
@@ -301,7 +304,11 @@ mod memory_tests {
 
     fn check(c: &PagedCache, mirror: &Mirror) {
         let sh = c.shared();
-        assert_eq!(sh.index().len(), mirror.len(), "mirror and index differ in size");
+        assert_eq!(
+            sh.index().len(),
+            mirror.len(),
+            "mirror and index differ in size"
+        );
         for (k, (parent, tokens)) in mirror {
             assert!(
                 sh.index().contains(sh.pool(), *k, *parent, tokens),
@@ -332,7 +339,10 @@ mod memory_tests {
             medium: Medium::Ram,
         };
         let d = sh.kv_events_drain();
-        assert_eq!(d.events, vec![stored(0, salt_root(b"t")), stored(1, keys[0])]);
+        assert_eq!(
+            d.events,
+            vec![stored(0, salt_root(b"t")), stored(1, keys[0])]
+        );
         assert_ne!(sh.block_keys(&p, b""), keys, "the salt is in the keys");
         // Released: cached, still findable, no event. A second sequence of other tokens needs
         // every block: the cached ones are evicted, the tail first (released first).
