@@ -7,9 +7,7 @@ use kvserve_core::gguf::Value;
 use kvserve_core::kv::disk::{DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_BYTES};
 use kvserve_core::kv::remote::{RemoteOptions, Staged};
 use kvserve_core::kv::storage::KvType;
-use kvserve_core::kv::{
-    block_key, salt_root, DiskOptions, KvEvent, Memory, PagedCache, SharedKv,
-};
+use kvserve_core::kv::{block_key, salt_root, DiskOptions, KvEvent, Memory, PagedCache, SharedKv};
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, LayerKind, Model as CoreModel,
 };
