@@ -433,3 +433,39 @@ def test_server_counts_remote_hits_and_survives_its_store(model_path: Path, redi
             assert _counter(metrics, "kvserve_kv_remote_errors_total") >= 1
     finally:
         own.stop()
+
+
+def test_a_session_resumes_on_another_replica_from_the_store(
+    model_path: Path, redis: Redis
+) -> None:
+    """A chat session's turns run on replica A; A goes away, and the next turn (the whole
+    conversation, as an OpenAI client sends it) lands on replica B, which has never seen the
+    session: its history comes from the store, only the new tail is computed, and the reply
+    is what an engine without the tier answers."""
+    a = _engine(model_path, kv_remote=redis.url)
+    b = _engine(model_path, kv_remote=redis.url)
+    plain = _engine(model_path)
+    try:
+        system = "You are a careful assistant. " + " ".join(
+            f"Rule {i}: answer in plain words." for i in range(40)
+        )
+        messages: list[Any] = [{"role": "system", "content": system}]
+        for q in ("What is a cache?", "And a block?"):
+            messages.append({"role": "user", "content": q})
+            r = a.chat(messages, 12, temperature=0.0, session_id="s1")
+            messages.append({"role": "assistant", "content": r.text})
+        _sent(a)
+        a.close()
+        messages.append({"role": "user", "content": "Say it shorter."})
+        history = len(a.model.tokenize_chat(messages[:-1]))
+        got = b.chat(messages, 12, temperature=0.0, session_id="s1")
+        want = plain.chat(messages, 12, temperature=0.0)
+        assert got.text == want.text
+        st = b.stats()
+        assert got.cached_tokens == st["kv_remote_hit_tokens"]
+        # Every whole block the session's first two turns stored: the history but its last
+        # partial block (and the template's reply tokens, which A's decode stored too).
+        assert got.cached_tokens >= (history // BLOCK - 1) * BLOCK, (got.cached_tokens, history)
+    finally:
+        b.close()
+        plain.close()
