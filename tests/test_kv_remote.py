@@ -187,6 +187,8 @@ def test_a_replica_fetches_what_another_computed(model_path: Path, redis: Redis)
         # Now in B's RAM: the next request maps it without asking the store.
         assert _greedy(b, ids) == (want, 64 * BLOCK)
         assert b.stats()["kv_remote_fetches"] == 1
+        assert b.stats()["kv_remote_staged_bytes"] == 0, "staged blocks went into the pool"
+
     finally:
         for e in (a, b, plain):
             e.close()
@@ -469,3 +471,40 @@ def test_a_session_resumes_on_another_replica_from_the_store(
     finally:
         b.close()
         plain.close()
+
+
+def test_staged_blocks_are_bounded_and_given_back(model_path: Path, redis: Redis) -> None:
+    """Blocks fetched for requests not yet admitted have a budget: with the engine busy and
+    many requests queued behind it, the staged bytes never pass it, the requests beyond it
+    compute their prompts, every output is right, and nothing stays staged at the end."""
+    a = _engine(model_path, kv_remote=redis.url)
+    plain = _engine(model_path)
+    b = Engine(Model(model_path, threads=2), parallel=1, ctx_size=1400, kv_remote=redis.url)
+    try:
+        prompts = [_prompt(a.model, 200, k=20 + i) for i in range(8)]
+        for ids in prompts:
+            _greedy(a, ids, n=1)
+        _sent(a)
+        per_block = int(b._loop.kv.ctx.stats()["bytes_per_block"])
+        budget = 20 * per_block  # 1.6 prompts' worth
+        b._loop.kv.ctx.set_kv_remote(redis.url, max_fetch_blocks=100, max_staged_bytes=budget)
+        peak = 0
+
+        async def run() -> list[tuple[list[int], int]]:
+            nonlocal peak
+            tasks = [asyncio.ensure_future(_collect(b, ids, 4)) for ids in prompts]
+            while not all(t.done() for t in tasks):
+                peak = max(peak, b.stats()["kv_remote_staged_bytes"])
+                await asyncio.sleep(0.002)
+            return [t.result() for t in tasks]
+
+        got = asyncio.run(run())
+        for ids, (tokens, _) in zip(prompts, got):
+            assert tokens == _greedy(plain, ids, n=4)[0]
+        st = b.stats()
+        assert peak <= budget and st["kv_remote_staged_bytes"] == 0
+        assert st["kv_remote_skipped_full"] >= 1, "the queue outgrew the budget"
+        assert sum(c for _, c in got) == st["kv_remote_hit_tokens"] > 0
+    finally:
+        for e in (a, plain, b):
+            e.close()

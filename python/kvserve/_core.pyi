@@ -133,6 +133,7 @@ class Context:
         min_tokens: int | None = None,
         timeout_s: float | None = None,
         max_fetch_blocks: int = 0,
+        max_staged_bytes: int = 0,
     ) -> None:
         """Attach the shared K/V tier on the Redis / Valkey store at ``url`` (``None``:
         detach it); does not connect. ``ModelError`` for a model whose memory is not one
@@ -201,7 +202,8 @@ class Context:
         ``remote_misses``, ``remote_invalid``, ``remote_lost``, ``remote_bytes_read``,
         ``remote_bytes_written``, ``remote_writes``, ``remote_writes_existing``,
         ``remote_writes_dropped``, ``remote_errors``, ``remote_skipped_short``,
-        ``remote_skipped_down``, ``remote_queued``, ``remote_fetch_seconds``,
+        ``remote_skipped_down``, ``remote_skipped_full``, ``remote_staged_bytes``,
+        ``remote_queued``, ``remote_fetch_seconds``,
         ``remote_min_tokens``, ``remote_down``)."""
     def audit(self) -> None:
         """Check every invariant of this context's tables and the model's pool (tests)."""

@@ -113,7 +113,7 @@ def _disk_stats(st: dict[str, Any]) -> dict[str, float | int]:
 _REMOTE_KEYS = (
     "fetches", "fetched_blocks", "hit_blocks", "hit_tokens", "misses", "invalid", "lost",
     "bytes_read", "bytes_written", "writes", "writes_existing", "writes_dropped", "errors",
-    "skipped_short", "skipped_down", "queued",
+    "skipped_short", "skipped_down", "skipped_full", "staged_bytes", "queued",
 )  # fmt: skip
 
 
@@ -267,7 +267,9 @@ class Engine:
         # Fetches from the shared tier run here, before a request is queued: the engine
         # thread never waits on the network.
         self._fetcher = (
-            ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-kv-fetch")
+            # Mostly waiting on the store: enough that one slow fetch does not hold up the
+            # requests behind it.
+            ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvserve-kv-fetch")
             if kv.remote and prefix_cache
             else None
         )
@@ -315,7 +317,8 @@ class Engine:
         """
         self._loop.close()
         if self._fetcher is not None:
-            self._fetcher.shutdown(wait=True, cancel_futures=True)
+            # Queued fetches see the engine closed: each fails its request at once.
+            self._fetcher.shutdown(wait=True)
         self._loop.kv.flush_disk()
         self._loop.kv.flush_remote()
 
@@ -438,7 +441,7 @@ class Engine:
         and this process lacks, then the request goes to the engine (a failed fetch is an
         empty one: the request computes its prompt)."""
         try:
-            if not req.cancel_requested:
+            if not (req.cancel_requested or self._loop.closed):
                 req.staged = self._loop.kv.fetch(req.ids, req.salt)
         except Exception:
             log.exception("fetching from the shared K/V tier failed (the prompt is computed)")
@@ -782,7 +785,9 @@ class Engine:
         ``writes`` / ``writes_existing`` (already stored by someone) / ``writes_dropped``
         (queue full, store down), ``errors`` (connection, protocol, timeout: a warning sign),
         ``skipped_short`` (prompts under the break-even), ``skipped_down`` (fetches skipped
-        while the tier rests after an error), ``queued``, ``down`` (1 while resting),
+        while the tier rests after an error), ``skipped_full`` (fetches skipped while blocks
+        staged for requests not yet admitted took their budget), ``staged_bytes`` (those
+        now), ``queued``, ``down`` (1 while resting),
         ``fetch_seconds`` and ``fetch_latency_s`` (per fetch)."""
         loop = self._loop
         st = loop.kv.stats()

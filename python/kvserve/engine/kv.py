@@ -23,6 +23,11 @@ __all__ = ["KvManager"]
 log = logging.getLogger("kvserve.engine")
 
 
+def _staged_budget(pool_bytes: int, parallel: int) -> int:
+    """Bytes of fetched blocks that may wait for admission at once (see KvManager)."""
+    return min(pool_bytes, max(1 << 30, pool_bytes // max(1, parallel)))
+
+
 class KvManager:
     """One context over the model's shared K/V pool and the ids of its sequences: ids below
     ``parallel`` first (running requests), then new ones beyond (parked sessions hold ids too).
@@ -93,8 +98,13 @@ class KvManager:
                     ttl_s=kv_remote_ttl,
                     min_tokens=kv_remote_min_tokens,
                     timeout_s=kv_remote_timeout,
-                    # One request's fetch brings at most half the pool (the rest is computed).
-                    max_fetch_blocks=max(1, int(st["blocks_total"]) // 2),
+                    # A fetch brings at most what the pool holds, and blocks staged for
+                    # requests not yet admitted take at most the pool's size, or 1 GiB, but
+                    # at least a sequence's share of the pool (the rest is computed).
+                    max_fetch_blocks=int(st["blocks_total"]),
+                    max_staged_bytes=_staged_budget(
+                        int(st["blocks_total"]) * int(st["bytes_per_block"]), parallel
+                    ),
                 )
                 self.remote = True
                 down = self.ctx.kv_remote_ping()

@@ -122,6 +122,7 @@ class EngineLoop:
             if req.cancel_requested:
                 # Cancelled before it got here (while its K/V was fetched): the engine
                 # thread already failed it (_drop of a NEW request).
+                req.staged = None
                 return
             req.key = (-req.priority, arrival())
             for child in req.children:  # after it, in choice order
@@ -262,6 +263,7 @@ class EngineLoop:
         self.sched.running.clear()
         self.kv_by_tenant = {}
         for req in pending:
+            req.staged = None
             for r in (req, *req.children):
                 if r.state != DONE:
                     r.state = DONE
@@ -291,6 +293,7 @@ class EngineLoop:
 
     def _fail_quietly(self, req: Request, error: BaseException) -> None:
         """Fails ``req`` (and its unforked choices) without touching the context."""
+        req.staged = None
         for r in (req, *req.children):
             if r.state == WAITING:
                 with self.cond:

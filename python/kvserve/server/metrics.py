@@ -157,6 +157,10 @@ _COUNTERS = {
         "kvserve_kv_remote_skipped_down",
         "Fetches skipped while the shared tier rested after an error",
     ),
+    "kv_remote_skipped_full": (
+        "kvserve_kv_remote_skipped_full",
+        "Fetches skipped while blocks staged for requests not yet admitted took their budget",
+    ),
     "kv_remote_fetch_seconds": (
         "kvserve_kv_remote_fetch_seconds",
         "Seconds spent fetching from the shared K/V tier (per fetch: divide by"
@@ -186,6 +190,10 @@ _GAUGES = {
     "kv_disk_entries": ("kvserve_kv_disk_entries", "K/V blocks held by the disk tier"),
     "kv_disk_bytes": ("kvserve_kv_disk_bytes", "Bytes held by the K/V disk tier"),
     "kv_disk_bytes_max": ("kvserve_kv_disk_bytes_max", "Size limit of the K/V disk tier"),
+    "kv_remote_staged_bytes": (
+        "kvserve_kv_remote_staged_bytes",
+        "Bytes of blocks fetched from the shared K/V tier waiting for their requests' admission",
+    ),
     "kv_remote_down": (
         "kvserve_kv_remote_down",
         "1 while the shared K/V tier rests after an error (fetches and writes skipped)",

@@ -661,10 +661,14 @@ impl Context {
     /// memory (every context of it then writes the blocks its decodes key through to the
     /// store; `kv_remote_fetch` stages blocks from it). `ttl_s`: time to live of written blocks;
     /// prompts shorter than `min_tokens` (default: the measured break-even) skip it;
-    /// `timeout_s` bounds each command; at most `max_fetch_blocks` blocks a fetch (0: no
-    /// limit). `url=None` detaches it. Does not connect. `ModelError` for a model whose memory
-    /// is not one full-attention group or a TLS URL, `ValueError` for a bad URL or option.
-    #[pyo3(signature = (url, ttl_s=None, min_tokens=None, timeout_s=None, max_fetch_blocks=0))]
+    /// `timeout_s` bounds each command; at most `max_fetch_blocks` blocks a fetch and
+    /// `max_staged_bytes` staged at once over all fetches awaiting admission (0: no limit).
+    /// `url=None` detaches it. Does not connect. `ModelError` for a model whose memory is not
+    /// one full-attention group or a TLS URL, `ValueError` for a bad URL or option.
+    #[pyo3(signature = (
+        url, ttl_s=None, min_tokens=None, timeout_s=None, max_fetch_blocks=0, max_staged_bytes=0
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn set_kv_remote(
         &self,
         py: Python<'_>,
@@ -673,6 +677,7 @@ impl Context {
         min_tokens: Option<usize>,
         timeout_s: Option<f64>,
         max_fetch_blocks: usize,
+        max_staged_bytes: u64,
     ) -> PyResult<()> {
         let secs = |v: Option<f64>, name: &str, d: std::time::Duration| match v {
             None => Ok(d),
@@ -689,6 +694,7 @@ impl Context {
             min_tokens: min_tokens.unwrap_or(d.min_tokens),
             timeout: secs(timeout_s, "timeout_s", d.timeout)?,
             max_fetch_blocks,
+            max_staged_bytes,
             ..d
         };
         self.with(py, move |c| c.set_kv_remote(url.as_deref(), o))
@@ -854,6 +860,8 @@ impl Context {
             ("remote_errors", rs.errors),
             ("remote_skipped_short", rs.skipped_short),
             ("remote_skipped_down", rs.skipped_down),
+            ("remote_skipped_full", rs.skipped_full),
+            ("remote_staged_bytes", rs.staged_bytes),
             ("remote_queued", rs.queued),
         ] {
             d.set_item(k, v)?;

@@ -1632,7 +1632,10 @@ mod tests {
         b.table().check().unwrap();
         two.pool().audit().unwrap();
         let st = two.remote().unwrap().stats();
-        assert_eq!((st.fetched_blocks, st.hit_blocks, st.hit_tokens), (7, 7, 28));
+        assert_eq!(
+            (st.fetched_blocks, st.hit_blocks, st.hit_tokens),
+            (7, 7, 28)
+        );
         // Keyed and indexed: a new sequence maps them from RAM without a fetch.
         assert!(two.fetch_remote(&p, ROOT_KEY).is_empty());
         assert_eq!(b.match_prefix(2, &p).unwrap(), 40);

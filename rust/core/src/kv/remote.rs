@@ -85,6 +85,10 @@ pub struct RemoteOptions {
     pub retry_after: Duration,
     /// Most blocks one fetch brings (0: no limit).
     pub max_fetch_blocks: usize,
+    /// Most bytes of fetched blocks staged at once, over every fetch whose request is not
+    /// admitted yet (0: no limit): a long queue of requests with long fetched prompts holds
+    /// at most this much memory; a fetch beyond it brings fewer blocks (the rest is computed).
+    pub max_staged_bytes: u64,
 }
 
 impl Default for RemoteOptions {
@@ -96,6 +100,7 @@ impl Default for RemoteOptions {
             timeout: DEFAULT_TIMEOUT,
             retry_after: DEFAULT_RETRY_AFTER,
             max_fetch_blocks: 0,
+            max_staged_bytes: 0,
         }
     }
 }
@@ -130,6 +135,10 @@ pub struct RemoteStats {
     /// Fetches skipped: prompt under the break-even, and tier off after an error.
     pub skipped_short: u64,
     pub skipped_down: u64,
+    /// Fetches skipped because staged blocks already took [`RemoteOptions::max_staged_bytes`].
+    pub skipped_full: u64,
+    /// Bytes of fetched blocks staged now (waiting for their requests' admission).
+    pub staged_bytes: u64,
     /// Blocks waiting for the writer now.
     pub queued: u64,
     /// Seconds spent in fetches (both round trips, verification included).
@@ -156,6 +165,7 @@ struct Counters {
     errors: AtomicU64,
     skipped_short: AtomicU64,
     skipped_down: AtomicU64,
+    skipped_full: AtomicU64,
     queued: AtomicU64,
     queued_bytes: AtomicU64,
     fetch_ns: AtomicU64,
@@ -421,9 +431,20 @@ impl Conn {
 }
 
 /// Blocks a fetch brought, verified, waiting for a prefix match to copy them into the pool.
+/// Their bytes count against [`RemoteOptions::max_staged_bytes`] until it is dropped.
 #[derive(Debug, Default)]
 pub struct Staged {
     blocks: HashMap<Key, (Key, Vec<u32>, Vec<u8>)>,
+    /// The tier's count of staged bytes, and this one's share of it.
+    account: Option<(Arc<AtomicU64>, u64)>,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some((total, n)) = self.account.take() {
+            total.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Staged {
@@ -462,6 +483,8 @@ struct Shared {
     block_size: usize,
     block_bytes: usize,
     opts: Mutex<RemoteOptions>,
+    /// Bytes of staged blocks alive now (see [`Staged`]).
+    staged: Arc<AtomicU64>,
     idle: Mutex<Vec<Conn>>,
     down_until: Mutex<Option<Instant>>,
     c: Counters,
@@ -639,6 +662,7 @@ impl RemoteTier {
             block_size,
             block_bytes,
             opts: Mutex::new(o),
+            staged: Arc::new(AtomicU64::new(0)),
             idle: Mutex::new(Vec::new()),
             down_until: Mutex::new(None),
             c: Counters::default(),
@@ -762,11 +786,29 @@ impl RemoteTier {
         }
         let t0 = Instant::now();
         s.c.fetches.fetch_add(1, Ordering::Relaxed);
-        let limit = if o.max_fetch_blocks == 0 {
+        let mut limit = if o.max_fetch_blocks == 0 {
             candidates.len()
         } else {
             candidates.len().min(o.max_fetch_blocks)
         };
+        // Reserve the staging budget up front (given back below for blocks not brought).
+        let per_block = s.block_bytes as u64;
+        let mut reserved = 0;
+        if o.max_staged_bytes > 0 {
+            let want = limit as u64 * per_block;
+            let _ = s
+                .staged
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                    let room = o.max_staged_bytes.saturating_sub(used) / per_block * per_block;
+                    reserved = want.min(room);
+                    Some(used + reserved)
+                });
+            limit = (reserved / per_block) as usize;
+            if limit == 0 {
+                s.c.skipped_full.fetch_add(1, Ordering::Relaxed);
+                return out;
+            }
+        }
         let cands = &candidates[..limit];
         let keys: Vec<Vec<u8>> = cands.iter().map(|c| s.redis_key(c.0)).collect();
         let exists = s.with_conn(|c| {
@@ -831,6 +873,13 @@ impl RemoteTier {
         }
         s.c.fetch_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let used = out.blocks.len() as u64 * per_block;
+        if o.max_staged_bytes > 0 {
+            s.staged.fetch_sub(reserved - used, Ordering::Relaxed);
+        } else {
+            s.staged.fetch_add(used, Ordering::Relaxed);
+        }
+        out.account = Some((Arc::clone(&s.staged), used));
         out
     }
 
@@ -875,6 +924,8 @@ impl RemoteTier {
             errors: ld(&c.errors),
             skipped_short: ld(&c.skipped_short),
             skipped_down: ld(&c.skipped_down),
+            skipped_full: ld(&c.skipped_full),
+            staged_bytes: self.s.staged.load(Ordering::Relaxed),
             queued: ld(&c.queued),
             fetch_seconds: ld(&c.fetch_ns) as f64 * 1e-9,
             min_tokens: self.s.opts().min_tokens,
@@ -1001,7 +1052,9 @@ mod tests {
     }
 
     fn cands(c: &[(Vec<u32>, Key, Key, Vec<u8>)]) -> Vec<Candidate<'_>> {
-        c.iter().map(|(t, k, p, _)| (*k, *p, t.as_slice())).collect()
+        c.iter()
+            .map(|(t, k, p, _)| (*k, *p, t.as_slice()))
+            .collect()
     }
 
     fn raw(port: u16, args: &[&[u8]]) -> Reply {
@@ -1026,7 +1079,10 @@ mod tests {
             (a.user.as_deref(), a.password.as_deref()),
             (Some("bob"), Some("secret"))
         );
-        assert!(!format!("{a:?}").contains("secret"), "Debug hides the password");
+        assert!(
+            !format!("{a:?}").contains("secret"),
+            "Debug hides the password"
+        );
         for bad in [
             "localhost:6379",
             "http://h",
@@ -1060,13 +1116,20 @@ mod tests {
         a.flush();
         let st = a.stats();
         assert_eq!((st.writes, st.writes_dropped, st.errors), (4, 0, 0));
-        assert_eq!(st.bytes_written, 4 * super::super::disk::entry_len(BS, BYTES) as u64);
+        assert_eq!(
+            st.bytes_written,
+            4 * super::super::disk::entry_len(BS, BYTES) as u64
+        );
         let b = tier(&r.url(), 7);
         let got = b.fetch(&cands(&c), 6 * BS + 1);
         assert_eq!(got.len(), 4);
         for (t, k, p, payload) in &c[..4] {
             assert_eq!(got.get(*k, *p, t), Some(payload.as_slice()));
-            assert_eq!(got.get(*k, *p + 1, t), None, "another parent is not this block");
+            assert_eq!(
+                got.get(*k, *p + 1, t),
+                None,
+                "another parent is not this block"
+            );
         }
         let st = b.stats();
         assert_eq!((st.fetches, st.fetched_blocks, st.misses), (1, 4, 1));
@@ -1150,7 +1213,10 @@ mod tests {
         assert!(t.fetch(&cands(&c), 100).is_empty());
         let took = t0.elapsed();
         assert!(took >= Duration::from_millis(250), "{took:?}");
-        assert!(took < Duration::from_secs(2), "one timeout, not more: {took:?}");
+        assert!(
+            took < Duration::from_secs(2),
+            "one timeout, not more: {took:?}"
+        );
         let st = t.stats();
         assert_eq!((st.errors, st.down), (1, true));
         let t0 = Instant::now();
@@ -1201,6 +1267,39 @@ mod tests {
         assert!(t.fetch(&cands(&chain(2)), 100).is_empty());
         assert!(t.ping().is_err());
         assert_eq!(t.stats().errors, 2);
+    }
+
+    /// Staged blocks count against the budget until dropped: a fetch beyond it brings
+    /// fewer blocks, or none (counted), and dropping a staged set gives its bytes back.
+    #[test]
+    fn staged_blocks_stay_within_their_budget() {
+        let r = RedisServer::start();
+        let t = tier(&r.url(), 7);
+        let c = chain(6);
+        for (tk, k, p, b) in &c {
+            t.offer(*k, *p, tk, b);
+        }
+        t.flush();
+        t.configure(RemoteOptions {
+            max_staged_bytes: 5 * BYTES as u64 + 3,
+            ..t.options()
+        });
+        let first = t.fetch(&cands(&c), 100);
+        assert_eq!(first.len(), 5, "the budget's whole blocks");
+        assert_eq!(t.stats().staged_bytes, 5 * BYTES as u64);
+        assert!(t.fetch(&cands(&c), 100).is_empty());
+        assert_eq!(t.stats().skipped_full, 1);
+        drop(first);
+        assert_eq!(t.stats().staged_bytes, 0);
+        let again = t.fetch(&cands(&c[..2]), 100);
+        assert_eq!(again.len(), 2);
+        assert_eq!(t.stats().staged_bytes, 2 * BYTES as u64);
+        drop(again);
+        // A fetch that finds less than it reserved gives the rest back at once.
+        assert!(t.delete(c[1].1).unwrap());
+        let short = t.fetch(&cands(&c), 100);
+        assert_eq!(short.len(), 1);
+        assert_eq!(t.stats().staged_bytes, BYTES as u64);
     }
 
     /// Prompts under the break-even do not ask the store.
