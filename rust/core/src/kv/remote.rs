@@ -467,9 +467,12 @@ impl Staged {
 /// A block a fetch may ask the store for: its key, parent key and tokens.
 pub type Candidate<'a> = (Key, Key, &'a [u32]);
 
+/// A block for the writer, encoded there (the decode that offers it only copies its bytes).
 struct Job {
     key: Key,
-    value: Vec<u8>,
+    parent: Key,
+    tokens: Vec<u32>,
+    payload: Vec<u8>,
 }
 
 enum Msg {
@@ -526,13 +529,24 @@ impl Shared {
 
     /// Runs `f` on a connection (an idle one or a new one); the connection goes back to the
     /// idle list only when `f` succeeded. An error turns the tier off for a while.
-    fn with_conn<T>(&self, f: impl FnOnce(&mut Conn) -> io::Result<T>) -> io::Result<T> {
-        let conn = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    ///
+    /// A pooled connection that fails other than by a timeout (the server closed it while it
+    /// was idle, as a `timeout` setting does) is retried once on a new connection: every
+    /// command sent here may run twice (`EXISTS`, `MGET`, `SET NX`, `PING`, `DEL`).
+    fn with_conn<T>(&self, mut f: impl FnMut(&mut Conn) -> io::Result<T>) -> io::Result<T> {
+        let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let timeout = self.opts().timeout;
-        let run = |mut c: Conn| -> io::Result<(T, Conn)> { f(&mut c).map(|t| (t, c)) };
-        let out = match conn {
-            Some(c) => run(c),
-            None => Conn::open(&self.addr, timeout).and_then(run),
+        let out = match pooled.map(|mut c| f(&mut c).map(|t| (t, c))) {
+            Some(Ok(x)) => Ok(x),
+            Some(Err(e))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                Err(e)
+            }
+            _ => Conn::open(&self.addr, timeout).and_then(|mut c| f(&mut c).map(|t| (t, c))),
         };
         match out {
             Ok((t, c)) => {
@@ -550,10 +564,15 @@ impl Shared {
     fn write_batch(&self, jobs: &[Job]) {
         let ttl = self.opts().ttl.as_millis().max(1).to_string();
         let n = jobs.len() as u64;
+        let values: Vec<Vec<u8>> = jobs
+            .iter()
+            .map(|j| encode_entry(self.model_id, j.key, j.parent, &j.tokens, &j.payload))
+            .collect();
+        let values = &values;
         let out = self.with_conn(|c| {
-            for j in jobs {
+            for (j, v) in jobs.iter().zip(values) {
                 let k = self.redis_key(j.key);
-                c.send(&[b"SET", &k, &j.value, b"NX", b"PX", ttl.as_bytes()])?;
+                c.send(&[b"SET", &k, v, b"NX", b"PX", ttl.as_bytes()])?;
             }
             c.w.flush()?;
             let mut stored = Vec::with_capacity(jobs.len());
@@ -570,11 +589,10 @@ impl Shared {
         let c = &self.c;
         match out {
             Ok(stored) => {
-                for (j, s) in jobs.iter().zip(stored) {
+                for (v, s) in values.iter().zip(stored) {
                     if s {
                         c.writes.fetch_add(1, Ordering::Relaxed);
-                        c.bytes_written
-                            .fetch_add(j.value.len() as u64, Ordering::Relaxed);
+                        c.bytes_written.fetch_add(v.len() as u64, Ordering::Relaxed);
                     } else {
                         c.writes_existing.fetch_add(1, Ordering::Relaxed);
                     }
@@ -594,7 +612,7 @@ fn writer_loop(s: Arc<Shared>, rx: Receiver<Msg>) {
         let mut bytes = 0;
         let take = |m: Msg, batch: &mut Vec<Job>, fl: &mut Vec<_>, bytes: &mut usize| match m {
             Msg::Write(j) => {
-                *bytes += j.value.len();
+                *bytes += s.value_len();
                 batch.push(j);
             }
             Msg::Flush(done) => fl.push(done),
@@ -716,8 +734,9 @@ impl RemoteTier {
             .map_err(|e| format!("{:?}: {e}", self.s.addr))
     }
 
-    /// Hands a block to the writer: encoded and queued unless the queue's byte budget is
-    /// spent or the tier is off (dropped, counted). Never blocks on I/O. Whether it was queued.
+    /// Hands a block to the writer: copied and queued (the writer encodes it) unless the
+    /// queue's byte budget is spent or the tier is off (dropped, counted). Never blocks on
+    /// I/O. Whether it was queued.
     pub fn offer(&self, key: Key, parent: Key, tokens: &[u32], payload: &[u8]) -> bool {
         let c = &self.s.c;
         if tokens.len() != self.s.block_size || payload.len() != self.s.block_bytes {
@@ -729,12 +748,17 @@ impl RemoteTier {
             c.writes_dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        let value = encode_entry(self.s.model_id, key, parent, tokens, payload);
+        let job = Job {
+            key,
+            parent,
+            tokens: tokens.to_vec(),
+            payload: payload.to_vec(),
+        };
         c.queued.fetch_add(1, Ordering::Relaxed);
         c.queued_bytes.fetch_add(len, Ordering::Relaxed);
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let sent = match tx.as_ref() {
-            Some(tx) => match tx.try_send(Msg::Write(Job { key, value })) {
+            Some(tx) => match tx.try_send(Msg::Write(job)) {
                 Ok(()) => true,
                 Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
             },
@@ -1300,6 +1324,27 @@ mod tests {
         let short = t.fetch(&cands(&c), 100);
         assert_eq!(short.len(), 1);
         assert_eq!(t.stats().staged_bytes, BYTES as u64);
+    }
+
+    /// A pooled connection the server closed while idle (its `timeout`, a restart) is
+    /// replaced on the spot: no error, no rest.
+    #[test]
+    fn a_connection_the_server_closed_is_replaced_without_an_error() {
+        let r = RedisServer::start();
+        let t = tier(&r.url(), 7);
+        let c = chain(2);
+        for (tk, k, p, b) in &c {
+            t.offer(*k, *p, tk, b);
+        }
+        t.flush();
+        assert_eq!(t.fetch(&cands(&c), 100).len(), 2);
+        match raw(r.port, &[b"CLIENT", b"KILL", b"TYPE", b"normal"]) {
+            Reply::Int(n) => assert!(n >= 1, "the tier's pooled connections were killed"),
+            x => panic!("CLIENT KILL: {x:?}"),
+        }
+        assert_eq!(t.fetch(&cands(&c), 100).len(), 2);
+        let st = t.stats();
+        assert_eq!((st.errors, st.down), (0, false));
     }
 
     /// Prompts under the break-even do not ask the store.
