@@ -149,6 +149,27 @@ def test_models_and_health_through_the_ingress(cluster: Cluster, model_path: Pat
     }
 
 
+def test_a_body_over_the_limit_is_refused_at_the_ingress(cluster: Cluster) -> None:
+    """The ingress refuses a body larger than the replicas accept (1 MiB at this ctx-size)
+    before reading it (by its Content-Length) or once it passes the limit (chunked), as the
+    single-box server does, instead of holding it in memory; a body under it goes through."""
+    big = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+    r = httpx.post(f"{cluster.url}/v1/completions", content=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert "x-kvserve-replica" not in r.headers, "refused before any replica"
+
+    def chunked() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"y" * 65536
+        yield b'"}'
+
+    r = httpx.post(f"{cluster.url}/v1/completions", content=chunked())
+    assert r.status_code == 413
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 200
+
+
 def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(
     cluster: Cluster, oracle: Engine
 ) -> None:

@@ -128,8 +128,10 @@ class _Ingress:
         router: Router,
         poll_s: float,
         misses: int,
+        max_body: int,
     ) -> None:
         self.handles = dict(replicas)
+        self.max_body = max_body
         self.keys = keys
         self.router = router
         self.poll_s = poll_s
@@ -197,8 +199,31 @@ class _Ingress:
             session = f"{scope}/{sid}" if sid else None
         return self.router.choose(keys, session)
 
+    async def read_body(self, request: Request) -> bytes | None:
+        """The body, or None when it is longer than the replicas accept (``max_body``): refused
+        on its Content-Length before it is read, or cut off once it passes the limit, so a
+        huge body costs the ingress no more memory than a replica would spend on it."""
+        limit = self.max_body
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            return None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return None
+        return bytes(body)
+
     async def forward(self, request: Request) -> Response:
-        body = await request.body()
+        body = await self.read_body(request)
+        if body is None:
+            return JSONResponse(
+                {"error": {"message": f"the request body is larger than {self.max_body} bytes",
+                           "type": "invalid_request_error", "code": "body_too_large"}},
+                status_code=413,
+                # The rest of the body is not read: the connection ends with the answer.
+                headers={"connection": "close"},
+            )  # fmt: skip
         headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
         query = request.url.query.encode("latin-1")
         tried: set[str] = set()
@@ -308,6 +333,7 @@ def create_ingress(
         router if router is not None else Router(),
         poll_s,
         misses,
+        config.body_limit(),
     )
 
     @contextlib.asynccontextmanager
