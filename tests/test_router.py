@@ -127,10 +127,17 @@ def test_sessions_stick_while_their_replica_lives() -> None:
 
 
 def _reference(
-    held: dict[str, set[int]], load: dict[str, int], keys: list[int], imbalance: int
+    held: dict[str, set[int]],
+    load: dict[str, int],
+    keys: list[int],
+    imbalance: int,
+    ratio: float,
+    slack: int,
 ) -> tuple[set[str], str]:
     """The replicas the policy allows for ``keys`` and the reason (load decisions are random:
-    the set of replicas a power-of-two draw could pick)."""
+    the set of replicas a power-of-two draw could pick). Replicas hold distinct numbers of
+    blocks here, so "the longest run, then the least loaded, then the fewest blocks" and "the
+    fewest blocks" each name one replica."""
 
     def run(name: str) -> int:
         n = 0
@@ -138,13 +145,24 @@ def _reference(
             n += 1
         return n
 
-    best = max(run(n) for n in held)
+    longest = max(run(n) for n in held)
     least = min(load.values())
-    holders = [n for n in held if run(n) == best]
-    if best > 0:
-        lowest = min(load[n] for n in holders)
+    holders = [n for n in held if run(n) == longest]
+    lowest = min(load[n] for n in holders)
+    (best,) = [
+        n
+        for n in holders
+        if load[n] == lowest
+        and len(held[n]) == min(len(held[h]) for h in holders if load[h] == lowest)
+    ]
+    (emptiest,) = [n for n in held if len(held[n]) == min(len(h) for h in held.values())]
+    if longest > 0:
+        lopsided = len(held[best]) > ratio * len(held[emptiest]) + slack
+        seeds = run(emptiest) == 0 and longest < 0.75 * len(keys)
+        if emptiest != best and lopsided and seeds and load[emptiest] - least <= imbalance:
+            return {emptiest}, "balance"
         if lowest - least <= imbalance:
-            return {n for n in holders if load[n] == lowest}, "prefix"
+            return {best}, "prefix"
     # Power of two choices: any replica that is not more loaded than every other can win a
     # draw; the most loaded one wins only on a tie.
     names = sorted(held)
@@ -166,25 +184,60 @@ def _reference(
 
 def test_random_states_match_the_reference() -> None:
     rng = random.Random(21)
-    for _ in range(400):
+    reasons: set[str] = set()
+    for _ in range(600):
         names = [f"r{i}" for i in range(rng.randint(1, 4))]
         imbalance = rng.randint(0, 3)
-        r = Router(names, imbalance=imbalance, rng=random.Random(rng.random()), pending_s=0)
+        ratio, slack = rng.choice([1.0, 2.0]), rng.randint(0, 3)
+        r = Router(
+            names,
+            imbalance=imbalance,
+            cache_ratio=ratio,
+            cache_slack=slack,
+            rng=random.Random(rng.random()),
+            pending_s=0,
+        )
         held: dict[str, set[int]] = {}
         load: dict[str, int] = {}
-        for n in names:
+        sizes = rng.sample(range(0, 12), len(names))  # distinct numbers of other blocks
+        for n, extra in zip(names, sizes):
             depth = rng.randint(0, 5)
-            held[n] = set(range(1, depth + 1)) | {100 + rng.randint(0, 3)}
-            r.apply_events(n, [stored(*sorted(held[n]))])
-            if rng.random() < 0.3:
-                drop = rng.choice(sorted(held[n]))
-                held[n].discard(drop)
-                r.apply_events(n, [removed(drop)])
+            held[n] = set(range(1, depth + 1)) | {
+                1000 * (1 + names.index(n)) + j for j in range(extra)
+            }
+            if held[n]:
+                r.apply_events(n, [stored(*sorted(held[n]))])
             load[n] = rng.randint(0, 5)
             for _ in range(load[n]):
                 r.started(n)
+        if len({len(h) for h in held.values()}) < len(names):
+            continue  # equal sizes: the policy's tie-breaks are by position, not compared here
         keys = list(range(1, rng.randint(1, 6) + 1))
-        allowed, reason = _reference(held, load, keys, imbalance)
+        allowed, reason = _reference(held, load, keys, imbalance, ratio, slack)
         c = r.choose(keys)
+        reasons.add(c.reason)
         assert c.reason == reason, (held, load, keys, c)
         assert c.replica in allowed, (held, load, keys, c)
+    assert reasons == {"prefix", "balance", "load"}, "every rule was exercised"
+
+
+def test_a_shared_system_prompt_seeds_the_other_replica() -> None:
+    """New conversations on a shared system prompt, one at a time (no load imbalance ever):
+    once the first replica's cache is lopsided, a new conversation seeds the other replica
+    with the prompt, and from then on new conversations split between them; a conversation's
+    next turn stays where its history is."""
+    r = Router(["a", "b"], imbalance=4, pending_s=60)
+    system = list(range(1, 21))  # 20 blocks shared by every conversation
+    where: dict[int, str] = {}
+    for conv in range(12):
+        own = [10_000 * (conv + 1) + j for j in range(13)]
+        c = r.choose(system + own)
+        where[conv] = c.replica
+        r.apply_events(c.replica, [stored(*(system + own))])
+    assert set(where.values()) == {"a", "b"}
+    counts = {n: list(where.values()).count(n) for n in "ab"}
+    assert min(counts.values()) >= 4, counts
+    for conv, replica in where.items():
+        history = system + [10_000 * (conv + 1) + j for j in range(13)]
+        c = r.choose([*history, 99_000 + conv])
+        assert (c.replica, c.reason) == (replica, "prefix"), conv

@@ -18,9 +18,22 @@ The decision for a request whose prompt's whole blocks have keys ``keys`` (the c
 core computes: ``kvserve._core.Context.block_keys``), in order:
 
 1. a request of a session that is stuck to a live replica goes there (``session``);
-2. the replica holding the longest leading run of ``keys`` gets it (``prefix``), unless its
-   load exceeds the least loaded replica's by more than ``imbalance`` (a hot prefix must not
-   pile every request onto one replica);
+2. the replica holding the longest leading run of ``keys`` gets it (``prefix``; among equal
+   runs the less loaded, then the one holding fewer blocks), unless its load exceeds the least
+   loaded replica's by more than ``imbalance`` (a hot prefix must not pile every request onto
+   one replica), or unless the request should seed another replica with the prefix
+   (``balance``): the replica holding the fewest blocks (``emptiest``) goes instead when
+   - the longest-run replica holds more than ``cache_ratio`` x the emptiest's blocks plus
+     ``cache_slack`` (the caches are lopsided),
+   - the emptiest holds none of this prompt, and
+   - what the longest run saves is under ``seed_below`` of the prompt's blocks (the request
+     is mostly its own new content: a new conversation on a shared system prompt, not the
+     next turn of one).
+   Without this rule a shared system prompt held by one replica draws every new conversation
+   to it whenever fewer than ``imbalance`` requests are in flight: one replica's cache
+   thrashes while the other's sits empty (benches/bench_routing.py, BENCHMARKS.md). Once the
+   emptier replica holds the prefix too, new conversations split between them by load and
+   by blocks held;
 3. otherwise two replicas drawn at random, the less loaded of them (power of two choices;
    ``load``), ties to the longer match.
 
@@ -59,6 +72,10 @@ class _Replica:
             return False
         return True
 
+    def held(self) -> int:
+        """Blocks it holds or was just sent (pending keys; expired ones go at the next events)."""
+        return len(self.keys) + len(self.pending)
+
     def matched(self, keys: Sequence[int], now: float) -> int:
         n = 0
         for k in keys:
@@ -70,8 +87,8 @@ class _Replica:
 
 @dataclass(frozen=True)
 class Choice:
-    """The replica a request goes to, why (``session``, ``prefix`` or ``load``) and how many
-    of its leading blocks that replica holds (as far as the router knows)."""
+    """The replica a request goes to, why (``session``, ``prefix``, ``balance`` or ``load``)
+    and how many of its leading blocks that replica holds (as far as the router knows)."""
 
     replica: str
     reason: str
@@ -92,6 +109,9 @@ class Router:
         replicas: Iterable[str] = (),
         *,
         imbalance: int = 4,
+        cache_ratio: float = 2.0,
+        cache_slack: int = 64,
+        seed_below: float = 0.75,
         pending_s: float = 10.0,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -99,6 +119,9 @@ class Router:
         if imbalance < 0:
             raise ValueError(f"imbalance must be >= 0, got {imbalance}")
         self.imbalance = imbalance
+        self.cache_ratio = cache_ratio
+        self.cache_slack = cache_slack
+        self.seed_below = seed_below
         self.pending_s = pending_s
         self._rng = rng or random.Random()
         self._clock = clock
@@ -195,10 +218,22 @@ class Router:
                 choice = Choice(stuck, "session", r.matched(keys, now))
         if choice is None:
             matched = {r.name: r.matched(keys, now) for r in reps}
+            held = {r.name: r.held() for r in reps}
             least = min(r.load for r in reps)
-            best = max(reps, key=lambda r: (matched[r.name], -r.load))
-            if matched[best.name] > 0 and best.load - least <= self.imbalance:
-                choice = Choice(best.name, "prefix", matched[best.name])
+            best = max(reps, key=lambda r: (matched[r.name], -r.load, -held[r.name]))
+            emptiest = min(reps, key=lambda r: (held[r.name], r.load))
+            m = matched[best.name]
+            if (
+                m > 0
+                and emptiest is not best
+                and matched[emptiest.name] == 0
+                and emptiest.load - least <= self.imbalance
+                and held[best.name] > self.cache_ratio * held[emptiest.name] + self.cache_slack
+                and m < self.seed_below * len(keys)
+            ):
+                choice = Choice(emptiest.name, "balance", 0)
+            elif m > 0 and best.load - least <= self.imbalance:
+                choice = Choice(best.name, "prefix", m)
             else:
                 pair = self._rng.sample(reps, 2) if len(reps) > 1 else reps
                 pick = min(pair, key=lambda r: (r.load, -matched[r.name]))
