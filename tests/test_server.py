@@ -1154,6 +1154,21 @@ _FAMILIES = {
     ("kvserve_kv_disk_entries", "gauge"),
     ("kvserve_kv_disk_bytes", "gauge"),
     ("kvserve_kv_disk_bytes_max", "gauge"),
+    ("kvserve_kv_remote_fetches", "counter"),
+    ("kvserve_kv_remote_hit_blocks", "counter"),
+    ("kvserve_kv_remote_hit_tokens", "counter"),
+    ("kvserve_kv_remote_misses", "counter"),
+    ("kvserve_kv_remote_invalid", "counter"),
+    ("kvserve_kv_remote_lost", "counter"),
+    ("kvserve_kv_remote_read_bytes", "counter"),
+    ("kvserve_kv_remote_written_bytes", "counter"),
+    ("kvserve_kv_remote_writes_dropped", "counter"),
+    ("kvserve_kv_remote_errors", "counter"),
+    ("kvserve_kv_remote_skipped_down", "counter"),
+    ("kvserve_kv_remote_skipped_full", "counter"),
+    ("kvserve_kv_remote_fetch_seconds", "counter"),
+    ("kvserve_kv_remote_staged_bytes", "gauge"),
+    ("kvserve_kv_remote_down", "gauge"),
 }
 
 
@@ -1781,6 +1796,14 @@ _ENGINE_FLAGS = {
     "--kv-memory": ("KVSERVE_KV_MEMORY", "3MiB", "kv_memory", 3 * 2**20),
     "--kv-type": ("KVSERVE_KV_TYPE", "q8_0", "kv_type", "q8_0"),
     "--kv-disk-size": ("KVSERVE_KV_DISK_SIZE", "64MiB", "kv_disk_size", 64 * 2**20),
+    # A store nobody listens on: the engine starts with the tier resting (a warning).
+    "--kv-remote": (
+        "KVSERVE_KV_REMOTE",
+        "redis://127.0.0.1:1/2",
+        "kv_remote",
+        "redis://127.0.0.1:1/2",
+    ),
+    "--kv-remote-ttl": ("KVSERVE_KV_REMOTE_TTL", "600", "kv_remote_ttl", 600.0),
     "--batch-tokens": ("KVSERVE_BATCH_TOKENS", "48", "batch_tokens", 48),
     "--kv-high-watermark": ("KVSERVE_KV_HIGH_WATERMARK", "0.8", "kv_high_watermark", 0.8),
     "--kv-low-watermark": ("KVSERVE_KV_LOW_WATERMARK", "0.6", "kv_low_watermark", 0.6),
@@ -1843,12 +1866,14 @@ def test_serve_flags_reach_the_engine(
             "context_shift": engine.context_shift,
         }
         st = engine.stats()
-    not_attrs = ("kv_memory", "kv_disk", "kv_disk_size")
+    not_attrs = ("kv_memory", "kv_disk", "kv_disk_size", "kv_remote", "kv_remote_ttl")
     assert got == {k: v for k, v in want.items() if k not in not_attrs}
     block = st["kv_full_bytes_total"] // st["kv_blocks_total"]
     assert st["kv_blocks_total"] == 3 * 2**20 // block  # --kv-memory, in whole blocks
     # --kv-disk, --kv-disk-size: the tier is on, in the directory, at that size.
     assert (st["kv_disk_enabled"], st["kv_disk_bytes_max"]) == (1, 64 * 2**20)
+    # --kv-remote: the tier is on (resting: nobody listens there).
+    assert (st["kv_remote_enabled"], st["kv_remote_down"]) == (1, 1)
     (sub,) = (tmp_path / "kv").iterdir()  # one directory per model and K/V format
     assert re.fullmatch("[0-9a-f]{32}", sub.name) and (sub / "LOCK").is_file()
 
@@ -1864,6 +1889,8 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         "kv_type": "f16",
         "kv_disk": None,
         "kv_disk_size": 20 * 2**30,
+        "kv_remote": None,
+        "kv_remote_ttl": None,
         "batch_tokens": 512,
         "context_shift": False,
         "kv_high_watermark": 0.9,
