@@ -7,7 +7,9 @@ use kvserve_core::gguf::Value;
 use kvserve_core::kv::disk::{DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_BYTES};
 use kvserve_core::kv::remote::{RemoteOptions, Staged};
 use kvserve_core::kv::storage::KvType;
-use kvserve_core::kv::{block_key, salt_root, DiskOptions, KvEvent, Memory, PagedCache, SharedKv};
+use kvserve_core::kv::{
+    block_key, salt_root, DiskOptions, KvEvent, LayerGroups, Memory, PagedCache, SharedKv,
+};
 use kvserve_core::model::{
     self as core_model, Context as CoreContext, KvOptions, LayerKind, Model as CoreModel,
 };
@@ -539,13 +541,15 @@ impl Context {
             .collect::<PyResult<Vec<u32>>>()?;
         let staged = staged.and_then(|s| s.take());
         self.with(py, move |c| {
-            c.match_prefix_staged(seq, &tokens, staged.as_deref())
+            c.match_prefix_staged(seq, &tokens, staged.as_deref().map_or(&[], Vec::as_slice))
         })
     }
 
     /// Fetches from the shared tier (if one is attached) the blocks a match of `tokens` in a
     /// sequence salted with `salt` would need beyond what RAM and disk hold (the leading run
-    /// the store has, verified), for `match_prefix(..., staged=)`. Never waits for the context
+    /// the store has, verified; with sliding-window layers also the window group's blocks
+    /// before the point the full group reaches), for `match_prefix(..., staged=)`. Never
+    /// waits for the context
     /// (runs on any thread while decodes go on, without the GIL); never fails: a store that
     /// is down or slow gives fewer blocks (counted in `stats()`).
     #[pyo3(signature = (tokens, salt = b"".as_slice()))]
@@ -555,8 +559,15 @@ impl Context {
             .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
         let root = salt_root(salt);
-        let shared = Arc::clone(&self.shared);
-        let staged = py.detach(move || shared.fetch_remote(&tokens, root));
+        let groups: Vec<(LayerKind, Arc<SharedKv>)> = self
+            .groups
+            .iter()
+            .map(|(k, _, s)| (*k, Arc::clone(s)))
+            .collect();
+        let staged = py.detach(move || {
+            let g: Vec<_> = groups.iter().map(|(k, s)| (*k, s.as_ref())).collect();
+            LayerGroups::fetch_remote(&g, &tokens, root)
+        });
         Ok(KvStaged::new(staged))
     }
 
@@ -710,8 +721,10 @@ impl Context {
     /// Waits until the shared tier (if any) has sent every block handed to it so far (or
     /// dropped it); never waits for the context.
     fn kv_remote_flush(&self, py: Python<'_>) {
-        if let Some(r) = self.shared.remote() {
-            py.detach(|| r.flush());
+        for (_, _, s) in &self.groups {
+            if let Some(r) = s.remote() {
+                py.detach(|| r.flush());
+            }
         }
     }
 
@@ -725,8 +738,10 @@ impl Context {
     /// Waits until the disk tier (if any) has written every block handed to it so far (or
     /// dropped it); never waits for the context.
     fn kv_disk_flush(&self, py: Python<'_>) {
-        if let Some(d) = self.shared.disk() {
-            py.detach(|| d.flush());
+        for (_, _, s) in &self.groups {
+            if let Some(d) = s.disk() {
+                py.detach(|| d.flush());
+            }
         }
     }
 
@@ -809,8 +824,14 @@ impl Context {
         d.set_item("prefix_lookups", pb.lookups.load(Ordering::Relaxed))?;
         d.set_item("prefix_hit_tokens", pb.hit_tokens.load(Ordering::Relaxed))?;
         d.set_item("prefix_indexed", self.shared.index().len())?;
+        // A model with several K/V groups (Gemma 3) has a tier per group: counts are summed.
         let disk = self.shared.disk();
-        let ds = disk.as_ref().map(|t| t.stats()).unwrap_or_default();
+        let mut ds = kvserve_core::kv::disk::DiskStats::default();
+        for (_, _, s) in &self.groups {
+            if let Some(t) = s.disk() {
+                ds.merge(&t.stats());
+            }
+        }
         d.set_item("disk_enabled", disk.is_some())?;
         d.set_item(
             "disk_dir",
@@ -838,7 +859,12 @@ impl Context {
         d.set_item("disk_read_seconds", ds.read_seconds)?;
         d.set_item("disk_min_tokens", ds.min_tokens)?;
         let remote = self.shared.remote();
-        let rs = remote.as_ref().map(|t| t.stats()).unwrap_or_default();
+        let mut rs = kvserve_core::kv::remote::RemoteStats::default();
+        for (_, _, s) in &self.groups {
+            if let Some(t) = s.remote() {
+                rs.merge(&t.stats());
+            }
+        }
         d.set_item("remote_enabled", remote.is_some())?;
         d.set_item(
             "remote_url",
@@ -1021,26 +1047,28 @@ pub fn bench_batched<'py>(
 /// a `match_prefix(..., staged=)` takes them (once) or the object goes.
 #[pyclass(frozen, module = "kvserve._core")]
 pub struct KvStaged {
-    inner: Mutex<Option<Arc<Staged>>>,
+    /// One set per K/V group, in group order.
+    inner: Mutex<Option<Arc<Vec<Staged>>>>,
     n_blocks: usize,
 }
 
 impl KvStaged {
-    fn new(s: Staged) -> KvStaged {
+    fn new(s: Vec<Staged>) -> KvStaged {
+        let n_blocks = s.iter().map(Staged::len).sum();
         KvStaged {
-            n_blocks: s.len(),
-            inner: Mutex::new((!s.is_empty()).then(|| Arc::new(s))),
+            n_blocks,
+            inner: Mutex::new((n_blocks > 0).then(|| Arc::new(s))),
         }
     }
 
-    fn take(&self) -> Option<Arc<Staged>> {
+    fn take(&self) -> Option<Arc<Vec<Staged>>> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
 
 #[pymethods]
 impl KvStaged {
-    /// Blocks the fetch brought.
+    /// Blocks the fetch brought (over every layer group).
     #[getter]
     fn blocks(&self) -> usize {
         self.n_blocks

@@ -287,6 +287,58 @@ impl SharedKv {
         r.fetch(&cands, tokens.len())
     }
 
+    /// How many leading whole blocks of `tokens` (at most `len(tokens) - 1` tokens) under the
+    /// root `root` the index, the disk tier or `staged` hold: where a full group's match
+    /// would get to now (an estimate, as [`PagedCache::peek_prefix`]).
+    pub fn reachable_blocks(&self, tokens: &[u32], root: Key, staged: &Staged) -> usize {
+        let bs = self.layout.block_size;
+        let n_max = tokens.len().saturating_sub(1) / bs;
+        let disk = self.disk().filter(|d| tokens.len() >= d.min_tokens());
+        let mut parent = root;
+        let mut n = 0;
+        for chunk in tokens.chunks_exact(bs).take(n_max) {
+            let key = block_key(self.model_id, parent, chunk);
+            let held = self.index.contains(&self.pool, key, parent, chunk)
+                || disk.as_ref().is_some_and(|d| d.contains(key))
+                || staged.get(key, parent, chunk).is_some();
+            if !held {
+                break;
+            }
+            n += 1;
+            parent = key;
+        }
+        n
+    }
+
+    /// [`SharedKv::fetch_remote`] for a sliding-window group of `window` positions: fetches
+    /// the blocks a resume at block `k` (position `k * b`) needs, those holding positions
+    /// `k * b - window + 1 .. k * b - 1` ([`PagedCache::match_window_prefix`]'s rule), that
+    /// neither the index nor the disk tier has, up to the first the store lacks (a resume
+    /// at that block then needs only blocks before it). Safe on any thread, as
+    /// `fetch_remote`.
+    pub fn fetch_window(&self, tokens: &[u32], root: Key, window: usize, k: usize) -> Staged {
+        let Some(r) = self.remote() else {
+            return Staged::default();
+        };
+        let bs = self.layout.block_size;
+        let k = k.min(tokens.len().saturating_sub(1) / bs);
+        let lo = (k * bs + 1).saturating_sub(window.max(1)) / bs;
+        let disk = self.disk().filter(|d| tokens.len() >= d.min_tokens());
+        let mut parent = root;
+        let mut cands: Vec<Candidate<'_>> = Vec::new();
+        for (j, chunk) in tokens.chunks_exact(bs).take(k).enumerate() {
+            let key = block_key(self.model_id, parent, chunk);
+            let local = j < lo
+                || self.index.contains(&self.pool, key, parent, chunk)
+                || disk.as_ref().is_some_and(|d| d.contains(key));
+            if !local {
+                cands.push((key, parent, chunk));
+            }
+            parent = key;
+        }
+        r.fetch(&cands, tokens.len())
+    }
+
     /// Pool counts, O(1).
     pub fn pool_stats(&self) -> PoolStats {
         self.pool.stats()
@@ -310,6 +362,17 @@ pub struct BatchNeed {
     pub blocks: usize,
     /// Tokens by which the batch would exceed the context's token limit `n_ctx` (0: within).
     pub tokens_over: usize,
+}
+
+/// A block of a window match ([`PagedCache::match_window_prefix`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Not looked up, or not available.
+    Missing,
+    /// The disk tier or the staged set has it; not loaded yet.
+    Pending,
+    /// Referenced by the match (found in RAM or loaded).
+    Held(BlockId),
 }
 
 /// One context's sequences over a model's [`SharedKv`].
@@ -584,6 +647,13 @@ impl PagedCache {
     /// are all indexed, attaches those (the sequence then starts at the first of them, a clean
     /// run pruned at its front) and returns `n`. Blocks before the window are not looked up:
     /// a long prompt resumes even when the window group evicted its head.
+    ///
+    /// With a disk tier (as for [`PagedCache::match_prefix`]) a window block the index misses
+    /// counts as found when the tier holds it; once the search has chosen `n`, the blocks of
+    /// its window that only the tier holds are read into fresh pool blocks (keyed and indexed
+    /// as a commit would), so nothing is read for a resume point a later miss rules out. A
+    /// read that fails (an invalid entry, no pool block) is a miss at that block, and the
+    /// search goes on below it; blocks read for a window not used in the end stay cached.
     pub fn match_window_prefix(
         &mut self,
         seq: SeqId,
@@ -591,6 +661,18 @@ impl PagedCache {
         window: usize,
     ) -> Result<usize> {
         self.match_prefix_in(seq, tokens, Some(window.max(1)), None)
+    }
+
+    /// [`PagedCache::match_window_prefix`] that also takes a window block neither RAM nor disk
+    /// holds from `staged` ([`SharedKv::fetch_window`]), as a disk read would.
+    pub fn match_window_prefix_staged(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        window: usize,
+        staged: Option<&Staged>,
+    ) -> Result<usize> {
+        self.match_prefix_in(seq, tokens, Some(window.max(1)), staged)
     }
 
     /// How many tokens of `tokens` [`PagedCache::match_prefix`] (`window: None`) or
@@ -617,21 +699,19 @@ impl PagedCache {
             let parent = if j == 0 { root } else { keys[j - 1] };
             index.contains(pool, keys[j], parent, &tokens[j * bs..(j + 1) * bs])
         };
+        let disk = self
+            .shared
+            .disk()
+            .filter(|d| tokens.len() >= d.min_tokens());
+        let on_disk = |j: usize| disk.as_ref().is_some_and(|d| d.contains(keys[j]));
         match window {
-            None => {
-                let disk = self
-                    .shared
-                    .disk()
-                    .filter(|d| tokens.len() >= d.min_tokens());
-                let on_disk = |j: usize| disk.as_ref().is_some_and(|d| d.contains(keys[j]));
-                (0..n_max).take_while(|&j| has(j) || on_disk(j)).count() * bs
-            }
+            None => (0..n_max).take_while(|&j| has(j) || on_disk(j)).count() * bs,
             Some(w) => {
                 let lo = |k: usize| (k * bs + 1).saturating_sub(w.max(1)) / bs;
                 let (mut k, mut i) = (n_max, n_max);
                 while i > lo(k) {
                     let j = i - 1;
-                    if !has(j) {
+                    if !has(j) && !on_disk(j) {
                         k = j;
                     }
                     i = j;
@@ -676,27 +756,100 @@ impl PagedCache {
             }
             // First block a token at position `k * bs` sees.
             let lo = |k: usize| (k * bs + 1).saturating_sub(w) / bs;
-            let mut found: Vec<Option<BlockId>> = vec![None; n_max];
+            let disk = self.shared.disk().filter(|d| d.worth_it(tokens.len()));
+            let shared = Arc::clone(&self.shared);
+            // Locked at the first block loaded from disk or `staged` (storage, then index).
+            let mut storage = None;
+            let mut in_ram = Vec::new();
+            let mut from_remote = 0;
+            // Per block: `Held` once referenced (found in RAM, or loaded), `Pending` when the
+            // disk tier or `staged` has it (loaded only once a resume point needs it).
+            let mut found: Vec<Slot> = vec![Slot::Missing; n_max];
+            let release = |found: &mut [Slot]| {
+                for s in found.iter_mut().rev() {
+                    if let Slot::Held(b) = std::mem::replace(s, Slot::Missing) {
+                        let _ = pool.release(b);
+                    }
+                }
+            };
             // Resume at `k` once blocks `lo(k)..k` are found, looking from the top down: a miss
             // at block `j` rules out every resume point whose window holds `j`, i.e. every
             // point above `j` still to be tried, so the next candidate is `j` itself.
             let (mut k, mut i) = (n_max, n_max);
-            while i > lo(k) {
-                let j = i - 1;
-                let parent = if j == 0 { root } else { keys[j - 1] };
-                let chunk = &tokens[j * bs..(j + 1) * bs];
-                if let Some(b) = index.lookup(pool, keys[j], parent, chunk) {
-                    found[j] = Some(b);
-                } else {
-                    for b in found[j + 1..k].iter_mut().rev().filter_map(Option::take) {
-                        let _ = pool.release(b);
+            loop {
+                while i > lo(k) {
+                    let j = i - 1;
+                    let parent = if j == 0 { root } else { keys[j - 1] };
+                    let chunk = &tokens[j * bs..(j + 1) * bs];
+                    if let Some(b) = index.lookup(pool, keys[j], parent, chunk) {
+                        found[j] = Slot::Held(b);
+                        in_ram.push(keys[j]);
+                    } else if disk.as_ref().is_some_and(|d| d.contains(keys[j]))
+                        || staged.is_some_and(|s| s.get(keys[j], parent, chunk).is_some())
+                    {
+                        found[j] = Slot::Pending;
+                    } else {
+                        if let Some(d) = &disk {
+                            d.count_miss();
+                        }
+                        release(&mut found[j + 1..k]);
+                        k = j;
                     }
-                    k = j;
+                    i = j;
                 }
-                i = j;
+                // Every block of the window before `k` is held or pending: load the pending
+                // ones (bottom up). A load that fails (an invalid entry, no pool block) is a
+                // miss at its block: the search goes on below the window tried so far.
+                let mut failed = None;
+                for j in lo(k)..k {
+                    if found[j] != Slot::Pending {
+                        continue;
+                    }
+                    let (key, chunk) = (keys[j], &tokens[j * bs..(j + 1) * bs]);
+                    let parent = if j == 0 { root } else { keys[j - 1] };
+                    let st = storage.get_or_insert_with(|| shared.lock_storage());
+                    let mut b = disk.as_deref().filter(|d| d.contains(key)).and_then(|d| {
+                        self.load_block(st, key, parent, chunk, |out| {
+                            d.read(key, parent, chunk, out)
+                        })
+                    });
+                    if let (None, Some(p)) = (b, staged.and_then(|s| s.get(key, parent, chunk))) {
+                        b = self.load_block(st, key, parent, chunk, |out| {
+                            out.copy_from_slice(p);
+                            true
+                        });
+                        from_remote += usize::from(b.is_some());
+                    }
+                    match b {
+                        Some(b) => found[j] = Slot::Held(b),
+                        None => {
+                            failed = Some(j);
+                            break;
+                        }
+                    }
+                }
+                let Some(j) = failed else {
+                    break;
+                };
+                found[j] = Slot::Missing;
+                release(&mut found[j + 1..k]);
+                k = j;
+            }
+            drop(storage);
+            if let (Some(r), true) = (self.shared.remote(), from_remote > 0) {
+                r.count_hits(from_remote);
+            }
+            if let Some(d) = &disk {
+                d.touch(&in_ram);
             }
             first = lo(k);
-            blocks = found[first..k].iter().map(|b| b.expect("found")).collect();
+            blocks = found[first..k]
+                .iter()
+                .map(|s| match s {
+                    Slot::Held(b) => *b,
+                    Slot::Missing | Slot::Pending => unreachable!("the window before k is held"),
+                })
+                .collect();
             keys.truncate(k);
         } else {
             let disk = self.shared.disk();
@@ -1593,6 +1746,106 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A window group (here: a cache pruned to a window of 6 after each chunk) writes its
+    /// keyed blocks through to disk; once RAM evicted them, a resume reads back exactly the
+    /// window it needs (not the blocks before it), bit for bit; a block the tier lacks, or an
+    /// entry that fails its read, moves the resume point down to one whose window avoids it;
+    /// keys follow the salt.
+    #[test]
+    fn window_blocks_come_back_from_disk() {
+        const W: usize = 6;
+        let dir = disk_dir("window");
+        let shared = memory_on_disk(24, &dir, 0);
+        let tier = shared.disk().unwrap();
+        let p = prompt(41, 11); // 10 whole blocks and a token
+        let want = {
+            let mut plain = cache(64);
+            decode(&mut plain, 0, &p, 0);
+            raw_blocks(&plain, 0)
+        };
+        let mut a = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        decode_windowed(&mut a, 0, &p, 3, W);
+        a.table_mut().seq_rm(0, -1, -1);
+        tier.flush();
+        assert_eq!(tier.stats().entries, 10, "every keyed window block");
+        flush_ram(&shared, 500);
+        let mut q = p.clone();
+        q.push(1);
+        let before = shared.pool_stats();
+        assert_eq!(a.peek_prefix(&q, ROOT_KEY, Some(W), usize::MAX), 40);
+        assert_eq!(shared.pool_stats(), before, "peeking changes nothing");
+        // The window of position 40 (35..39) lies in blocks 8 and 9: only those are read.
+        let mut b = PagedCache::new(Arc::clone(&shared), 64).unwrap();
+        assert_eq!(b.match_window_prefix(1, &q, W).unwrap(), 40);
+        assert_eq!(content(&b, 1), expect(&p)[32..40].to_vec());
+        let st = shared.lock_storage();
+        let got: Vec<Vec<u8>> = b
+            .table()
+            .cells(1)
+            .iter()
+            .filter(|c| (c.0 as usize).is_multiple_of(BS))
+            .map(|c| st.block_raw(c.1).unwrap().to_vec())
+            .collect();
+        drop(st);
+        assert_eq!(got, want[8..10].to_vec(), "bit for bit");
+        let s = tier.stats();
+        assert_eq!((s.hit_blocks, s.misses), (2, 0));
+        b.table().check().unwrap();
+        // Loaded blocks are keyed in the pool: the next resume finds them in RAM.
+        assert_eq!(b.match_window_prefix(2, &q, W).unwrap(), 40);
+        assert_eq!(tier.stats().hit_blocks, 2);
+        b.table_mut().seq_rm(-1, -1, -1);
+        // A block the tier lacks (block 9 of a prompt that differs at 38): resume at 36,
+        // whose window (31..35) lies in blocks 7 and 8.
+        flush_ram(&shared, 600);
+        let mut d = q.clone();
+        d[38] += 1;
+        assert_eq!(b.match_window_prefix(3, &d, W).unwrap(), 36);
+        assert_eq!(content(&b, 3), expect(&p)[28..36].to_vec());
+        assert_eq!(tier.stats().hit_blocks, 4);
+        b.table_mut().seq_rm(-1, -1, -1);
+        // An entry whose file is gone fails its read (blocks are read bottom up: block 8 is
+        // read, then 9 fails): the same fallback, the entry removed, block 8 kept for the
+        // lower window and block 7 read for it.
+        flush_ram(&shared, 700);
+        let keys = crate::kv::prefix::chain_keys(shared.model_id(), ROOT_KEY, &p, BS);
+        std::fs::remove_file(tier.dir().join(format!("{:032x}.kvb", keys[9]))).unwrap();
+        assert_eq!(b.match_window_prefix(4, &q, W).unwrap(), 36);
+        assert_eq!(content(&b, 4), expect(&p)[28..36].to_vec());
+        let s = tier.stats();
+        assert_eq!((s.hit_blocks, s.removed), (6, 1));
+        assert_eq!(b.table().stats().held_blocks, 2);
+        b.table().check().unwrap();
+        shared.pool().audit().unwrap();
+        b.table_mut().seq_rm(-1, -1, -1);
+        // Salts: a window decoded under one salt resumes from disk only under that salt.
+        let ra = salt_root(b"tenant a");
+        let r = prompt(25, 9);
+        a.table_mut().set_root(5, ra).unwrap();
+        decode_windowed(&mut a, 5, &r, 3, W);
+        a.table_mut().seq_rm(5, -1, -1);
+        tier.flush();
+        flush_ram(&shared, 800);
+        for (seq, root, want) in [
+            (6, ROOT_KEY, 0),
+            (7, salt_root(b"tenant b"), 0),
+            (8, ra, 24),
+        ] {
+            assert_eq!(b.peek_prefix(&r, root, Some(W), usize::MAX), want);
+            b.table_mut().set_root(seq, root).unwrap();
+            assert_eq!(
+                b.match_window_prefix(seq, &r, W).unwrap(),
+                want,
+                "seq {seq}"
+            );
+        }
+        assert_eq!(content(&b, 8), expect(&r)[16..24].to_vec());
+        b.table().check().unwrap();
+        shared.pool().audit().unwrap();
+        drop((a, b, tier, shared));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// A memory of `n_blocks` blocks (weights id 7) with the shared tier on `url`.
     fn memory_on_store(n_blocks: usize, url: &str) -> Arc<SharedKv> {
         let shared = Arc::new(SharedKv::new(layout(), D, rope(), n_blocks, 7).unwrap());
@@ -1649,5 +1902,73 @@ mod tests {
         let four = memory_on_store(32, &r.url());
         assert_eq!(four.fetch_remote(&p, salt_root(b"tenant b")).len(), 10);
         assert_eq!(four.fetch_remote(&p, salt_root(b"tenant c")).len(), 0);
+    }
+
+    /// A window group's blocks computed elsewhere: the fetch brings only the window before
+    /// the resume point asked for, and the match maps it bit for bit; a window block the
+    /// store lacks moves the resume point below it.
+    #[test]
+    fn window_blocks_come_from_the_shared_tier() {
+        const W: usize = 6;
+        let r = super::super::remote::test_server::RedisServer::start();
+        let one = memory_on_store(24, &r.url());
+        let p = prompt(41, 17);
+        let want = {
+            let mut plain = cache(64);
+            decode(&mut plain, 0, &p, 0);
+            raw_blocks(&plain, 0)
+        };
+        let mut a = PagedCache::new(Arc::clone(&one), 64).unwrap();
+        decode_windowed(&mut a, 0, &p, 3, W);
+        one.remote().unwrap().flush();
+        assert_eq!(one.remote().unwrap().stats().writes, 10);
+        let mut q = p.clone();
+        q.push(1);
+        let two = memory_on_store(24, &r.url());
+        let staged = two.fetch_window(&q, ROOT_KEY, W, 10);
+        assert_eq!(staged.len(), 2, "the window of position 40: blocks 8 and 9");
+        assert_eq!(two.reachable_blocks(&q, ROOT_KEY, &staged), 0);
+        let mut b = PagedCache::new(Arc::clone(&two), 64).unwrap();
+        assert_eq!(
+            b.match_window_prefix_staged(1, &q, W, Some(&staged))
+                .unwrap(),
+            40
+        );
+        assert_eq!(content(&b, 1), expect(&p)[32..40].to_vec());
+        let st = two.lock_storage();
+        let got: Vec<Vec<u8>> = b
+            .table()
+            .cells(1)
+            .iter()
+            .filter(|c| (c.0 as usize).is_multiple_of(BS))
+            .map(|c| st.block_raw(c.1).unwrap().to_vec())
+            .collect();
+        drop(st);
+        assert_eq!(got, want[8..10].to_vec(), "bit for bit");
+        assert_eq!(two.remote().unwrap().stats().hit_blocks, 2);
+        b.table().check().unwrap();
+        two.pool().audit().unwrap();
+        // Block 9 gone from the store: the fetch for 40 brings block 8 only (a leading run),
+        // and the match resumes at 36 from blocks 7 and 8 (7 fetched for that point).
+        let keys = crate::kv::prefix::chain_keys(one.model_id(), ROOT_KEY, &p, BS);
+        assert!(one.remote().unwrap().delete(keys[9]).unwrap());
+        let three = memory_on_store(24, &r.url());
+        let s40 = three.fetch_window(&q, ROOT_KEY, W, 10);
+        assert_eq!(s40.len(), 1);
+        let s36 = three.fetch_window(&q, ROOT_KEY, W, 9);
+        assert_eq!(s36.len(), 2);
+        let mut c = PagedCache::new(Arc::clone(&three), 64).unwrap();
+        assert_eq!(
+            c.match_window_prefix_staged(1, &q, W, Some(&s40)).unwrap(),
+            0
+        );
+        c.table_mut().seq_rm(-1, -1, -1);
+        assert_eq!(
+            c.match_window_prefix_staged(2, &q, W, Some(&s36)).unwrap(),
+            36
+        );
+        assert_eq!(content(&c, 2), expect(&p)[28..36].to_vec());
+        c.table().check().unwrap();
+        three.pool().audit().unwrap();
     }
 }

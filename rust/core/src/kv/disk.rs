@@ -133,6 +133,34 @@ pub struct DiskStats {
     pub min_tokens: usize,
 }
 
+impl DiskStats {
+    /// Adds `o`'s counts to these (the tiers of a model's several K/V groups, reported as
+    /// one): every count and the size limit summed, the larger break-even.
+    pub fn merge(&mut self, o: &DiskStats) {
+        for (a, b) in [
+            (&mut self.hit_blocks, o.hit_blocks),
+            (&mut self.hit_tokens, o.hit_tokens),
+            (&mut self.misses, o.misses),
+            (&mut self.bytes_read, o.bytes_read),
+            (&mut self.bytes_written, o.bytes_written),
+            (&mut self.writes, o.writes),
+            (&mut self.writes_dropped, o.writes_dropped),
+            (&mut self.removed, o.removed),
+            (&mut self.evicted, o.evicted),
+            (&mut self.skipped, o.skipped),
+            (&mut self.entries, o.entries),
+            (&mut self.bytes_held, o.bytes_held),
+            (&mut self.max_bytes, o.max_bytes),
+            (&mut self.loaded, o.loaded),
+            (&mut self.queued, o.queued),
+        ] {
+            *a += b;
+        }
+        self.read_seconds += o.read_seconds;
+        self.min_tokens = self.min_tokens.max(o.min_tokens);
+    }
+}
+
 struct Entry {
     bytes: u64,
     tick: u64,

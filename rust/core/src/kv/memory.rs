@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::ops::DerefMut;
 use std::sync::Arc;
 
-use super::cache::PagedCache;
+use super::cache::{PagedCache, SharedKv};
 use super::pool::{BlockId, BlockPool};
 use super::prefix::{chain_keys, salt_root, Key};
 use super::recurrent::{RecurrentGroup, StateTx};
@@ -280,23 +280,21 @@ impl LayerGroups {
     /// can resume; the sequence gets that state, so nothing of the prefix is recomputed. Without
     /// one it maps nothing (0).
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        self.match_prefix_staged(seq, tokens, None)
+        self.match_prefix_staged(seq, tokens, &[])
     }
 
-    /// [`LayerGroups::match_prefix`] that also maps blocks `staged` from the shared tier
-    /// (`SharedKv::fetch_remote`) into the memory of one full-attention group (the only kind
-    /// that has a shared tier; elsewhere `staged` is ignored).
+    /// [`LayerGroups::match_prefix`] that also maps blocks staged from the shared tier:
+    /// `staged[i]` for K/V group `i` (group order; missing ones: none), as
+    /// [`LayerGroups::fetch_remote`] returns them. A model with a recurrent group has no
+    /// shared tier: `staged` is ignored there.
     pub fn match_prefix_staged(
         &mut self,
         seq: SeqId,
         tokens: &[u32],
-        staged: Option<&Staged>,
+        staged: &[Staged],
     ) -> Result<usize> {
-        if self.groups.len() == 1 && self.recurrent.is_none() {
-            return self.match_kv_prefix(seq, tokens, staged);
-        }
         if self.recurrent.is_none() {
-            return self.match_kv_prefix(seq, tokens, None);
+            return self.match_kv_prefix(seq, tokens, staged);
         }
         if seq < 0 || self.seq_pos_max(seq) >= 0 {
             return Err(crate::Error::InvalidInput(format!(
@@ -306,7 +304,7 @@ impl LayerGroups {
         if !self.recurrent().is_some_and(RecurrentGroup::can_checkpoint) {
             return Ok(0);
         }
-        let n = self.match_kv_prefix(seq, tokens, None)?;
+        let n = self.match_kv_prefix(seq, tokens, &[])?;
         let primary = self.primary();
         let bs = primary.table().block_size();
         let model_id = primary.model_id();
@@ -425,12 +423,7 @@ impl LayerGroups {
     }
 
     /// [`LayerGroups::match_prefix`] over the K/V groups only.
-    fn match_kv_prefix(
-        &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        staged: Option<&Staged>,
-    ) -> Result<usize> {
+    fn match_kv_prefix(&mut self, seq: SeqId, tokens: &[u32], staged: &[Staged]) -> Result<usize> {
         let mut n = usize::MAX;
         // Full groups first: a window group only needs the window before their match.
         let mut order: Vec<usize> = (0..self.groups.len()).collect();
@@ -441,10 +434,11 @@ impl LayerGroups {
             }
             let g = &mut self.groups[gi];
             let part = &tokens[..tokens.len().min(n.saturating_add(1))];
+            let st = staged.get(gi);
             let m = match g.kind {
-                GroupKind::Window(w) => g.cache.match_window_prefix(seq, part, w)?,
+                GroupKind::Window(w) => g.cache.match_window_prefix_staged(seq, part, w, st)?,
                 GroupKind::Full | GroupKind::Recurrent => {
-                    g.cache.match_prefix_staged(seq, part, staged)?
+                    g.cache.match_prefix_staged(seq, part, st)?
                 }
             };
             n = n.min(m);
@@ -459,23 +453,56 @@ impl LayerGroups {
     }
 
     /// Commits a batch planned in every K/V group (`txs` in group order) after its K/V were
-    /// written; returns the blocks the primary group keyed. The primary group commits first:
-    /// the others key no further than its clean prefix of each sequence (their K/V depend on
-    /// its layers too, e.g. after a `seq_rm` of positions a window group had already dropped).
-    pub fn commit_kv(&mut self, txs: Vec<BatchTx>, seqs: &[SeqId]) -> Vec<(BlockId, Key)> {
+    /// written; returns the blocks each group keyed (in group order). The primary group
+    /// commits first: the others key no further than its clean prefix of each sequence (their
+    /// K/V depend on its layers too, e.g. after a `seq_rm` of positions a window group had
+    /// already dropped).
+    pub fn commit_kv(&mut self, txs: Vec<BatchTx>, seqs: &[SeqId]) -> Vec<Vec<(BlockId, Key)>> {
         let pi = self.primary_index();
         let mut txs: Vec<Option<BatchTx>> = txs.into_iter().map(Some).collect();
         let p = &mut self.groups[pi].cache;
-        let keyed = p.commit(txs[pi].take().expect("one batch per group"));
+        let primary = p.commit(txs[pi].take().expect("one batch per group"));
         let t = p.table();
         let limits: HashMap<SeqId, usize> = seqs.iter().map(|&s| (s, t.chain_len(s))).collect();
+        let mut keyed: Vec<Vec<(BlockId, Key)>> = Vec::with_capacity(self.groups.len());
         for (g, tx) in self.groups.iter_mut().zip(txs) {
-            if let Some(tx) = tx {
-                g.cache
-                    .commit_upto(tx, |s| limits.get(&s).copied().unwrap_or(0));
+            keyed.push(match tx {
+                Some(tx) => g
+                    .cache
+                    .commit_upto(tx, |s| limits.get(&s).copied().unwrap_or(0)),
+                None => Vec::new(),
+            });
+        }
+        keyed[pi] = primary;
+        keyed
+    }
+
+    /// Fetches from the shared tiers of `groups` (a model's K/V groups in group order: kind
+    /// and memory, as [`LayerGroups::groups`] has them) the blocks a match of `tokens` under
+    /// the salt root `root` would need beyond what RAM and disk hold, one [`Staged`] per
+    /// group for [`LayerGroups::match_prefix_staged`]: a full group its leading run
+    /// ([`SharedKv::fetch_remote`]); a window group the window before the point every full
+    /// group then reaches ([`SharedKv::fetch_window`]). Reads only indexes: safe on any
+    /// thread while decodes run (the fetch workers call it, never the engine thread).
+    pub fn fetch_remote(
+        groups: &[(GroupKind, &SharedKv)],
+        tokens: &[u32],
+        root: Key,
+    ) -> Vec<Staged> {
+        let mut out: Vec<Staged> = groups.iter().map(|_| Staged::default()).collect();
+        let mut reach = usize::MAX;
+        for (i, (kind, sh)) in groups.iter().enumerate() {
+            if matches!(kind, GroupKind::Full) {
+                out[i] = sh.fetch_remote(tokens, root);
+                reach = reach.min(sh.reachable_blocks(tokens, root, &out[i]));
             }
         }
-        keyed
+        for (i, (kind, sh)) in groups.iter().enumerate() {
+            if let GroupKind::Window(w) = *kind {
+                out[i] = sh.fetch_window(tokens, root, w, reach);
+            }
+        }
+        out
     }
 
     /// Rolls back a batch planned in every K/V group (`txs` in group order).
@@ -786,7 +813,11 @@ mod tests {
         let mut seqs = batch.seq_ids.clone();
         seqs.sort_unstable();
         seqs.dedup();
-        m.commit_kv(kv.into_iter().map(|(_, tx)| tx).collect(), &seqs);
+        let keyed = m.commit_kv(kv.into_iter().map(|(_, tx)| tx).collect(), &seqs);
+        // Write-through to each group's tiers, as `Context::decode` does.
+        for ((g, st), k) in m.groups().iter().zip(&storages).zip(&keyed) {
+            g.cache.write_through(st, k);
+        }
         drop(storages);
         m.prune_windows(&seqs);
         Ok(())
@@ -898,6 +929,100 @@ mod tests {
         for g in m.groups() {
             g.cache.table().check().unwrap();
         }
+    }
+
+    /// Full and window groups each with their own disk tier and shared tier (under their own
+    /// model ids): after RAM evicted a prompt, the full group reads its whole prefix back and
+    /// the window group only the window before the resume point, from disk; another memory
+    /// (another replica) fetches the same from the store, one staged set per group.
+    #[test]
+    fn window_groups_resume_from_their_tiers() {
+        let dir = std::env::temp_dir().join(format!("kvserve-memory-{}-tiers", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let redis = crate::kv::remote::test_server::RedisServer::start();
+        let attach = |sh: &Arc<SharedKv>| {
+            let l = *sh.layout();
+            let o = crate::kv::DiskOptions::with_size(1 << 30);
+            let d = crate::kv::DiskTier::open(&dir, sh.model_id(), BS, l.bytes_per_block(), o);
+            sh.set_disk(Some(d.unwrap())).unwrap();
+            let r = crate::kv::RemoteTier::open(
+                &redis.url(),
+                sh.model_id(),
+                BS,
+                l.bytes_per_block(),
+                Default::default(),
+            );
+            sh.set_remote(Some(r.unwrap())).unwrap();
+        };
+        let (full, win) = (shared_n(1, 40), shared_n(2, 24));
+        attach(&full);
+        attach(&win);
+        let mut m = memory_over(&full, &win, false);
+        run(&mut m, 0, 0, 80);
+        m.seq_rm(0, -1, -1).unwrap();
+        for sh in [&full, &win] {
+            sh.disk().unwrap().flush();
+            sh.remote().unwrap().flush();
+            assert_eq!(
+                sh.disk().unwrap().stats().entries,
+                5,
+                "every keyed block, each group"
+            );
+        }
+        // Another prompt of 40 blocks evicts the first from both pools.
+        let junk: Vec<u32> = (1000..1000 + 40 * BS as u32).collect();
+        for (i, part) in junk.chunks(BS).enumerate() {
+            try_run(&mut m, &Batch::prompt(part, (i * BS) as Pos, 1)).unwrap();
+        }
+        m.seq_rm(1, -1, -1).unwrap();
+        assert!(full.pool_stats().evicted >= 5 && win.pool_stats().evicted >= 5);
+        let mut q: Vec<u32> = (0..80).collect();
+        q.push(7);
+        assert_eq!(m.peek_prefix(&q, ROOT_KEY), 80);
+        assert_eq!(m.match_prefix(2, &q).unwrap(), 80);
+        let w = m.groups()[1].cache.table();
+        // A token at 80 sees 61..79: blocks 3 and 4 of the window group.
+        assert_eq!((w.seq_pos_min(2), w.seq_pos_max(2)), (48, 79));
+        assert_eq!(m.groups()[0].cache.table().seq_pos_max(2), 79);
+        let hits = |sh: &Arc<SharedKv>| sh.disk().unwrap().stats().hit_blocks;
+        assert_eq!(
+            (hits(&full), hits(&win)),
+            (5, 2),
+            "the window group reads its window only"
+        );
+        run(&mut m, 2, 80, 1);
+        audit(&m);
+        m.seq_rm(2, -1, -1).unwrap();
+        // Another replica: its own memories, the same model ids, no disk.
+        let (full2, win2) = (shared_n(1, 40), shared_n(2, 24));
+        for sh in [&full2, &win2] {
+            let r = crate::kv::RemoteTier::open(
+                &redis.url(),
+                sh.model_id(),
+                BS,
+                sh.layout().bytes_per_block(),
+                Default::default(),
+            );
+            sh.set_remote(Some(r.unwrap())).unwrap();
+        }
+        let mut m2 = memory_over(&full2, &win2, false);
+        let groups = [
+            (LayerKind::Full, full2.as_ref()),
+            (LayerKind::Window(20), win2.as_ref()),
+        ];
+        let staged = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY);
+        assert_eq!((staged[0].len(), staged[1].len()), (5, 2));
+        // Under another salt there is nothing to fetch.
+        let other = LayerGroups::fetch_remote(&groups, &q, salt_root(b"tenant b"));
+        assert!(other.iter().all(Staged::is_empty));
+        assert_eq!(m2.match_prefix_staged(0, &q, &staged).unwrap(), 80);
+        let w = m2.groups()[1].cache.table();
+        assert_eq!((w.seq_pos_min(0), w.seq_pos_max(0)), (48, 79));
+        let rhits = |sh: &Arc<SharedKv>| sh.remote().unwrap().stats().hit_blocks;
+        assert_eq!((rhits(&full2), rhits(&win2)), (5, 2));
+        audit(&m2);
+        drop((m, m2, full, win));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A hybrid + window sequence resumes from a state checkpoint below the longest K/V match:

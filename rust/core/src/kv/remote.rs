@@ -149,6 +149,39 @@ pub struct RemoteStats {
     pub down: bool,
 }
 
+impl RemoteStats {
+    /// Adds `o`'s counts to these (the tiers of a model's several K/V groups, reported as
+    /// one): every count summed, the larger break-even, down if either is.
+    pub fn merge(&mut self, o: &RemoteStats) {
+        for (a, b) in [
+            (&mut self.fetches, o.fetches),
+            (&mut self.fetched_blocks, o.fetched_blocks),
+            (&mut self.fetched_tokens, o.fetched_tokens),
+            (&mut self.hit_blocks, o.hit_blocks),
+            (&mut self.hit_tokens, o.hit_tokens),
+            (&mut self.misses, o.misses),
+            (&mut self.invalid, o.invalid),
+            (&mut self.lost, o.lost),
+            (&mut self.bytes_read, o.bytes_read),
+            (&mut self.bytes_written, o.bytes_written),
+            (&mut self.writes, o.writes),
+            (&mut self.writes_existing, o.writes_existing),
+            (&mut self.writes_dropped, o.writes_dropped),
+            (&mut self.errors, o.errors),
+            (&mut self.skipped_short, o.skipped_short),
+            (&mut self.skipped_down, o.skipped_down),
+            (&mut self.skipped_full, o.skipped_full),
+            (&mut self.staged_bytes, o.staged_bytes),
+            (&mut self.queued, o.queued),
+        ] {
+            *a += b;
+        }
+        self.fetch_seconds += o.fetch_seconds;
+        self.min_tokens = self.min_tokens.max(o.min_tokens);
+        self.down |= o.down;
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     fetches: AtomicU64,

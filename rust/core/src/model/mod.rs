@@ -613,8 +613,8 @@ impl Context {
         self.memory.seq_set_salt(seq, salt)
     }
 
-    /// Whether this context's memory can have a disk tier: one full-attention group (no
-    /// sliding-window layers, no recurrent state); else why not.
+    /// Whether this context's memory can have a disk tier: K/V groups only (full attention,
+    /// sliding windows), no recurrent state; else why not.
     pub fn kv_disk_support(&self) -> Result<()> {
         self.kv_tier_support("disk tier")
     }
@@ -625,23 +625,14 @@ impl Context {
     }
 
     fn kv_tier_support(&self, tier: &str) -> Result<()> {
-        let m = &self.memory;
-        let one_full = m.groups().len() == 1
-            && m.groups()[0].kind == LayerKind::Full
-            && m.recurrent().is_none();
-        if one_full {
+        if self.memory.recurrent().is_none() {
             return Ok(());
         }
         Err(Error::Unsupported(format!(
-            "the K/V {tier} stores models whose K/V memory is one full-attention group; \
-             this {} model also has {} layers, whose blocks the tier does not store yet \
-             (planned next: docs/KV_SEMANTICS.md, \"Disk tier\")",
+            "the K/V {tier} stores the blocks of full-attention and sliding-window layers; \
+             this {} model also has recurrent (short-convolution) layers, whose state \
+             checkpoints the tier does not store yet (docs/KV_SEMANTICS.md, \"Disk tier\")",
             self.model.config.arch.name(),
-            if m.recurrent().is_some() {
-                "recurrent (short-convolution)"
-            } else {
-                "sliding-window"
-            }
         )))
     }
 
@@ -652,20 +643,63 @@ impl Context {
     /// model whose memory is not one full-attention group ([`Context::kv_disk_support`]);
     /// `Io` when the directory cannot be used or another process holds it; `InvalidInput`
     /// when `o.max_bytes` holds no block.
+    ///
+    /// A model with several K/V groups (sliding-window layers) gets one tier per group, under
+    /// `dir/<that group's model id>/`, and `o.max_bytes` is split between them in proportion
+    /// to their bytes per block (so each holds about as many blocks); all or nothing.
     pub fn set_kv_disk(&mut self, dir: Option<&Path>, o: DiskOptions) -> Result<()> {
         self.kv_disk_support()?;
-        let sh = self.memory.primary().shared();
+        let shared = self.kv_memories();
         let Some(dir) = dir else {
-            return sh.set_disk(None);
+            for sh in &shared {
+                sh.set_disk(None)?;
+            }
+            return Ok(());
         };
-        let l = sh.layout();
-        let tier = DiskTier::open(dir, sh.model_id(), l.block_size, l.bytes_per_block(), o)?;
-        sh.set_disk(Some(tier))
+        let per_block: u64 = shared
+            .iter()
+            .map(|s| s.layout().bytes_per_block() as u64)
+            .sum();
+        let mut tiers = Vec::with_capacity(shared.len());
+        for sh in &shared {
+            let l = sh.layout();
+            let bpb = l.bytes_per_block() as u64;
+            let share = (o.max_bytes as u128 * bpb as u128 / per_block.max(1) as u128) as u64;
+            let o = DiskOptions {
+                max_bytes: share,
+                ..o
+            };
+            tiers.push(DiskTier::open(
+                dir,
+                sh.model_id(),
+                l.block_size,
+                l.bytes_per_block(),
+                o,
+            )?);
+        }
+        for (sh, t) in shared.iter().zip(tiers) {
+            sh.set_disk(Some(t))?;
+        }
+        Ok(())
     }
 
-    /// The disk tier of the model's K/V memory, if one is attached.
+    /// The K/V memory of every K/V group, in group order.
+    fn kv_memories(&self) -> Vec<Arc<SharedKv>> {
+        self.memory
+            .groups()
+            .iter()
+            .map(|g| Arc::clone(g.cache.shared()))
+            .collect()
+    }
+
+    /// The disk tier of the model's (primary) K/V memory, if one is attached.
     pub fn kv_disk(&self) -> Option<Arc<DiskTier>> {
         self.memory.primary().shared().disk()
+    }
+
+    /// The disk tier of each K/V group's memory (group order), those attached.
+    pub fn kv_disks(&self) -> Vec<Arc<DiskTier>> {
+        self.kv_memories().iter().filter_map(|s| s.disk()).collect()
     }
 
     /// Attaches the shared tier on the Redis / Valkey store at `url` (docs/KV_SEMANTICS.md,
@@ -674,29 +708,74 @@ impl Context {
     /// blocks from it for `match_prefix_staged`. `None` detaches it. Does not connect (a store
     /// that is down is a tier that is off until it answers). `Unsupported` for a model whose
     /// memory is not one full-attention group, or a TLS URL; `InvalidInput` for a bad URL.
+    ///
+    /// A model with several K/V groups gets one tier per group (each with its own connection
+    /// and writer; a group's keys carry its own model id); all or nothing.
     pub fn set_kv_remote(&mut self, url: Option<&str>, o: RemoteOptions) -> Result<()> {
         self.kv_remote_support()?;
-        let sh = self.memory.primary().shared();
+        let shared = self.kv_memories();
         let Some(url) = url else {
-            return sh.set_remote(None);
+            for sh in &shared {
+                sh.set_remote(None)?;
+            }
+            return Ok(());
         };
-        let l = sh.layout();
-        let tier = RemoteTier::open(url, sh.model_id(), l.block_size, l.bytes_per_block(), o)?;
-        sh.set_remote(Some(tier))
+        let mut tiers = Vec::with_capacity(shared.len());
+        for sh in &shared {
+            let l = sh.layout();
+            tiers.push(RemoteTier::open(
+                url,
+                sh.model_id(),
+                l.block_size,
+                l.bytes_per_block(),
+                o,
+            )?);
+        }
+        for (sh, t) in shared.iter().zip(tiers) {
+            sh.set_remote(Some(t))?;
+        }
+        Ok(())
     }
 
-    /// The shared tier of the model's K/V memory, if one is attached.
+    /// The shared tier of the model's (primary) K/V memory, if one is attached.
     pub fn kv_remote(&self) -> Option<Arc<RemoteTier>> {
         self.memory.primary().shared().remote()
     }
 
-    /// [`Context::match_prefix`] that also maps blocks staged from the shared tier
-    /// (`SharedKv::fetch_remote` for these tokens under this sequence's salt).
+    /// The shared tier of each K/V group's memory (group order), those attached.
+    pub fn kv_remotes(&self) -> Vec<Arc<RemoteTier>> {
+        self.kv_memories()
+            .iter()
+            .filter_map(|s| s.remote())
+            .collect()
+    }
+
+    /// [`LayerGroups::fetch_remote`] for this context's groups: safe to call on another
+    /// thread through the memories it returns ([`Context::kv_group_memories`]).
+    pub fn kv_remote_fetch(&self, tokens: &[u32], root: crate::kv::Key) -> Vec<Staged> {
+        let groups = self.kv_group_memories();
+        let g: Vec<_> = groups.iter().map(|(k, s)| (*k, s.as_ref())).collect();
+        LayerGroups::fetch_remote(&g, tokens, root)
+    }
+
+    /// Each K/V group's kind and memory, in group order (for [`LayerGroups::fetch_remote`]
+    /// off the context's thread).
+    pub fn kv_group_memories(&self) -> Vec<(LayerKind, Arc<SharedKv>)> {
+        self.memory
+            .groups()
+            .iter()
+            .map(|g| (g.kind, Arc::clone(g.cache.shared())))
+            .collect()
+    }
+
+    /// [`Context::match_prefix`] that also maps blocks staged from the shared tier, one set
+    /// per K/V group ([`LayerGroups::fetch_remote`] for these tokens under this sequence's
+    /// salt).
     pub fn match_prefix_staged(
         &mut self,
         seq: SeqId,
         tokens: &[u32],
-        staged: Option<&Staged>,
+        staged: &[Staged],
     ) -> Result<usize> {
         self.memory.match_prefix_staged(seq, tokens, staged)
     }
@@ -863,11 +942,14 @@ impl Context {
         let ok = matches!(run, Ok(Ok(_)));
         let mut keyed = Vec::new();
         if ok {
-            keyed = self.memory.commit_kv(txs, &seqs);
-            if self.memory.groups().len() == 1 && self.memory.recurrent().is_none() {
-                // Write-through to the disk tier (if any), copied under the storage lock.
-                self.memory.primary().write_through(&storages[pi], &keyed);
+            let mut per_group = self.memory.commit_kv(txs, &seqs);
+            if self.memory.recurrent().is_none() {
+                // Write-through to each group's tiers (if any), copied under its storage lock.
+                for ((g, st), k) in self.memory.groups().iter().zip(&storages).zip(&per_group) {
+                    g.cache.write_through(st, k);
+                }
             }
+            keyed = std::mem::take(&mut per_group[pi]);
         } else {
             self.memory.rollback_kv(txs);
         }
@@ -1376,7 +1458,7 @@ mod tests {
     /// blocks the pool evicted is read back from disk, in the same model instance and after a
     /// restart (another instance, a new tier on the directory), and the next logits are
     /// bit for bit those of the same prompt served from RAM and of a model without the tier
-    /// computing it whole. Gemma 3 (a window group) refuses the tier.
+    /// computing it whole; the same for Gemma 3 (a full and a window group) past its window.
     #[test]
     fn disk_tier_serves_evicted_prompts_bit_identically() {
         let path = std::env::var("KVSERVE_TEST_MODEL")
@@ -1456,14 +1538,45 @@ mod tests {
         assert!(restarted == cold, "after a restart too");
         audit(&b);
         drop((b, tier));
-        // A model with a sliding-window group keeps the tier off and says why.
+        // Gemma 3 (a full and a window group): each group writes its blocks to its own tier
+        // under the directory; after a restart (nothing in RAM) a prompt longer than the
+        // window resumes from disk: the full group reads its whole prefix, the window group
+        // only the window before the resume point, and the logits are the recomputation's.
         let gemma = std::env::var("KVSERVE_TEST_GEMMA").expect("KVSERVE_TEST_GEMMA is not set");
-        let g = Arc::new(Model::load(&gemma, Some(2)).unwrap());
+        let load_g = || Arc::new(Model::load(&gemma, Some(2)).unwrap());
+        let g = load_g();
+        let n_vocab = g.n_vocab() as u32;
+        let q: Vec<u32> = (0..601u32).map(|i| (i * 7919 + 13) % n_vocab).collect();
         let mut c = Context::with_options(g, &KvOptions::default()).unwrap();
-        let err = c.set_kv_disk(Some(&dir), disk).unwrap_err();
-        assert!(matches!(err, Error::Unsupported(_)), "{err}");
-        assert!(err.to_string().contains("sliding-window"), "{err}");
-        assert!(c.kv_disk().is_none());
+        c.set_kv_disk(Some(&dir), disk).unwrap();
+        let cold = c.decode(&Batch::prompt(&q, 0, 0)).unwrap().data;
+        let tiers = c.kv_disks();
+        assert_eq!(tiers.len(), 2, "a tier per group");
+        assert_ne!(tiers[0].dir(), tiers[1].dir());
+        for t in &tiers {
+            t.flush();
+            assert_eq!(
+                t.stats().entries,
+                37,
+                "the prompt's 37 whole blocks, each group"
+            );
+        }
+        drop((c, tiers));
+        let mut d = Context::with_options(load_g(), &KvOptions::default()).unwrap();
+        d.set_kv_disk(Some(&dir), disk).unwrap();
+        assert_eq!(d.peek_prefix(&q, b""), 592);
+        assert_eq!(d.match_prefix(0, &q).unwrap(), 592);
+        let hits: Vec<(bool, u64)> = (d.memory().groups().iter())
+            .zip(d.kv_disks())
+            .map(|(g, t)| (g.kind == LayerKind::Full, t.stats().hit_blocks))
+            .collect();
+        // The full group: 37 blocks; the window (512) before 592: positions 81..591, blocks
+        // 5..36 (Gemma's group 0 is the window group: its layer 0 is local).
+        assert_eq!(hits, vec![(false, 32), (true, 37)]);
+        let warm = d.decode(&Batch::prompt(&q[592..], 592, 0)).unwrap().data;
+        assert!(warm == cold, "a disk hit continues as the recomputation");
+        audit(&d);
+        drop(d);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
