@@ -11,7 +11,6 @@ evicted them. The entry files are read with an independent parser of the documen
 from __future__ import annotations
 
 import gc
-import logging
 import struct
 import time
 from pathlib import Path
@@ -66,11 +65,11 @@ def _gone() -> None:
     gc.collect()
 
 
-def _entries(disk: Path) -> dict[int, tuple[int, list[int], Path]]:
-    """Every entry file under ``disk``: key -> (parent key, tokens, path), read from the
-    headers."""
+def _entries(disk: Path, pattern: str = "*/*.kvb") -> dict[int, tuple[int, list[int], Path]]:
+    """Every entry file under ``disk`` (``pattern``: of every model id's directory): key ->
+    (parent key, tokens, path), read from the headers."""
     out = {}
-    for f in disk.glob("*/*.kvb"):
+    for f in disk.glob(pattern):
         head = f.read_bytes()[: FIXED + 4 * BLOCK]
         magic, version, bs = struct.unpack_from("<8sII", head)
         assert (magic, version, bs) == (b"KVSDISK\0", 1, BLOCK)
@@ -83,9 +82,10 @@ def _entries(disk: Path) -> dict[int, tuple[int, list[int], Path]]:
     return out
 
 
-def _chain(disk: Path, ids: list[int]) -> list[Path]:
+def _chain(disk: Path, ids: list[int], pattern: str = "*/*.kvb") -> list[Path]:
     """The entry files of ``ids``'s whole blocks, in order (by parent keys and tokens)."""
-    by_parent = {(parent, tuple(t)): (key, f) for key, (parent, t, f) in _entries(disk).items()}
+    entries = _entries(disk, pattern)
+    by_parent = {(parent, tuple(t)): (key, f) for key, (parent, t, f) in entries.items()}
     files, parent = [], 0
     for i in range(len(ids) // BLOCK):
         key, f = by_parent[(parent, tuple(ids[i * BLOCK : (i + 1) * BLOCK]))]
@@ -210,18 +210,59 @@ def test_a_full_tier_keeps_its_size(model_path: Path, tmp_path: Path) -> None:
     _gone()
 
 
-def test_models_with_window_layers_run_without_the_tier(
-    gemma_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_gemma_prompts_past_the_window_come_back_from_disk(
+    gemma_path: Path, tmp_path: Path
 ) -> None:
-    """Gemma 3 (a sliding-window group beside the full one): the tier stays off with a
-    warning saying why, and the engine serves as without it."""
-    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
-        engine = Engine(Model(gemma_path, threads=2), parallel=1, kv_disk=tmp_path / "kv")
-    with engine:
-        assert any("sliding-window" in r.getMessage() for r in caplog.records)
-        assert engine.stats()["kv_disk_enabled"] == 0
-        assert engine.generate("Hello", max_tokens=2).tokens
-    assert not (tmp_path / "kv").exists()
+    """Gemma 3 (a window group of 512 positions beside the full group): each group writes its
+    blocks to its own tier under the directory; a prompt longer than the window whose blocks
+    RAM evicted in both groups maps from disk (the full group its whole prefix, the window
+    group only the window before the resume point), and its greedy output is the output of an
+    engine without the tier on another model instance."""
+    model = Model(gemma_path, threads=1)
+    prompts = [_prompt(model, k, 600) for k in range(3)]
+    ids = prompt_ids(model, prompts[0])
+    assert 590 <= len(ids) <= 600
+    usable = (len(ids) - 1) // BLOCK * BLOCK
+    # The blocks a token at `usable` sees: positions usable - 511 .. usable - 1.
+    window_blocks = usable // BLOCK - (usable + 1 - 512) // BLOCK
+    per_block = sum(g["bytes_per_block"] for g in model.new_context(16).stats()["groups"])
+    # 60 blocks per group: one prompt's 38 and the window of a running one, not three prompts.
+    kw: dict[str, Any] = {
+        "parallel": 1, "ctx_size": 700, "batch_tokens": 128, "kv_memory": 60 * per_block,
+    }  # fmt: skip
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with Engine(Model(gemma_path, threads=2), **kw) as oracle:
+        want = oracle.generate(prompts[0], **greedy).tokens
+    disk = tmp_path / "kv"
+    engine = Engine(Model(gemma_path, threads=2), kv_disk=disk, kv_disk_size="1GiB", **kw)
+    first = engine.generate(prompts[0], **greedy)
+    assert (first.tokens, first.cached_tokens) == (want, 0)
+    for p in prompts[1:]:
+        assert engine.generate(p, max_tokens=1).cached_tokens == 0
+    st = _written(engine)
+    assert st["kv_disk_enabled"] == 1 and st["kv_disk_writes_dropped"] == 0
+    groups = engine._loop.kv.ctx.stats()["groups"]
+    assert sorted(g["kind"] for g in groups) == ["full", "window"]
+    subdirs = [d for d in disk.iterdir() if d.is_dir()]
+    assert len(subdirs) == 2, "a directory per group (its model id)"
+    n_blocks = len(ids) // BLOCK
+    for g in groups:
+        assert g["blocks_total"] == 60
+        assert g["disk_entries"] >= 3 * n_blocks, g
+        assert g["blocks_evicted"] >= n_blocks, g
+    for d in subdirs:
+        assert len(_chain(d, ids, "*.kvb")) == n_blocks, "each group holds the prompt's chain"
+    again = engine.generate(prompts[0], **greedy)
+    assert again.cached_tokens == usable
+    assert again.tokens == want
+    after = {g["kind"]: g for g in engine._loop.kv.ctx.stats()["groups"]}
+    before = {g["kind"]: g for g in groups}
+    read = {k: after[k]["disk_hit_blocks"] - before[k]["disk_hit_blocks"] for k in after}
+    assert read == {"full": usable // BLOCK, "window": window_blocks}, "all from disk"
+    assert engine.stats()["kv_disk_hit_blocks"] - st["kv_disk_hit_blocks"] == sum(read.values())
+    engine.close()
+    del engine
+    _gone()
 
 
 def test_bad_settings(model_path: Path, tmp_path: Path) -> None:

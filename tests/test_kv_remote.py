@@ -194,6 +194,46 @@ def test_a_replica_fetches_what_another_computed(model_path: Path, redis: Redis)
             e.close()
 
 
+def test_a_gemma_replica_fetches_past_the_window(gemma_path: Path, redis: Redis) -> None:
+    """Gemma 3 (a window group of 512 positions beside the full group): A's blocks of both
+    groups go to the store, each under its group's model id; B, with a cold cache, fetches
+    the full group's whole prefix and the window group's window before the resume point
+    only, and its greedy output is that of an engine without the tier."""
+    a = _engine(gemma_path, kv_remote=redis.url)
+    b = _engine(gemma_path, kv_remote=redis.url)
+    plain = _engine(gemma_path)
+    try:
+        ids = _prompt(a.model, 700, k=4)
+        usable = (len(ids) - 1) // BLOCK * BLOCK
+        window_blocks = usable // BLOCK - (usable + 1 - 512) // BLOCK
+        want, _ = _greedy(plain, ids)
+        got_a, cached_a = _greedy(a, ids)
+        assert (got_a, cached_a) == (want, 0)
+        _sent(a)
+        stored = redis.keys()
+        ids_of = {k.split(":")[2] for k in stored}
+        assert len(ids_of) == 2, "a model id per group"
+        n = len(ids + got_a) // BLOCK
+        assert all(sum(k.split(":")[2] == m for k in stored) == n for m in ids_of)
+        assert set(a._loop.kv.ctx.kv_remote_keys(ids + got_a)) <= stored
+
+        got_b, cached_b = _greedy(b, ids)
+        assert (got_b, cached_b) == (want, usable)
+        groups = {g["kind"]: g for g in b._loop.kv.ctx.stats()["groups"]}
+        fetched = {k: g["remote_hit_blocks"] for k, g in groups.items()}
+        assert fetched == {"full": usable // BLOCK, "window": window_blocks}
+        assert {k: g["remote_fetched_blocks"] for k, g in groups.items()} == fetched
+        st = b.stats()
+        assert st["kv_remote_hit_blocks"] == sum(fetched.values())
+        assert st["kv_remote_staged_bytes"] == 0 and st["kv_remote_errors"] == 0
+        # Now in B's RAM: the next request maps it without fetching anything.
+        assert _greedy(b, ids) == (want, usable)
+        assert b.stats()["kv_remote_fetched_blocks"] == st["kv_remote_fetched_blocks"]
+    finally:
+        for e in (a, b, plain):
+            e.close()
+
+
 def test_a_deleted_block_ends_the_hits_there(model_path: Path, redis: Redis) -> None:
     a = _engine(model_path, kv_remote=redis.url)
     b = _engine(model_path, kv_remote=redis.url)

@@ -122,10 +122,13 @@ class Context:
         neither RAM nor disk holds is copied from them (taken once)."""
     def kv_remote_fetch(self, tokens: list[int], salt: bytes = b"") -> KvStaged:
         """The blocks a match of ``tokens`` under ``salt`` needs beyond RAM and disk that the
-        shared tier has (the leading run, verified). Any thread; never waits for the context;
-        never fails (a store that is down or slow gives fewer blocks, counted)."""
+        shared tier has (the leading run, verified; with sliding-window layers one set per
+        layer group: the window group's window before the point the full group reaches). Any
+        thread; never waits for the context; never fails (a store that is down or slow gives
+        fewer blocks, counted)."""
     def kv_remote_keys(self, tokens: list[int], salt: bytes = b"") -> list[str]:
-        """The shared tier's store keys of the whole blocks of ``tokens`` under ``salt``."""
+        """The shared tier's store keys of the whole blocks of ``tokens`` under ``salt`` (the
+        primary, full-attention group's; a window group's carry its own model id)."""
     def set_kv_remote(
         self,
         url: str | None,
@@ -136,8 +139,8 @@ class Context:
         max_staged_bytes: int = 0,
     ) -> None:
         """Attach the shared K/V tier on the Redis / Valkey store at ``url`` (``None``:
-        detach it); does not connect. ``ModelError`` for a model whose memory is not one
-        full-attention group or a TLS URL, ``ValueError`` for a bad URL or option."""
+        detach it), a tier per K/V layer group; does not connect. ``ModelError`` for a model
+        with recurrent layers (LFM2) or a TLS URL, ``ValueError`` for a bad URL or option."""
     def kv_remote_support(self) -> str | None:
         """None when this model can have a shared K/V tier, else why not."""
     def kv_remote_flush(self) -> None:
@@ -169,9 +172,11 @@ class Context:
         detach it): every context of the model then writes the blocks its decodes key through
         to disk and continues prefix matches there. At most ``max_bytes`` of entries (least
         recently used ones go); prompts shorter than ``min_tokens`` (default: the measured
-        break-even) skip it. ``ModelError`` for a model whose memory is not one
-        full-attention group, ``OSError`` for an unusable directory or one another process
-        holds, ``ValueError`` when ``max_bytes`` holds no block."""
+        break-even) skip it. With sliding-window layers (Gemma 3) each K/V layer group gets
+        its own tier under ``path/<its model id>/``, ``max_bytes`` split by bytes per block.
+        ``ModelError`` for a model with recurrent layers (LFM2), ``OSError`` for an unusable
+        directory or one another process holds, ``ValueError`` when ``max_bytes`` holds no
+        block."""
     def kv_disk_support(self) -> str | None:
         """None when this model can have a K/V disk tier, else why not."""
     def kv_disk_flush(self) -> None:
@@ -215,8 +220,8 @@ class Context:
         the pools; its own counts read 0), and every later call raises ``EngineError``."""
 
 class KvStaged:
-    """Blocks fetched from the shared K/V tier for one prompt, until a ``match_prefix``
-    takes them."""
+    """Blocks fetched from the shared K/V tier for one prompt (a set per K/V layer group),
+    until a ``match_prefix`` takes them."""
 
     @property
     def blocks(self) -> int: ...

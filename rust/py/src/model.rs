@@ -572,7 +572,8 @@ impl Context {
     }
 
     /// The shared tier's store keys (`kvs:v1:<model id>:<block key>`) of the whole blocks of
-    /// `tokens` in a sequence salted with `salt`, in order (tools and tests).
+    /// `tokens` in a sequence salted with `salt`, in order (tools and tests): the primary
+    /// (full-attention) group's; another group's carry its own model id.
     #[pyo3(signature = (tokens, salt = b"".as_slice()))]
     fn kv_remote_keys(&self, tokens: Vec<i64>, salt: &[u8]) -> PyResult<Vec<String>> {
         let tokens = tokens
@@ -643,7 +644,8 @@ impl Context {
     /// then writes the blocks its decodes key through to disk and continues prefix matches
     /// there), at most `max_bytes` of entries; prompts shorter than `min_tokens` (default: the
     /// measured break-even) skip it. `path=None` detaches it. `ModelError` for a model whose
-    /// memory is not one full-attention group (`kv_disk_support` says why), `OSError` when the
+    /// memory has recurrent layers (`kv_disk_support` says why; with sliding-window layers
+    /// each K/V group gets a tier under `path/<its model id>/`), `OSError` when the
     /// directory cannot be used or another process holds it, `ValueError` when `max_bytes`
     /// holds no block.
     #[pyo3(signature = (path, max_bytes, min_tokens=None))]
@@ -663,7 +665,7 @@ impl Context {
     }
 
     /// None when this model can have a K/V disk tier, else why not (a model whose memory is
-    /// not one full-attention group: sliding-window or recurrent layers).
+    /// has recurrent layers: LFM2).
     fn kv_disk_support(&self, py: Python<'_>) -> PyResult<Option<String>> {
         self.with(py, |c| Ok(c.kv_disk_support().err().map(|e| e.to_string())))
     }
@@ -674,8 +676,8 @@ impl Context {
     /// prompts shorter than `min_tokens` (default: the measured break-even) skip it;
     /// `timeout_s` bounds each command; at most `max_fetch_blocks` blocks a fetch and
     /// `max_staged_bytes` staged at once over all fetches awaiting admission (0: no limit).
-    /// `url=None` detaches it. Does not connect. `ModelError` for a model whose memory is not
-    /// one full-attention group or a TLS URL, `ValueError` for a bad URL or option.
+    /// `url=None` detaches it. Does not connect. A tier per K/V layer group. `ModelError` for
+    /// a model with recurrent layers or a TLS URL, `ValueError` for a bad URL or option.
     #[pyo3(signature = (
         url, ttl_s=None, min_tokens=None, timeout_s=None, max_fetch_blocks=0, max_staged_bytes=0
     ))]
@@ -914,6 +916,14 @@ impl Context {
             g.set_item("blocks_free", p.free)?;
             g.set_item("blocks_cached", p.cached)?;
             g.set_item("blocks_referenced", p.referenced)?;
+            g.set_item("blocks_evicted", p.evicted)?;
+            // This group's tiers (the top-level `disk_*` / `remote_*` sum every group's).
+            let ds = sh.disk().map(|t| t.stats()).unwrap_or_default();
+            g.set_item("disk_hit_blocks", ds.hit_blocks)?;
+            g.set_item("disk_entries", ds.entries)?;
+            let rs = sh.remote().map(|t| t.stats()).unwrap_or_default();
+            g.set_item("remote_hit_blocks", rs.hit_blocks)?;
+            g.set_item("remote_fetched_blocks", rs.fetched_blocks)?;
             g.set_item("bytes_per_block", bpb)?;
             g.set_item("bytes_total", p.total * bpb)?;
             g.set_item("bytes_referenced", p.referenced * bpb)?;

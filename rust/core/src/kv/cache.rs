@@ -16,6 +16,8 @@
 //!   sequence, whichever context computed it, and continues it from the memory's disk tier
 //!   ([`super::disk`]) where one is attached ([`SharedKv::set_disk`]), and from blocks
 //!   fetched beforehand from the shared tier ([`super::remote`], [`SharedKv::fetch_remote`]).
+//!   A window group's `match_window_prefix` does the same for the blocks of the window before
+//!   its resume point only ([`SharedKv::fetch_window`]), reading them once the point is chosen.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -1,6 +1,8 @@
 //! The local disk tier (L2) of the K/V cache: full keyed blocks of a model's memory kept in a
 //! directory, found again by their content keys after the RAM pool evicted them, and after a
-//! restart. Semantics: docs/KV_SEMANTICS.md, "Disk tier".
+//! restart. Semantics: docs/KV_SEMANTICS.md, "Disk tier". A tier belongs to one K/V memory
+//! (`SharedKv`): a model with several K/V layer groups (Gemma 3: full and window) has one per
+//! group, each under its group's model id.
 //!
 //! **Layout.** `DIR/<model id, 32 hex digits>/<key, 32 hex digits>.kvb`, one file per block,
 //! and `DIR/<model id>/LOCK`, locked (`File::try_lock`) by the one tier that uses the

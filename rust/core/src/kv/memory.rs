@@ -5,6 +5,9 @@
 //! their own `SharedKv`; a window group is pruned after every batch. The recurrent group
 //! ([`RecurrentGroup`], LFM2's short convolutions) keeps one state per sequence in blocks of the
 //! primary (full-attention) group's pool, and checkpoints for prefix reuse in its index.
+//! Each K/V group's memory has its own disk and shared tiers; `commit_kv` returns every
+//! group's newly keyed blocks for their write-through, and [`LayerGroups::fetch_remote`] /
+//! `match_prefix_staged` fetch and map one staged set per group.
 //!
 //! Conventions (docs/KV_SEMANTICS.md): negative `p0`/`p1` are open ends; `s < 0` means every
 //! sequence where the operation allows it. An operation a memory kind cannot honour (e.g. a

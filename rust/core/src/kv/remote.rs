@@ -1,7 +1,9 @@
 //! The shared block tier (L3) of the K/V cache: full keyed blocks in a Redis or Valkey server
 //! that every process serving the same model reads and writes, so a prefix one replica
 //! computed is a fetch, not a prefill, for the others. Semantics: docs/KV_SEMANTICS.md,
-//! "Shared tier".
+//! "Shared tier". A tier belongs to one K/V memory (`SharedKv`): a model with several K/V
+//! layer groups has one per group (its keys carry the group's model id), and a fetch brings
+//! one [`Staged`] per group (`LayerGroups::fetch_remote`).
 //!
 //! **Keys and values.** One key per block: `kvs:v1:<model id>:<block key>` (32 hex digits
 //! each). The model id (`SharedKv::model_id`) covers the weights' identity, the K/V type, the
