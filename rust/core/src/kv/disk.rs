@@ -640,7 +640,11 @@ impl DiskTier {
         // A tier of this directory that is closing (its last holder is dropping it) holds
         // the lock until its writer has written what was queued: wait for it below.
         let closing = open.iter().any(|(p, w)| *p == sub && w.strong_count() == 0);
-        open.retain(|(_, w)| w.strong_count() > 0);
+        // Only this directory's closed entries go: another directory's may be closing now (a
+        // model with several K/V groups opens a tier per group, one after the other), and
+        // its next open must still see that to wait for its lock (so at most one closed entry
+        // stays per directory ever opened).
+        open.retain(|(p, w)| w.strong_count() > 0 || *p != sub);
         if let Some(t) = open
             .iter()
             .find(|(p, _)| *p == sub)
@@ -1198,6 +1202,10 @@ mod tests {
             while alive() {
                 std::thread::yield_now();
             }
+            // Another directory opened meanwhile (a model's next K/V group) must not make the
+            // closing one look closed.
+            let other_dir = tmp_dir("closing-other");
+            let other = DiskTier::open(&other_dir, MODEL, BS, BB, opts(16)).unwrap();
             let reopened = sc.spawn(|| DiskTier::open(&dir, MODEL, BS, BB, opts(16)).unwrap());
             std::thread::sleep(std::time::Duration::from_millis(50));
             assert!(!reopened.is_finished(), "the directory is still locked");
@@ -1205,6 +1213,8 @@ mod tests {
             let t = reopened.join().unwrap();
             assert_eq!(t.stats().loaded, 5);
             assert!((0..5).all(|i| get(&t, i)));
+            drop(other);
+            fs::remove_dir_all(&other_dir).unwrap();
         });
         fs::remove_dir_all(&dir).unwrap();
     }
