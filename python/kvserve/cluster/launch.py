@@ -74,7 +74,16 @@ def serve_replicas(
         if pythonpath:  # kvserve from a source tree: the workers import the same one
             init["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath}}
     # "local": a new instance even when RAY_ADDRESS names a running one.
-    ray.init(address=ray_address or "local", **init)
+    try:
+        ray.init(address=ray_address or "local", **init)
+    except ConnectionError as e:
+        if ray_address is None or os.environ.get("RAY_AUTH_MODE"):
+            raise
+        raise ConnectionError(
+            f"{e}. If the cluster uses token authentication (`ray start` enables it by default"
+            " from Ray 2.59), set RAY_AUTH_MODE=token here too; the token comes from"
+            " RAY_AUTH_TOKEN or ~/.ray/auth_token"
+        ) from e
     try:
         serve.start(proxy_location="Disabled")  # the ingress below is the HTTP server
         t_ray = time.monotonic() - t0
