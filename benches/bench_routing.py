@@ -75,7 +75,6 @@ from kvserve.cluster import Router
 from kvserve.cluster.ingress import PromptKeys
 from kvserve.server.config import ServerConfig
 
-DEFAULT_MODEL = Path.home() / ".cache" / "kvserve" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK = 16
 CHAT_PATH = "/v1/chat/completions"
 REPLICAS = ("r0", "r1")
@@ -340,7 +339,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=300)
