@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import gc
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import Engine, Model
 from kvserve._model import prompt_ids
 from kvserve.server.metrics import Metrics
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lfm2_reference as lref  # noqa: E402
 
 BLOCK = 16
 FIXED = 72  # magic, version, block size, model id, key, parent, payload length
@@ -263,6 +269,64 @@ def test_gemma_prompts_past_the_window_come_back_from_disk(
     engine.close()
     del engine
     _gone()
+
+
+def test_lfm2_prompts_come_back_from_disk_with_their_state(tmp_path: Path) -> None:
+    """A hybrid model (a tiny LFM2: short-conv layers and an attention layer): the K/V blocks
+    and the recurrent group's state checkpoints go to the disk tier; a prompt RAM evicted
+    resumes from disk at its last block boundary (K/V and the checkpoint read back), with the
+    logits and greedy output of the same model without the tier (another instance)."""
+    path = tmp_path / "lfm2.gguf"
+    lref.write_model(path, lref.VARIANTS["cca-f32"])
+    ids = list(range(40, 40 + 70))
+    usable = (len(ids) - 1) // BLOCK * BLOCK
+    assert usable == 64
+    per_block = Model(path, threads=1).new_context(16).stats()["bytes_per_block"]
+    # 16 blocks: a prompt (4 K/V blocks, 4 checkpoints, its tail and state), not three.
+    kw: dict[str, Any] = {"parallel": 1, "ctx_size": 256, "kv_memory": 16 * per_block}
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with Engine(Model(path, threads=2), **kw) as oracle:
+        want = oracle.generate(ids, **greedy).tokens
+    disk = tmp_path / "kv"
+    engine = Engine(Model(path, threads=2), kv_disk=disk, kv_disk_size="64MiB", **kw)
+    first = engine.generate(ids, **greedy)
+    assert (first.tokens, first.cached_tokens) == (want, 0)
+    for k in range(3):
+        other = [200 + k] + list(range(60 + k, 60 + k + 69))
+        assert engine.generate(other, max_tokens=1).cached_tokens == 0
+    st = _written(engine)
+    assert st["kv_disk_enabled"] == 1 and st["kv_disk_writes_dropped"] == 0
+    groups = engine._loop.kv.ctx.stats()["groups"]
+    assert [g["kind"] for g in groups if g["kind"] != "recurrent"] == ["full"]
+    full = next(g for g in groups if g["kind"] == "full")
+    # Each prompt's 4 K/V blocks and 4 checkpoints (and the generated tokens' blocks).
+    assert full["disk_entries"] >= 4 * 8, full
+    assert st["kv_disk_entries"] == full["disk_entries"]
+    assert full["blocks_evicted"] >= 16, "RAM forgot the first prompt"
+    again = engine.generate(ids, **greedy)
+    assert (again.tokens, again.cached_tokens) == (want, usable)
+    read = engine.stats()["kv_disk_hit_blocks"] - st["kv_disk_hit_blocks"]
+    assert read == usable // BLOCK + 1, "4 K/V blocks and the one checkpoint used"
+    engine.close()
+    del engine
+    _gone()
+
+    # The same at the context level, logits compared: a context of a model with the tier
+    # (after a restart: all from disk) resumes at 64 and decodes the rest.
+    m = Model(path, threads=2)
+    ctx = m.core.new_context(256)
+    ctx.set_kv_disk(str(disk), 64 << 20)
+    assert ctx.match_prefix(0, ids) == usable
+    assert ctx.stats()["disk_hit_blocks"] == usable // BLOCK + 1
+    rest = ids[usable:]
+    n = len(rest)
+    out = ctx.decode(rest, list(range(usable, len(ids))), [0] * n, [True] * n)
+    got = np.frombuffer(out, dtype=np.float32).reshape(n, out.n_vocab)
+    plain = Model(path, threads=2).core.new_context(256)
+    out = plain.decode(ids, list(range(len(ids))), [0] * len(ids), [True] * len(ids))
+    ref = np.frombuffer(out, dtype=np.float32).reshape(len(ids), out.n_vocab)[usable:]
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+    ctx.audit()
 
 
 def test_bad_settings(model_path: Path, tmp_path: Path) -> None:

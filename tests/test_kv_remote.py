@@ -26,8 +26,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve import Engine, Model
-from kvserve._model import prompt_ids
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lfm2_reference as lref  # noqa: E402
+
+from kvserve import Engine, Model  # noqa: E402
+from kvserve._model import prompt_ids  # noqa: E402
 from kvserve.server.app import create_app
 from kvserve.server.config import ServerConfig
 from kvserve.testing import live_server
@@ -232,6 +236,64 @@ def test_a_gemma_replica_fetches_past_the_window(gemma_path: Path, redis: Redis)
     finally:
         for e in (a, b, plain):
             e.close()
+
+
+def test_an_lfm2_replica_fetches_the_state_checkpoint(tmp_path: Path, redis: Redis) -> None:
+    """A hybrid model (a tiny LFM2): A's K/V blocks and state checkpoints go to the store
+    (the checkpoints under the attention group's model id, keys of their own domain); B,
+    cold, fetches the K/V run and the checkpoint at its end and resumes there with the
+    greedy output of an engine without the tier; without that checkpoint in the store, C
+    fetches the one a block below and resumes there."""
+    path = tmp_path / "lfm2.gguf"
+    lref.write_model(path, lref.VARIANTS["cca-f32"])
+
+    def engine(**kw: Any) -> Engine:
+        return Engine(Model(path, threads=2), parallel=2, ctx_size=256, **kw)
+
+    a, b, c = (engine(kv_remote=redis.url) for _ in range(3))
+    plain = engine()
+    try:
+        ids = list(range(40, 40 + 70))
+        usable = (len(ids) - 1) // BLOCK * BLOCK
+        want, _ = _greedy(plain, ids)
+        got_a, cached_a = _greedy(a, ids)
+        assert (got_a, cached_a) == (want, 0)
+        _sent(a)
+        stored = redis.keys()
+        assert len({k.split(":")[2] for k in stored}) == 1, "one model id"
+        kv_keys = set(a._loop.kv.ctx.kv_remote_keys(ids + got_a))
+        n = len(ids + got_a) // BLOCK
+        assert kv_keys <= stored and len(stored) == 2 * n, "a checkpoint per K/V block"
+
+        got_b, cached_b = _greedy(b, ids)
+        assert (got_b, cached_b) == (want, usable)
+        st = b.stats()
+        assert st["kv_remote_hit_blocks"] == usable // BLOCK + 1
+        assert st["kv_remote_fetched_blocks"] == usable // BLOCK + 1
+        assert st["kv_remote_staged_bytes"] == 0 and st["kv_remote_errors"] == 0
+        # Now in B's RAM: nothing is fetched again.
+        assert _greedy(b, ids) == (want, usable)
+        assert b.stats()["kv_remote_fetched_blocks"] == st["kv_remote_fetched_blocks"]
+
+        # Delete the checkpoint at 64 (the store key A wrote that is no K/V block and whose
+        # entry's parent is block 3's key): C resumes at 48 from the one below.
+        block3 = a._loop.kv.ctx.kv_remote_keys(ids)[3].split(":")[3]
+        ckpt = [k for k in stored - kv_keys if _parent(redis, k) == int(block3, 16)]
+        assert len(ckpt) == 1
+        assert redis.cmd("DEL", ckpt[0]) == 1
+        got_c, cached_c = _greedy(c, ids)
+        assert (got_c, cached_c) == (want, usable - BLOCK)
+        assert c.stats()["kv_remote_hit_blocks"] == usable // BLOCK + 1
+    finally:
+        for e in (a, b, c, plain):
+            e.close()
+
+
+def _parent(redis: Redis, key: str) -> int:
+    """The parent key in the header of the entry stored under ``key``."""
+    v = redis.cmd("GET", key)
+    # magic (8), version, block size (4 each), model id, key, parent (16 each)
+    return int.from_bytes(v[8 + 8 + 16 + 16 : 8 + 8 + 16 + 16 + 16], "little")
 
 
 def test_a_deleted_block_ends_the_hits_there(model_path: Path, redis: Redis) -> None:

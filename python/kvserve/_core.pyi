@@ -139,10 +139,9 @@ class Context:
         max_staged_bytes: int = 0,
     ) -> None:
         """Attach the shared K/V tier on the Redis / Valkey store at ``url`` (``None``:
-        detach it), a tier per K/V layer group; does not connect. ``ModelError`` for a model
-        with recurrent layers (LFM2) or a TLS URL, ``ValueError`` for a bad URL or option."""
-    def kv_remote_support(self) -> str | None:
-        """None when this model can have a shared K/V tier, else why not."""
+        detach it), a tier per K/V layer group (a hybrid model's state checkpoints in the
+        full-attention group's); does not connect. ``ModelError`` for a TLS URL,
+        ``ValueError`` for a bad URL or option."""
     def kv_remote_flush(self) -> None:
         """Wait until the shared tier (if any) sent every block handed to it so far."""
     def kv_remote_ping(self) -> str | None:
@@ -173,12 +172,10 @@ class Context:
         to disk and continues prefix matches there. At most ``max_bytes`` of entries (least
         recently used ones go); prompts shorter than ``min_tokens`` (default: the measured
         break-even) skip it. With sliding-window layers (Gemma 3) each K/V layer group gets
-        its own tier under ``path/<its model id>/``, ``max_bytes`` split by bytes per block.
-        ``ModelError`` for a model with recurrent layers (LFM2), ``OSError`` for an unusable
-        directory or one another process holds, ``ValueError`` when ``max_bytes`` holds no
-        block."""
-    def kv_disk_support(self) -> str | None:
-        """None when this model can have a K/V disk tier, else why not."""
+        its own tier under ``path/<its model id>/``, ``max_bytes`` split by bytes per block;
+        a hybrid model (LFM2) stores its state checkpoints in the full-attention group's tier.
+        ``OSError`` for an unusable directory or one another process holds, ``ValueError``
+        when ``max_bytes`` holds no block."""
     def kv_disk_flush(self) -> None:
         """Wait until the disk tier (if any) wrote every block handed to it so far."""
     def kv_events_enable(self, capacity: int | None) -> None:

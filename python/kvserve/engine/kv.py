@@ -75,45 +75,32 @@ class KvManager:
         self.block = int(st["block_size"])
         self.pool_tokens = int(st["blocks_total"]) * self.block
         self.n_ctx = int(self.ctx.n_ctx)
-        # Why the disk tier asked for is off (None: on, or not asked for).
-        self.disk_off: str | None = None
         if kv_disk is not None:
-            self.disk_off = self.ctx.kv_disk_support()
-            if self.disk_off is not None:
-                log.warning("the K/V disk tier (kv_disk=%s) is off: %s", kv_disk, self.disk_off)
-            else:
-                # The tier belongs to the model's K/V memory: contexts made later (reopen)
-                # share it.
-                self.ctx.set_kv_disk(os.fspath(kv_disk), kv_disk_size, kv_disk_min_tokens)
-        # Why the shared tier asked for is off (None: on, or not asked for).
-        self.remote_off: str | None = None
+            # The tier belongs to the model's K/V memory: contexts made later (reopen) share it.
+            self.ctx.set_kv_disk(os.fspath(kv_disk), kv_disk_size, kv_disk_min_tokens)
         self.remote = False
         if kv_remote is not None:
-            self.remote_off = self.ctx.kv_remote_support()
-            if self.remote_off is not None:
-                log.warning("the shared K/V tier (kv_remote) is off: %s", self.remote_off)
-            else:
-                self.ctx.set_kv_remote(
-                    kv_remote,
-                    ttl_s=kv_remote_ttl,
-                    min_tokens=kv_remote_min_tokens,
-                    timeout_s=kv_remote_timeout,
-                    # A fetch brings at most what the pool holds, and blocks staged for
-                    # requests not yet admitted take at most the pool's size, or 1 GiB, but
-                    # at least a sequence's share of the pool (the rest is computed).
-                    max_fetch_blocks=int(st["blocks_total"]),
-                    max_staged_bytes=_staged_budget(
-                        int(st["blocks_total"]) * int(st["bytes_per_block"]), parallel
-                    ),
+            self.ctx.set_kv_remote(
+                kv_remote,
+                ttl_s=kv_remote_ttl,
+                min_tokens=kv_remote_min_tokens,
+                timeout_s=kv_remote_timeout,
+                # A fetch brings at most what the pool holds, and blocks staged for requests
+                # not yet admitted take at most the pool's size, or 1 GiB, but at least a
+                # sequence's share of the pool (the rest is computed).
+                max_fetch_blocks=int(st["blocks_total"]),
+                max_staged_bytes=_staged_budget(
+                    int(st["blocks_total"]) * int(st["bytes_per_block"]), parallel
+                ),
+            )
+            self.remote = True
+            down = self.ctx.kv_remote_ping()
+            if down is not None:
+                log.warning(
+                    "the shared K/V tier's store does not answer (%s): requests compute"
+                    " what they would have fetched until it does",
+                    down,
                 )
-                self.remote = True
-                down = self.ctx.kv_remote_ping()
-                if down is not None:
-                    log.warning(
-                        "the shared K/V tier's store does not answer (%s): requests compute"
-                        " what they would have fetched until it does",
-                        down,
-                    )
 
     # -- sequence ids ----------------------------------------------------------------------------
     def alloc(self) -> int:

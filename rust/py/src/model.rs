@@ -335,6 +335,8 @@ pub struct Context {
     /// The recurrent group of a hybrid model: (layers, pool blocks one state takes); its states
     /// take blocks of the primary pool (`shared`).
     recurrent: Option<(usize, usize)>,
+    /// Whether the recurrent group keeps state checkpoints (the shared tier fetches them).
+    checkpoints: bool,
     n_ctx: usize,
     n_vocab: usize,
     published: Published,
@@ -357,6 +359,7 @@ impl Context {
                 .memory()
                 .recurrent()
                 .map(|r| (ctx.memory().n_recurrent_layers(), r.blocks_per_state())),
+            checkpoints: ctx.memory().keeps_checkpoints(),
             n_ctx: ctx.n_ctx(),
             n_vocab: ctx.model().n_vocab(),
             inner: Mutex::new(Some(ctx)),
@@ -548,7 +551,8 @@ impl Context {
     /// Fetches from the shared tier (if one is attached) the blocks a match of `tokens` in a
     /// sequence salted with `salt` would need beyond what RAM and disk hold (the leading run
     /// the store has, verified; with sliding-window layers also the window group's blocks
-    /// before the point the full group reaches), for `match_prefix(..., staged=)`. Never
+    /// before the point the full group reaches; for a hybrid model the state checkpoint at
+    /// the end of that run, or one a little below it), for `match_prefix(..., staged=)`. Never
     /// waits for the context
     /// (runs on any thread while decodes go on, without the GIL); never fails: a store that
     /// is down or slow gives fewer blocks (counted in `stats()`).
@@ -559,6 +563,7 @@ impl Context {
             .map(|t| check_vocab(self.n_vocab, t))
             .collect::<PyResult<Vec<u32>>>()?;
         let root = salt_root(salt);
+        let checkpoints = self.checkpoints;
         let groups: Vec<(LayerKind, Arc<SharedKv>)> = self
             .groups
             .iter()
@@ -566,7 +571,7 @@ impl Context {
             .collect();
         let staged = py.detach(move || {
             let g: Vec<_> = groups.iter().map(|(k, s)| (*k, s.as_ref())).collect();
-            LayerGroups::fetch_remote(&g, &tokens, root)
+            LayerGroups::fetch_remote(&g, &tokens, root, checkpoints)
         });
         Ok(KvStaged::new(staged))
     }
@@ -643,11 +648,10 @@ impl Context {
     /// Attaches the K/V disk tier under `path` to the model's K/V memory (every context of it
     /// then writes the blocks its decodes key through to disk and continues prefix matches
     /// there), at most `max_bytes` of entries; prompts shorter than `min_tokens` (default: the
-    /// measured break-even) skip it. `path=None` detaches it. `ModelError` for a model whose
-    /// memory has recurrent layers (`kv_disk_support` says why; with sliding-window layers
-    /// each K/V group gets a tier under `path/<its model id>/`), `OSError` when the
-    /// directory cannot be used or another process holds it, `ValueError` when `max_bytes`
-    /// holds no block.
+    /// measured break-even) skip it. `path=None` detaches it. With sliding-window layers each
+    /// K/V group gets a tier under `path/<its model id>/`; a hybrid model's state checkpoints
+    /// go to the full-attention group's tier. `OSError` when the directory cannot be used or
+    /// another process holds it, `ValueError` when `max_bytes` holds no block.
     #[pyo3(signature = (path, max_bytes, min_tokens=None))]
     fn set_kv_disk(
         &self,
@@ -664,20 +668,15 @@ impl Context {
         self.with(py, move |c| c.set_kv_disk(path.as_deref(), o))
     }
 
-    /// None when this model can have a K/V disk tier, else why not (a model whose memory is
-    /// has recurrent layers: LFM2).
-    fn kv_disk_support(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        self.with(py, |c| Ok(c.kv_disk_support().err().map(|e| e.to_string())))
-    }
-
     /// Attaches the shared K/V tier on the Redis / Valkey store at `url` to the model's K/V
     /// memory (every context of it then writes the blocks its decodes key through to the
     /// store; `kv_remote_fetch` stages blocks from it). `ttl_s`: time to live of written blocks;
     /// prompts shorter than `min_tokens` (default: the measured break-even) skip it;
     /// `timeout_s` bounds each command; at most `max_fetch_blocks` blocks a fetch and
     /// `max_staged_bytes` staged at once over all fetches awaiting admission (0: no limit).
-    /// `url=None` detaches it. Does not connect. A tier per K/V layer group. `ModelError` for
-    /// a model with recurrent layers or a TLS URL, `ValueError` for a bad URL or option.
+    /// `url=None` detaches it. Does not connect. A tier per K/V layer group (a hybrid model's
+    /// state checkpoints in the full-attention group's). `ModelError` for a TLS URL,
+    /// `ValueError` for a bad URL or option.
     #[pyo3(signature = (
         url, ttl_s=None, min_tokens=None, timeout_s=None, max_fetch_blocks=0, max_staged_bytes=0
     ))]
@@ -711,13 +710,6 @@ impl Context {
             ..d
         };
         self.with(py, move |c| c.set_kv_remote(url.as_deref(), o))
-    }
-
-    /// None when this model can have a shared K/V tier, else why not (as `kv_disk_support`).
-    fn kv_remote_support(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        self.with(py, |c| {
-            Ok(c.kv_remote_support().err().map(|e| e.to_string()))
-        })
     }
 
     /// Waits until the shared tier (if any) has sent every block handed to it so far (or

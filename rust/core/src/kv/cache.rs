@@ -262,6 +262,20 @@ impl SharedKv {
         Ok(())
     }
 
+    /// Write-through of one entry that is not a K/V block of a commit (a hybrid model's state
+    /// checkpoint, keyed in its own hash domain and stored in a block of this memory's pool):
+    /// `payload` (the block's bytes as the pool stores them) is copied to the disk tier
+    /// unless it holds `key`, and to the shared tier (`SET NX`); the caller holds the storage
+    /// lock, the encoding happens on the tiers' writer threads.
+    pub fn write_through_entry(&self, key: Key, parent: Key, tokens: &[u32], payload: &[u8]) {
+        if let Some(d) = self.disk().filter(|d| !d.contains(key)) {
+            d.offer(key, parent, tokens, payload);
+        }
+        if let Some(r) = self.remote() {
+            r.offer(key, parent, tokens, payload);
+        }
+    }
+
     /// Fetches from the shared tier (if any) the blocks a prefix match of `tokens` under the
     /// salt root `root` would need after what RAM and disk hold: the leading full blocks (at
     /// most `len(tokens) - 1` tokens, as a match maps) that neither the index nor the disk tier

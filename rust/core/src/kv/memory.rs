@@ -20,7 +20,7 @@ use std::sync::Arc;
 use super::cache::{PagedCache, SharedKv};
 use super::pool::{BlockId, BlockPool};
 use super::prefix::{chain_keys, salt_root, Key};
-use super::recurrent::{RecurrentGroup, StateTx};
+use super::recurrent::{checkpoint_key, RecurrentGroup, StateTx};
 use super::remote::Staged;
 use super::storage::KvStorage;
 use super::table::{BatchTx, Pos, SeqId};
@@ -98,6 +98,10 @@ pub enum LayerKind {
 
 /// Which memory a layer group is: the kind its layers share (another name of [`LayerKind`]).
 pub use self::LayerKind as GroupKind;
+
+/// Block boundaries below the highest one whose state checkpoint a fetch also asks the
+/// shared tier for ([`LayerGroups::fetch_checkpoint`]), in the same existence check.
+pub const CHECKPOINT_FALLBACKS: usize = 3;
 
 /// A batch planned in every group of a [`LayerGroups`] ([`LayerGroups::begin_batch`]), to
 /// commit or roll back in every group.
@@ -201,6 +205,39 @@ impl LayerGroups {
         self.recurrent.as_ref().map(|r| &r.state)
     }
 
+    /// Whether the recurrent group (if any) keeps state checkpoints for prefix reuse (then the
+    /// tiers store and fetch them too: [`LayerGroups::fetch_remote`]).
+    pub fn keeps_checkpoints(&self) -> bool {
+        self.recurrent().is_some_and(RecurrentGroup::can_checkpoint)
+    }
+
+    /// Stores `vals` as the state checkpoint after the primary group's block `b`, which a
+    /// commit just keyed `key` (`Context::decode` after every commit), and writes it through
+    /// to the primary group's tiers (a copy taken under `storage`, the primary group's
+    /// storage, locked by the caller). Whether it was stored (skipped without a recurrent
+    /// group that keeps checkpoints, or with no block to spare).
+    pub fn store_checkpoint(
+        &self,
+        storage: &mut KvStorage,
+        b: BlockId,
+        key: Key,
+        vals: &[f32],
+    ) -> bool {
+        let Some(r) = self.recurrent() else {
+            return false;
+        };
+        let primary = self.primary();
+        let tokens = primary.table().block_tokens(b);
+        let model_id = primary.model_id();
+        let Some((c, ck)) = r.store_checkpoint_block(storage, model_id, key, tokens, vals) else {
+            return false;
+        };
+        if let Ok(bytes) = storage.block_raw(c) {
+            primary.shared().write_through_entry(ck, key, tokens, bytes);
+        }
+        true
+    }
+
     /// Layers whose memory is the recurrent group (0 without one).
     pub fn n_recurrent_layers(&self) -> usize {
         self.recurrent.as_ref().map_or(0, |r| r.layers.len())
@@ -288,8 +325,8 @@ impl LayerGroups {
 
     /// [`LayerGroups::match_prefix`] that also maps blocks staged from the shared tier:
     /// `staged[i]` for K/V group `i` (group order; missing ones: none), as
-    /// [`LayerGroups::fetch_remote`] returns them. A model with a recurrent group has no
-    /// shared tier: `staged` is ignored there.
+    /// [`LayerGroups::fetch_remote`] returns them. With a recurrent group the primary
+    /// group's set may also hold the state checkpoint(s) fetched for the prompt.
     pub fn match_prefix_staged(
         &mut self,
         seq: SeqId,
@@ -307,25 +344,63 @@ impl LayerGroups {
         if !self.recurrent().is_some_and(RecurrentGroup::can_checkpoint) {
             return Ok(0);
         }
-        let n = self.match_kv_prefix(seq, tokens, &[])?;
+        let n = self.match_kv_prefix(seq, tokens, staged)?;
+        let pi = self.primary_index();
         let primary = self.primary();
         let bs = primary.table().block_size();
         let model_id = primary.model_id();
         let shared = Arc::clone(primary.shared());
+        // Checkpoints below the pool: in the primary group's tiers (keys of their own domain).
+        let disk = shared.disk().filter(|d| tokens.len() >= d.min_tokens());
+        let st = staged.get(pi);
         let mut storage = shared.lock_storage();
         let root = primary.table().root(seq);
         let keys = chain_keys(model_id, root, &tokens[..n], bs);
         let mut found = None;
+        let mut from_remote = 0;
+        // The highest block boundary with a checkpoint in RAM, on disk or staged at which the
+        // window groups can resume; only that checkpoint is read (a failed read: one lower).
         for i in (0..keys.len()).rev() {
             let m = (i + 1) * bs;
+            let (kv_key, chunk) = (keys[i], &tokens[i * bs..m]);
             let r = self.recurrent().expect("checked above");
-            let Some(v) = r.find_checkpoint(&storage, model_id, keys[i], &tokens[i * bs..m]) else {
+            let ck = checkpoint_key(model_id, kv_key, chunk);
+            let in_ram = r.has_checkpoint(model_id, kv_key, chunk);
+            let on_disk = disk.as_ref().is_some_and(|d| d.contains(ck));
+            let from_st = st.and_then(|s| s.get(ck, kv_key, chunk));
+            if !in_ram && !on_disk && from_st.is_none() {
                 continue;
-            };
-            if self.resume_windows_at(seq, &tokens[..=m], m)? {
+            }
+            if !self.resume_windows_at(seq, &tokens[..=m], m, staged)? {
+                continue;
+            }
+            let r = self.recurrent().expect("checked above");
+            let mut v = None;
+            if in_ram {
+                v = r.find_checkpoint(&storage, model_id, kv_key, chunk);
+                if let (Some(d), true) = (&disk, v.is_some()) {
+                    d.touch(&[ck]);
+                }
+            }
+            if let (None, Some(d), true) = (&v, &disk, on_disk) {
+                v = r.load_checkpoint(&mut storage, model_id, kv_key, chunk, |out| {
+                    d.read(ck, kv_key, chunk, out)
+                });
+            }
+            if let (None, Some(p)) = (&v, from_st) {
+                v = r.load_checkpoint(&mut storage, model_id, kv_key, chunk, |out| {
+                    out.copy_from_slice(p);
+                    true
+                });
+                from_remote += usize::from(v.is_some());
+            }
+            if let Some(v) = v {
                 found = Some((m, v));
                 break;
             }
+        }
+        if let (Some(r), true) = (shared.remote(), from_remote > 0) {
+            r.count_hits(from_remote);
         }
         let Some((m, vals)) = found else {
             self.remove_kv(seq, -1);
@@ -366,14 +441,21 @@ impl LayerGroups {
 
     /// Makes every window group of the new sequence `seq` hold the window before position
     /// `m` (a block boundary at most what the full groups matched): as it is when it already
-    /// does, else by matching `tokens` (`m + 1` of them) again in that group, which then holds
+    /// does, else by matching `tokens` (`m + 1` of them) again in that group (RAM, disk, its
+    /// set of `staged`), which then holds
     /// the window before the largest point it can resume at. Whether all groups can resume
     /// at `m`.
-    fn resume_windows_at(&mut self, seq: SeqId, tokens: &[u32], m: usize) -> Result<bool> {
+    fn resume_windows_at(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        m: usize,
+        staged: &[Staged],
+    ) -> Result<bool> {
         if self.can_resume_at(seq, m as Pos) {
             return Ok(true);
         }
-        for g in &mut self.groups {
+        for (gi, g) in self.groups.iter_mut().enumerate() {
             let GroupKind::Window(w) = g.kind else {
                 continue;
             };
@@ -384,7 +466,8 @@ impl LayerGroups {
                 continue;
             }
             g.cache.table_mut().seq_rm(seq, -1, -1);
-            if g.cache.match_window_prefix(seq, tokens, w)? != m {
+            let st = staged.get(gi);
+            if g.cache.match_window_prefix_staged(seq, tokens, w, st)? != m {
                 return Ok(false);
             }
         }
@@ -485,12 +568,17 @@ impl LayerGroups {
     /// the salt root `root` would need beyond what RAM and disk hold, one [`Staged`] per
     /// group for [`LayerGroups::match_prefix_staged`]: a full group its leading run
     /// ([`SharedKv::fetch_remote`]); a window group the window before the point every full
-    /// group then reaches ([`SharedKv::fetch_window`]). Reads only indexes: safe on any
+    /// group then reaches ([`SharedKv::fetch_window`]). With `checkpoints` (a hybrid model
+    /// whose recurrent group keeps state checkpoints, [`LayerGroups::keeps_checkpoints`]) the
+    /// primary group's set also gets the checkpoint at the highest block boundary the K/V
+    /// reach (RAM, disk, fetched), else the first of the next [`CHECKPOINT_FALLBACKS`] below
+    /// it the store has ([`LayerGroups::fetch_checkpoint`]). Reads only indexes: safe on any
     /// thread while decodes run (the fetch workers call it, never the engine thread).
     pub fn fetch_remote(
         groups: &[(GroupKind, &SharedKv)],
         tokens: &[u32],
         root: Key,
+        checkpoints: bool,
     ) -> Vec<Staged> {
         let mut out: Vec<Staged> = groups.iter().map(|_| Staged::default()).collect();
         let mut reach = usize::MAX;
@@ -500,12 +588,68 @@ impl LayerGroups {
                 reach = reach.min(sh.reachable_blocks(tokens, root, &out[i]));
             }
         }
+        let pi = groups
+            .iter()
+            .position(|(k, _)| matches!(k, GroupKind::Full))
+            .unwrap_or(0);
+        if let (true, Some((_, sh)), true) = (checkpoints, groups.get(pi), reach != usize::MAX) {
+            // A hybrid model resumes at the checkpoint: the windows before it are needed.
+            let (ck, at) = Self::fetch_checkpoint(sh, tokens, root, reach);
+            out[pi].merge(ck);
+            reach = at;
+        }
         for (i, (kind, sh)) in groups.iter().enumerate() {
             if let GroupKind::Window(w) = *kind {
                 out[i] = sh.fetch_window(tokens, root, w, reach);
             }
         }
         out
+    }
+
+    /// The state checkpoint a hybrid model's match of `tokens` (root `root`) would resume from
+    /// once the K/V reach `reach` blocks, from the primary memory `sh`'s shared tier: nothing
+    /// when RAM or disk has the one at the highest boundary; else the first, from boundary
+    /// `reach` down, of the at most [`CHECKPOINT_FALLBACKS`] `+ 1` boundaries above the
+    /// highest local checkpoint that the store holds ([`RemoteTier::fetch_first`]: one
+    /// existence check, one read). Also returns the block boundary the resume will then be
+    /// at (the fetched or local checkpoint's; `reach` when there is none), for the windows.
+    ///
+    /// [`RemoteTier::fetch_first`]: super::remote::RemoteTier::fetch_first
+    pub fn fetch_checkpoint(
+        sh: &SharedKv,
+        tokens: &[u32],
+        root: Key,
+        reach: usize,
+    ) -> (Staged, usize) {
+        let Some(r) = sh.remote() else {
+            return (Staged::default(), reach);
+        };
+        let bs = sh.layout().block_size;
+        let reach = reach.min(tokens.len().saturating_sub(1) / bs);
+        let model_id = sh.model_id();
+        let keys = chain_keys(model_id, root, &tokens[..reach * bs], bs);
+        let disk = sh.disk().filter(|d| tokens.len() >= d.min_tokens());
+        let mut cands = Vec::new();
+        let mut at = reach;
+        for i in (0..reach).rev().take(CHECKPOINT_FALLBACKS + 1) {
+            let (kv_key, chunk) = (keys[i], &tokens[i * bs..(i + 1) * bs]);
+            let ck = checkpoint_key(model_id, kv_key, chunk);
+            if sh.index().contains(sh.pool(), ck, kv_key, chunk)
+                || disk.as_ref().is_some_and(|d| d.contains(ck))
+            {
+                at = i + 1;
+                break;
+            }
+            cands.push((ck, kv_key, chunk));
+        }
+        let staged = r.fetch_first(&cands, tokens.len());
+        let got = cands
+            .iter()
+            .position(|&(ck, kv_key, chunk)| staged.get(ck, kv_key, chunk).is_some());
+        if let Some(j) = got {
+            at = reach - j;
+        }
+        (staged, at)
     }
 
     /// Rolls back a batch planned in every K/V group (`txs` in group order).
@@ -1013,10 +1157,10 @@ mod tests {
             (LayerKind::Full, full2.as_ref()),
             (LayerKind::Window(20), win2.as_ref()),
         ];
-        let staged = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY);
+        let staged = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY, false);
         assert_eq!((staged[0].len(), staged[1].len()), (5, 2));
         // Under another salt there is nothing to fetch.
-        let other = LayerGroups::fetch_remote(&groups, &q, salt_root(b"tenant b"));
+        let other = LayerGroups::fetch_remote(&groups, &q, salt_root(b"tenant b"), false);
         assert!(other.iter().all(Staged::is_empty));
         assert_eq!(m2.match_prefix_staged(0, &q, &staged).unwrap(), 80);
         let w = m2.groups()[1].cache.table();
@@ -1061,6 +1205,210 @@ mod tests {
         for g in m.groups() {
             g.cache.table().check().unwrap();
         }
+    }
+
+    /// Attaches a disk tier under `dir` (if any) and a shared tier at `url` (if any) to `sh`.
+    fn attach_tiers(sh: &Arc<SharedKv>, dir: Option<&std::path::Path>, url: Option<&str>) {
+        let bpb = sh.layout().bytes_per_block();
+        if let Some(dir) = dir {
+            let o = crate::kv::DiskOptions::with_size(1 << 30);
+            let d = crate::kv::DiskTier::open(dir, sh.model_id(), BS, bpb, o).unwrap();
+            sh.set_disk(Some(d)).unwrap();
+        }
+        if let Some(url) = url {
+            let r = crate::kv::RemoteTier::open(url, sh.model_id(), BS, bpb, Default::default());
+            sh.set_remote(Some(r.unwrap())).unwrap();
+        }
+    }
+
+    /// The state checkpoint values this test stores after block `i` (distinct per block, and
+    /// not round numbers, so a bit-for-bit comparison means something).
+    fn ckpt_vals(i: usize) -> Vec<f32> {
+        (0..16).map(|j| (i * 16 + j) as f32 * 0.37 - 1.1).collect()
+    }
+
+    /// Decodes `n` tokens `0..n` into `seq` of the hybrid memory `m` and stores a checkpoint
+    /// ([`ckpt_vals`]) after every block the commit keyed, as `Context::decode` does (and so
+    /// writes each through to the primary group's tiers); then removes the sequence.
+    fn run_with_checkpoints(m: &mut LayerGroups, seq: SeqId, n: usize) {
+        run(m, seq, 0, n);
+        let pi = m.primary_index();
+        let full = Arc::clone(m.groups()[pi].cache.shared());
+        let t = m.groups()[pi].cache.table();
+        let toks: Vec<u32> = (0..n as u32).collect();
+        let keys = chain_keys(full.model_id(), ROOT_KEY, &toks, BS);
+        let blocks: Vec<BlockId> = (0..keys.len()).map(|i| t.cells(seq)[i * BS].1).collect();
+        let mut st = full.lock_storage();
+        for (i, (&b, &key)) in blocks.iter().zip(&keys).enumerate() {
+            assert!(m.store_checkpoint(&mut st, b, key, &ckpt_vals(i)));
+        }
+        drop(st);
+        m.seq_rm(seq, -1, -1).unwrap();
+    }
+
+    /// Fills both pools of `m` with another prompt (sequence `seq`), so every
+    /// earlier block and checkpoint is evicted from RAM.
+    fn evict_all(m: &mut LayerGroups, seq: SeqId) {
+        // 39 blocks and the sequence's state: the whole pool of 40.
+        let junk: Vec<u32> = (1000..1000 + 39 * BS as u32).collect();
+        for (i, part) in junk.chunks(BS).enumerate() {
+            try_run(m, &Batch::prompt(part, (i * BS) as Pos, seq)).unwrap();
+        }
+        m.seq_rm(seq, -1, -1).unwrap();
+    }
+
+    /// The state `seq` resumed with, compared bit for bit.
+    fn state_bits(m: &LayerGroups, seq: SeqId) -> (Pos, Vec<u32>) {
+        let full = Arc::clone(m.primary().shared());
+        let (pos, v) = m
+            .recurrent()
+            .unwrap()
+            .read(seq, &full.lock_storage())
+            .unwrap()
+            .unwrap();
+        (pos, v.iter().map(|x| x.to_bits()).collect())
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Hybrid (full + window + recurrent) with disk tiers: the checkpoints written through
+    /// come back from disk bit for bit once RAM evicted them, and the resume lands at the
+    /// highest boundary; a damaged or missing checkpoint entry moves it down, never giving a
+    /// wrong state.
+    #[test]
+    fn hybrid_checkpoints_come_back_from_disk() {
+        let dir = std::env::temp_dir().join(format!("kvserve-memory-{}-ckpt", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (full, win) = (shared_n(1, 40), shared_n(2, 24));
+        attach_tiers(&full, Some(&dir), None);
+        attach_tiers(&win, Some(&dir), None);
+        let mut m = memory_over(&full, &win, true);
+        run_with_checkpoints(&mut m, 0, 80);
+        full.disk().unwrap().flush();
+        win.disk().unwrap().flush();
+        // 5 K/V blocks and 5 checkpoints in the full group's tier.
+        assert_eq!(full.disk().unwrap().stats().entries, 10);
+        assert_eq!(win.disk().unwrap().stats().entries, 5);
+        let toks: Vec<u32> = (0..80).collect();
+        let id = full.model_id();
+        let keys = chain_keys(id, ROOT_KEY, &toks, BS);
+        let ck = |i: usize| checkpoint_key(id, keys[i], &toks[i * BS..(i + 1) * BS]);
+        evict_all(&mut m, 1);
+        let r = m.recurrent().unwrap();
+        assert!((0..5).all(|i| !r.has_checkpoint(id, keys[i], &toks[i * BS..(i + 1) * BS])));
+        let mut q = toks.clone();
+        q.push(7);
+        assert_eq!(m.match_prefix(2, &q).unwrap(), 80);
+        assert_eq!(state_bits(&m, 2), (79, bits(&ckpt_vals(4))));
+        // 5 K/V blocks and only the one checkpoint chosen.
+        assert_eq!(full.disk().unwrap().stats().hit_blocks, 6);
+        audit(&m);
+        m.seq_rm(2, -1, -1).unwrap();
+        // Now in RAM again: no further disk read.
+        assert_eq!(m.match_prefix(3, &q).unwrap(), 80);
+        assert_eq!(state_bits(&m, 3), (79, bits(&ckpt_vals(4))));
+        assert_eq!(full.disk().unwrap().stats().hit_blocks, 6);
+        m.seq_rm(3, -1, -1).unwrap();
+
+        // Damage checkpoint 4's entry (a payload byte) and delete checkpoint 3's file: the
+        // resume moves down to block 2's boundary, with its state.
+        evict_all(&mut m, 1);
+        let sub = dir.join(format!("{id:032x}"));
+        let p4 = sub.join(format!("{:032x}.kvb", ck(4)));
+        let mut bytes = std::fs::read(&p4).unwrap();
+        let at = bytes.len() - 40;
+        bytes[at] ^= 0x10;
+        std::fs::write(&p4, &bytes).unwrap();
+        std::fs::remove_file(sub.join(format!("{:032x}.kvb", ck(3)))).unwrap();
+        let removed = full.disk().unwrap().stats().removed;
+        assert_eq!(m.match_prefix(4, &q).unwrap(), 48);
+        assert_eq!(state_bits(&m, 4), (47, bits(&ckpt_vals(2))));
+        for g in m.groups() {
+            assert_eq!(g.cache.table().seq_pos_max(4), 47);
+        }
+        assert_eq!(full.disk().unwrap().stats().removed, removed + 2);
+        audit(&m);
+        m.seq_rm(4, -1, -1).unwrap();
+        drop((m, full, win));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A replica with only the shared tier fetches the K/V run and the checkpoint at its end
+    /// (one existence check for it and a few below), and resumes there bit for bit; without
+    /// that checkpoint in the store it fetches the next one down and resumes there.
+    #[test]
+    fn hybrid_checkpoints_are_fetched_from_the_shared_tier() {
+        let redis = crate::kv::remote::test_server::RedisServer::start();
+        let url = redis.url();
+        let (full, win) = (shared_n(1, 40), shared_n(2, 24));
+        attach_tiers(&full, None, Some(&url));
+        attach_tiers(&win, None, Some(&url));
+        let mut m = memory_over(&full, &win, true);
+        run_with_checkpoints(&mut m, 0, 80);
+        full.remote().unwrap().flush();
+        win.remote().unwrap().flush();
+        assert_eq!(full.remote().unwrap().stats().writes, 10);
+        let toks: Vec<u32> = (0..80).collect();
+        let mut q = toks.clone();
+        q.push(7);
+        // Another replica: its own memories, the same model ids.
+        let replica = || {
+            let (f, w) = (shared_n(1, 40), shared_n(2, 24));
+            attach_tiers(&f, None, Some(&url));
+            attach_tiers(&w, None, Some(&url));
+            (f, w)
+        };
+        let (full2, win2) = replica();
+        let mut m2 = memory_over(&full2, &win2, true);
+        assert!(m2.keeps_checkpoints());
+        let groups = [
+            (LayerKind::Full, full2.as_ref()),
+            (LayerKind::Window(20), win2.as_ref()),
+        ];
+        // Without checkpoints asked for, only K/V (a match of it resumes nowhere).
+        let kv_only = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY, false);
+        assert_eq!((kv_only[0].len(), kv_only[1].len()), (5, 2));
+        drop(kv_only);
+        let staged = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY, true);
+        assert_eq!((staged[0].len(), staged[1].len()), (6, 2));
+        assert_eq!(m2.match_prefix_staged(0, &q, &staged).unwrap(), 80);
+        assert_eq!(state_bits(&m2, 0), (79, bits(&ckpt_vals(4))));
+        assert_eq!(full2.remote().unwrap().stats().hit_blocks, 6);
+        audit(&m2);
+        drop(staged);
+        assert_eq!(full2.remote().unwrap().stats().staged_bytes, 0);
+        // The checkpoint at the end of the run is gone from the store: the fetch brings the
+        // one below it, and a third replica resumes there.
+        let id = full.model_id();
+        let keys = chain_keys(id, ROOT_KEY, &toks, BS);
+        let ck4 = checkpoint_key(id, keys[4], &toks[64..80]);
+        assert!(full.remote().unwrap().delete(ck4).unwrap());
+        let (full3, win3) = replica();
+        let mut m3 = memory_over(&full3, &win3, true);
+        let groups = [
+            (LayerKind::Full, full3.as_ref()),
+            (LayerKind::Window(20), win3.as_ref()),
+        ];
+        let staged = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY, true);
+        assert_eq!(staged[0].len(), 6);
+        assert_eq!(m3.match_prefix_staged(0, &q, &staged).unwrap(), 64);
+        assert_eq!(state_bits(&m3, 0), (63, bits(&ckpt_vals(3))));
+        for g in m3.groups() {
+            assert_eq!(g.cache.table().seq_pos_max(0), 63);
+        }
+        audit(&m3);
+        // A replica that holds the top checkpoint in RAM asks the store for none.
+        let fetches = full2.remote().unwrap().stats().fetches;
+        m2.seq_rm(0, -1, -1).unwrap();
+        let groups = [
+            (LayerKind::Full, full2.as_ref()),
+            (LayerKind::Window(20), win2.as_ref()),
+        ];
+        let staged = LayerGroups::fetch_remote(&groups, &q, ROOT_KEY, true);
+        assert!(staged.iter().all(Staged::is_empty));
+        assert_eq!(full2.remote().unwrap().stats().fetches, fetches);
     }
 
     /// Every group's tables and the recurrent states are consistent, and so is every pool.

@@ -519,19 +519,78 @@ impl RecurrentGroup {
         tokens: &[u32],
         vals: &[f32],
     ) -> bool {
-        let Some(ix) = self.index.as_ref().filter(|_| self.can_checkpoint()) else {
-            return false;
-        };
+        self.store_checkpoint_block(storage, model_id, kv_key, tokens, vals)
+            .is_some()
+    }
+
+    /// [`RecurrentGroup::store_checkpoint`] that returns the cached block and the checkpoint's
+    /// key: its bytes (`storage.block_raw`) stay the checkpoint's as long as the caller holds
+    /// the storage lock (for the tiers' write-through).
+    pub fn store_checkpoint_block(
+        &self,
+        storage: &mut KvStorage,
+        model_id: Key,
+        kv_key: Key,
+        tokens: &[u32],
+        vals: &[f32],
+    ) -> Option<(BlockId, Key)> {
+        let ix = self.index.as_ref().filter(|_| self.can_checkpoint())?;
         let mut bl = Vec::new();
         if !self.take_blocks(1, &mut bl) {
-            return false;
+            return None;
         }
         let b = bl[0];
         let key = checkpoint_key(model_id, kv_key, tokens);
         let ok = self.store(storage, &bl, vals).is_ok()
             && ix.insert(&self.pool, b, key, kv_key, tokens).is_ok();
         let _ = self.pool.release(b);
-        ok
+        ok.then_some((b, key))
+    }
+
+    /// Loads the checkpoint after the K/V block keyed `kv_key` holding `tokens` from a tier
+    /// below the pool: `fill` writes the block's bytes as the pool stores them (false: no
+    /// valid entry) into a fresh pool block, which is keyed as [`RecurrentGroup::store_checkpoint`]
+    /// keys it and released into the cache (the next match finds it in RAM); returns the
+    /// state's values. `None` (nothing kept) when the pool has no block to give or `fill`
+    /// failed.
+    pub fn load_checkpoint(
+        &self,
+        storage: &mut KvStorage,
+        model_id: Key,
+        kv_key: Key,
+        tokens: &[u32],
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) -> Option<Vec<f32>> {
+        let ix = self.index.as_ref().filter(|_| self.can_checkpoint())?;
+        let mut bl = Vec::new();
+        if !self.take_blocks(1, &mut bl) {
+            return None;
+        }
+        let b = bl[0];
+        let key = checkpoint_key(model_id, kv_key, tokens);
+        let mut out = vec![0.0f32; self.layout.floats()];
+        let ok = storage.block_raw_mut(b).is_ok_and(fill)
+            && self.load(storage, &bl, &mut out).is_ok()
+            && ix.insert(&self.pool, b, key, kv_key, tokens).is_ok();
+        // Released: cached when keyed, else free (a failed read leaves nothing behind).
+        let _ = self.pool.release(b);
+        ok.then_some(out)
+    }
+
+    /// Whether the checkpoint after the K/V block keyed `kv_key` holding `tokens` is cached
+    /// in the pool now (changes nothing).
+    pub fn has_checkpoint(&self, model_id: Key, kv_key: Key, tokens: &[u32]) -> bool {
+        self.index
+            .as_ref()
+            .filter(|_| self.can_checkpoint())
+            .is_some_and(|ix| {
+                ix.contains(
+                    &self.pool,
+                    checkpoint_key(model_id, kv_key, tokens),
+                    kv_key,
+                    tokens,
+                )
+            })
     }
 
     /// The checkpoint after the K/V block keyed `kv_key` holding `tokens`, if still cached.

@@ -470,13 +470,13 @@ impl Conn {
 #[derive(Debug, Default)]
 pub struct Staged {
     blocks: HashMap<Key, (Key, Vec<u32>, Vec<u8>)>,
-    /// The tier's count of staged bytes, and this one's share of it.
-    account: Option<(Arc<AtomicU64>, u64)>,
+    /// The tiers' counts of staged bytes, and this set's share of each.
+    account: Vec<(Arc<AtomicU64>, u64)>,
 }
 
 impl Drop for Staged {
     fn drop(&mut self) {
-        if let Some((total, n)) = self.account.take() {
+        for (total, n) in self.account.drain(..) {
             total.fetch_sub(n, Ordering::Relaxed);
         }
     }
@@ -496,6 +496,12 @@ impl Staged {
     pub fn get(&self, key: Key, parent: Key, tokens: &[u32]) -> Option<&[u8]> {
         let (p, t, payload) = self.blocks.get(&key)?;
         (*p == parent && t == tokens).then_some(payload.as_slice())
+    }
+
+    /// Adds `other`'s blocks (and their share of the staging budget) to this set.
+    pub fn merge(&mut self, mut other: Staged) {
+        self.blocks.extend(std::mem::take(&mut other.blocks));
+        self.account.append(&mut other.account);
     }
 }
 
@@ -829,6 +835,18 @@ impl RemoteTier {
     /// [`RemoteOptions::max_fetch_blocks`]: one pipelined existence check, then `MGET`s.
     /// Never fails: a fault is a shorter (or empty) run, counted.
     pub fn fetch(&self, candidates: &[Candidate<'_>], prompt_len: usize) -> Staged {
+        self.fetch_in(candidates, prompt_len, false)
+    }
+
+    /// Fetches the first of `candidates` (in order of preference, e.g. a hybrid model's state
+    /// checkpoints from the highest block boundary down) that the store holds, verified: one
+    /// pipelined existence check of them all, then one `GET`. An invalid or lost value is
+    /// nothing (counted), never another candidate. Never fails, as [`RemoteTier::fetch`].
+    pub fn fetch_first(&self, candidates: &[Candidate<'_>], prompt_len: usize) -> Staged {
+        self.fetch_in(candidates, prompt_len, true)
+    }
+
+    fn fetch_in(&self, candidates: &[Candidate<'_>], prompt_len: usize, first: bool) -> Staged {
         let mut out = Staged::default();
         let s = &self.s;
         let o = s.opts();
@@ -850,6 +868,9 @@ impl RemoteTier {
         } else {
             candidates.len().min(o.max_fetch_blocks)
         };
+        if first {
+            limit = limit.min(1);
+        }
         // Reserve the staging budget up front (given back below for blocks not brought).
         let per_block = s.block_bytes as u64;
         let mut reserved = 0;
@@ -868,8 +889,12 @@ impl RemoteTier {
                 return out;
             }
         }
-        let cands = &candidates[..limit];
-        let keys: Vec<Vec<u8>> = cands.iter().map(|c| s.redis_key(c.0)).collect();
+        let asked = if first {
+            candidates
+        } else {
+            &candidates[..limit]
+        };
+        let keys: Vec<Vec<u8>> = asked.iter().map(|c| s.redis_key(c.0)).collect();
         let exists = s.with_conn(|c| {
             for k in &keys {
                 c.send(&[b"EXISTS", k])?;
@@ -884,18 +909,26 @@ impl RemoteTier {
             }
             Ok(present)
         });
-        let run = match exists {
+        // The blocks to get: the leading run of hits, or (`first`) the first hit.
+        let (cands, keys) = match exists {
+            Ok(p) if first => match p.iter().position(|&x| x) {
+                Some(i) => (&asked[i..=i], &keys[i..=i]),
+                None => {
+                    s.c.misses.fetch_add(1, Ordering::Relaxed);
+                    (&asked[..0], &keys[..0])
+                }
+            },
             Ok(p) => {
                 let run = p.iter().take_while(|&&x| x).count();
-                if run < cands.len() {
+                if run < asked.len() {
                     s.c.misses.fetch_add(1, Ordering::Relaxed);
                 }
-                run
+                (&asked[..run], &keys[..run])
             }
-            Err(_) => 0,
+            Err(_) => (&asked[..0], &keys[..0]),
         };
         let value_len = s.value_len();
-        'batches: for (bi, batch) in cands[..run].chunks(FETCH_BATCH).enumerate() {
+        'batches: for (bi, batch) in cands.chunks(FETCH_BATCH).enumerate() {
             let ks = &keys[bi * FETCH_BATCH..bi * FETCH_BATCH + batch.len()];
             let got = s.with_conn(|c| {
                 let mut args: Vec<&[u8]> = Vec::with_capacity(1 + ks.len());
@@ -938,7 +971,7 @@ impl RemoteTier {
         } else {
             s.staged.fetch_add(used, Ordering::Relaxed);
         }
-        out.account = Some((Arc::clone(&s.staged), used));
+        out.account = vec![(Arc::clone(&s.staged), used)];
         out
     }
 

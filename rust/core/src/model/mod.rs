@@ -613,42 +613,19 @@ impl Context {
         self.memory.seq_set_salt(seq, salt)
     }
 
-    /// Whether this context's memory can have a disk tier: K/V groups only (full attention,
-    /// sliding windows), no recurrent state; else why not.
-    pub fn kv_disk_support(&self) -> Result<()> {
-        self.kv_tier_support("disk tier")
-    }
-
-    /// Whether this context's memory can have a shared (remote) tier: as for the disk tier.
-    pub fn kv_remote_support(&self) -> Result<()> {
-        self.kv_tier_support("shared (remote) tier")
-    }
-
-    fn kv_tier_support(&self, tier: &str) -> Result<()> {
-        if self.memory.recurrent().is_none() {
-            return Ok(());
-        }
-        Err(Error::Unsupported(format!(
-            "the K/V {tier} stores the blocks of full-attention and sliding-window layers; \
-             this {} model also has recurrent (short-convolution) layers, whose state \
-             checkpoints the tier does not store yet (docs/KV_SEMANTICS.md, \"Disk tier\")",
-            self.model.config.arch.name(),
-        )))
-    }
-
     /// Attaches the disk tier under `dir` (docs/KV_SEMANTICS.md, "Disk tier"; `kv::disk`) to
     /// the model's K/V memory, so every context of it writes the blocks its decodes key
     /// through to disk and continues prefix matches there; `None` detaches it (the tier
-    /// closes once nothing holds it: queued writes are written first). `Unsupported` for a
-    /// model whose memory is not one full-attention group ([`Context::kv_disk_support`]);
-    /// `Io` when the directory cannot be used or another process holds it; `InvalidInput`
+    /// closes once nothing holds it: queued writes are written first). `Io` when the
+    /// directory cannot be used or another process holds it; `InvalidInput`
     /// when `o.max_bytes` holds no block.
     ///
     /// A model with several K/V groups (sliding-window layers) gets one tier per group, under
     /// `dir/<that group's model id>/`, and `o.max_bytes` is split between them in proportion
-    /// to their bytes per block (so each holds about as many blocks); all or nothing.
+    /// to their bytes per block (so each holds about as many blocks); all or nothing. A
+    /// hybrid model's state checkpoints go to the primary (full-attention) group's tier, keyed
+    /// in their own hash domain (docs/KV_SEMANTICS.md, "Recurrent state").
     pub fn set_kv_disk(&mut self, dir: Option<&Path>, o: DiskOptions) -> Result<()> {
-        self.kv_disk_support()?;
         let shared = self.kv_memories();
         let Some(dir) = dir else {
             for sh in &shared {
@@ -706,13 +683,13 @@ impl Context {
     /// "Shared tier"; `kv::remote`) to the model's K/V memory: every context of it writes the
     /// blocks its decodes key through to the store, and `SharedKv::fetch_remote` stages
     /// blocks from it for `match_prefix_staged`. `None` detaches it. Does not connect (a store
-    /// that is down is a tier that is off until it answers). `Unsupported` for a model whose
-    /// memory is not one full-attention group, or a TLS URL; `InvalidInput` for a bad URL.
+    /// that is down is a tier that is off until it answers). `Unsupported` for a TLS URL;
+    /// `InvalidInput` for a bad URL.
     ///
     /// A model with several K/V groups gets one tier per group (each with its own connection
-    /// and writer; a group's keys carry its own model id); all or nothing.
+    /// and writer; a group's keys carry its own model id); all or nothing. A hybrid model's
+    /// state checkpoints go to the primary group's tier, as for the disk tier.
     pub fn set_kv_remote(&mut self, url: Option<&str>, o: RemoteOptions) -> Result<()> {
-        self.kv_remote_support()?;
         let shared = self.kv_memories();
         let Some(url) = url else {
             for sh in &shared {
@@ -755,7 +732,7 @@ impl Context {
     pub fn kv_remote_fetch(&self, tokens: &[u32], root: crate::kv::Key) -> Vec<Staged> {
         let groups = self.kv_group_memories();
         let g: Vec<_> = groups.iter().map(|(k, s)| (*k, s.as_ref())).collect();
-        LayerGroups::fetch_remote(&g, tokens, root)
+        LayerGroups::fetch_remote(&g, tokens, root, self.memory.keeps_checkpoints())
     }
 
     /// Each K/V group's kind and memory, in group order (for [`LayerGroups::fetch_remote`]
@@ -943,28 +920,24 @@ impl Context {
         let mut keyed = Vec::new();
         if ok {
             let mut per_group = self.memory.commit_kv(txs, &seqs);
-            if self.memory.recurrent().is_none() {
-                // Write-through to each group's tiers (if any), copied under its storage lock.
-                for ((g, st), k) in self.memory.groups().iter().zip(&storages).zip(&per_group) {
-                    g.cache.write_through(st, k);
-                }
+            // Write-through to each group's tiers (if any), copied under its storage lock.
+            for ((g, st), k) in self.memory.groups().iter().zip(&storages).zip(&per_group) {
+                g.cache.write_through(st, k);
             }
             keyed = std::mem::take(&mut per_group[pi]);
         } else {
             self.memory.rollback_kv(txs);
         }
         if let (Some((vals, of)), Some(r)) = (ckpts, self.memory.recurrent()) {
-            // The state after the last token of every primary-group block the commit keyed.
+            // The state after the last token of every primary-group block the commit keyed,
+            // stored in the pool and written through to the primary group's tiers.
             let n = r.layout().floats();
-            let primary = self.memory.primary();
-            let last = primary.table().block_size() as u16 - 1;
-            let model_id = primary.model_id();
+            let last = self.memory.primary().table().block_size() as u16 - 1;
             for (b, key) in keyed {
                 let t = primary_cells.iter().position(|&c| c == (b, last));
                 if let Some(i) = t.map(|t| of[t]).filter(|&i| i != lfm2::NO_CHECKPOINT) {
-                    let tokens = primary.table().block_tokens(b);
                     let v = &vals[i * n..(i + 1) * n];
-                    r.store_checkpoint(&mut storages[pi], model_id, key, tokens, v);
+                    self.memory.store_checkpoint(&mut storages[pi], b, key, v);
                 }
             }
         }
