@@ -168,7 +168,8 @@ class Engine:
     belongs to the model's K/V memory and lives as long as the model; :meth:`close` waits for
     its queued writes. A model with sliding-window layers (Gemma 3) gets a tier per layer
     group under ``kv_disk`` (``kv_disk_size`` split between them); a model with recurrent
-    layers (LFM2) runs without it, with a warning (``kv_disk_enabled`` is 0).
+    layers (LFM2) also stores its state checkpoints there, beside the K/V blocks, so a prompt
+    resumes at a block boundary with its state.
 
     ``kv_remote``: ``redis://[[user]:password@]host[:port][/db]`` of a Redis or Valkey store
     shared by every process serving this model (docs/KV_SEMANTICS.md, "Shared tier"): every
@@ -179,8 +180,9 @@ class Engine:
     shorter than ``kv_remote_min_tokens`` skip it (None: the measured break-even).
     ``kv_remote_timeout``: seconds each store command may take (default 0.5); a store that is
     down, slow or loses blocks costs a request at most that, and it computes what it did not
-    get (``kv_remote_errors`` counts it, and the tier rests a few seconds). Models with
-    recurrent layers (LFM2) run without it, with a warning.
+    get (``kv_remote_errors`` counts it, and the tier rests a few seconds). Every model can
+    use it; for one with recurrent layers (LFM2) the fetch also brings the state checkpoint at
+    the end of the fetched K/V run (or one a few blocks below it).
     """
 
     def __init__(

@@ -221,8 +221,9 @@ impl SharedKv {
     /// Attaches a disk tier (its model id must be this memory's) or detaches it (`None`):
     /// from then on every context of the memory writes the blocks its decodes key through to
     /// the tier ([`PagedCache::write_through`]) and continues prefix matches there
-    /// ([`PagedCache::match_prefix`]). The caller decides that the memory's blocks are worth
-    /// storing alone (a model whose memory is one full-attention group: `Context::set_kv_disk`).
+    /// ([`PagedCache::match_prefix`]). `Context::set_kv_disk` attaches one to each K/V group's
+    /// memory; a hybrid model's state checkpoints (blocks of this pool) go to the primary
+    /// group's tier too ([`SharedKv::write_through_entry`], `LayerGroups::match_prefix`).
     pub fn set_disk(&self, tier: Option<Arc<DiskTier>>) -> Result<()> {
         if let Some(t) = &tier {
             if t.model_id() != self.model_id {
@@ -247,8 +248,9 @@ impl SharedKv {
     /// Attaches a shared tier (its model id must be this memory's) or detaches it (`None`):
     /// from then on every context writes the blocks its decodes key through to it
     /// ([`PagedCache::write_through`]), and [`SharedKv::fetch_remote`] stages blocks from it
-    /// for [`PagedCache::match_prefix_staged`]. As for the disk tier, the caller decides that
-    /// the memory's blocks are worth storing alone (`Context::set_kv_remote`).
+    /// for [`PagedCache::match_prefix_staged`]. As for the disk tier, one per K/V group
+    /// (`Context::set_kv_remote`), the primary group's also holding a hybrid model's state
+    /// checkpoints (`LayerGroups::fetch_checkpoint`).
     pub fn set_remote(&self, tier: Option<Arc<RemoteTier>>) -> Result<()> {
         if let Some(t) = &tier {
             if t.model_id() != self.model_id {

@@ -2,7 +2,10 @@
 //! directory, found again by their content keys after the RAM pool evicted them, and after a
 //! restart. Semantics: docs/KV_SEMANTICS.md, "Disk tier". A tier belongs to one K/V memory
 //! (`SharedKv`): a model with several K/V layer groups (Gemma 3: full and window) has one per
-//! group, each under its group's model id.
+//! group, each under its group's model id. A hybrid model (LFM2) also keeps its recurrent
+//! state checkpoints in its full-attention group's tier: entries of this format keyed by
+//! `recurrent::checkpoint_key` (its own hash domain), parent the K/V block's key, payload the
+//! checkpoint block's bytes (docs/KV_SEMANTICS.md, "Disk tier", "Recurrent groups").
 //!
 //! **Layout.** `DIR/<model id, 32 hex digits>/<key, 32 hex digits>.kvb`, one file per block,
 //! and `DIR/<model id>/LOCK`, locked (`File::try_lock`) by the one tier that uses the

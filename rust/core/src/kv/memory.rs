@@ -7,7 +7,10 @@
 //! primary (full-attention) group's pool, and checkpoints for prefix reuse in its index.
 //! Each K/V group's memory has its own disk and shared tiers; `commit_kv` returns every
 //! group's newly keyed blocks for their write-through, and [`LayerGroups::fetch_remote`] /
-//! `match_prefix_staged` fetch and map one staged set per group.
+//! `match_prefix_staged` fetch and map one staged set per group. The recurrent group's
+//! checkpoints go to the primary group's tiers ([`LayerGroups::store_checkpoint`]); a hybrid
+//! match resumes at the highest boundary whose checkpoint RAM, disk or the staged set holds,
+//! and the fetch brings that checkpoint ([`LayerGroups::fetch_checkpoint`]).
 //!
 //! Conventions (docs/KV_SEMANTICS.md): negative `p0`/`p1` are open ends; `s < 0` means every
 //! sequence where the operation allows it. An operation a memory kind cannot honour (e.g. a
@@ -316,9 +319,10 @@ impl LayerGroups {
     /// stay cached); docs/KV_SEMANTICS.md, "Layer groups".
     ///
     /// With a recurrent group the sequence must be empty, and the match ends at the longest
-    /// prefix that also has a state checkpoint (`kv/recurrent.rs`) at which every window group
-    /// can resume; the sequence gets that state, so nothing of the prefix is recomputed. Without
-    /// one it maps nothing (0).
+    /// prefix that also has a state checkpoint (`kv/recurrent.rs`; in RAM, or in the primary
+    /// group's disk tier or staged set, then read, only that one: a failed read moves the
+    /// resume down) at which every window group can resume; the sequence gets that state, so
+    /// nothing of the prefix is recomputed. Without one it maps nothing (0).
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
         self.match_prefix_staged(seq, tokens, &[])
     }

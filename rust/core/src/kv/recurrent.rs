@@ -31,7 +31,10 @@
 //! and released at once: it is a *cached* block, evicted by the pool's LRU like any other. A
 //! new sequence that maps a cached prefix resumes from the checkpoint at the end of the longest
 //! mapped prefix that has one ([`RecurrentGroup::find_checkpoint`]), instead of recomputing it.
-//! Checkpoints are kept only for states that fit one block.
+//! Checkpoints are kept only for states that fit one block. With a disk or shared tier they
+//! are written through beside the K/V blocks (`LayerGroups::store_checkpoint`), and a match
+//! loads the one it resumes from out of a tier ([`RecurrentGroup::load_checkpoint`]) when
+//! the pool evicted it (docs/KV_SEMANTICS.md, "Recurrent state").
 //!
 //! Complexity: every operation is O(sequences touched × blocks_per_state); a decode moves each
 //! batch sequence's state twice (load and store), O(state size).

@@ -3,7 +3,9 @@
 //! computed is a fetch, not a prefill, for the others. Semantics: docs/KV_SEMANTICS.md,
 //! "Shared tier". A tier belongs to one K/V memory (`SharedKv`): a model with several K/V
 //! layer groups has one per group (its keys carry the group's model id), and a fetch brings
-//! one [`Staged`] per group (`LayerGroups::fetch_remote`).
+//! one [`Staged`] per group (`LayerGroups::fetch_remote`). A hybrid model's recurrent state
+//! checkpoints are entries of its full-attention group's tier (keys of their own hash domain,
+//! as on disk); a fetch asks for the one its resume needs with [`RemoteTier::fetch_first`].
 //!
 //! **Keys and values.** One key per block: `kvs:v1:<model id>:<block key>` (32 hex digits
 //! each). The model id (`SharedKv::model_id`) covers the weights' identity, the K/V type, the
