@@ -17,13 +17,17 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from kvserve import Engine, GenerateResult, Model
 
 T = TypeVar("T")
 
@@ -255,3 +259,68 @@ def append_section(
     if after:
         new += "\n" + after + "\n"
     path.write_text(new, encoding="utf-8")
+
+
+# -- prompts, time to first token, a Redis server (the K/V tier benches) -------------------------
+
+
+def tagged_ids(model: Model, tag: str, n: int) -> list[int]:
+    """``n`` token ids of a text that starts with ``tag`` (so its first block is its own)."""
+    words = " ".join(f"w{(i * 7919) % 5003}" for i in range(n))
+    ids = model.tokenize(f"Document {tag}: {words}", add_special=True, parse_special=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+async def first_token(engine: Engine, ids: list[int]) -> tuple[float, GenerateResult]:
+    """Seconds from the request (``max_tokens=1``) to its first and only token, and the
+    result."""
+    from kvserve import GenerateResult
+
+    t0 = time.perf_counter()
+    result = None
+    async for item in engine.events(ids, max_tokens=1):
+        if isinstance(item, GenerateResult):
+            result = item
+    assert result is not None
+    return time.perf_counter() - t0, result
+
+
+class RedisServer:
+    """Debian's ``redis-server`` on a free loopback port, no persistence, LRU under
+    ``maxmemory``; :meth:`stop` kills it."""
+
+    def __init__(self, maxmemory: str = "1gb") -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("redis-server not found (Debian: apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while self.cmd("PING") != "PONG":
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit("redis-server did not answer within 10 s")
+            time.sleep(0.05)
+        self.url = f"redis://127.0.0.1:{self.port}"
+
+    def cmd(self, *words: str) -> str:
+        """One command (inline protocol: words without spaces); its reply line, "" if none."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+                s.sendall((" ".join(words) + "\r\n").encode())
+                reply = s.recv(4096).decode(errors="replace").strip()
+        except OSError:
+            return ""
+        return reply.lstrip("+:")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

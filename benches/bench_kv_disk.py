@@ -36,35 +36,18 @@ from _common import (
     add_idle_args,
     append_section,
     default_model,
+    first_token,
     loadavg,
     machine_desc,
+    tagged_ids,
     this_command,
     utc_stamp,
     wait_for_idle,
 )
 
-from kvserve import Engine, GenerateResult, Model
+from kvserve import Engine, Model
 
 BLOCK = 16
-
-
-def _ids(model: Model, tag: str, n: int) -> list[int]:
-    """``n`` token ids of a text that starts with ``tag`` (so its first block is its own)."""
-    words = " ".join(f"w{(i * 7919) % 5003}" for i in range(n))
-    ids = model.tokenize(f"Document {tag}: {words}", add_special=True, parse_special=False)
-    assert len(ids) >= n
-    return ids[:n]
-
-
-async def _once(engine: Engine, ids: list[int]) -> tuple[float, GenerateResult]:
-    """Seconds from the request to its first (only) token, and the result."""
-    t0 = time.perf_counter()
-    result = None
-    async for item in engine.events(ids, max_tokens=1):
-        if isinstance(item, GenerateResult):
-            result = item
-    assert result is not None
-    return time.perf_counter() - t0, result
 
 
 def _settle(engine: Engine) -> None:
@@ -84,25 +67,27 @@ async def measure(
     lengths = [args.tokens, *args.short]
     out: Samples = {"cold": [], "ram": [], "disk": [], "read_s": []}
     short: dict[int, Samples] = {n: {"cold": [], "disk": []} for n in args.short}
-    await _once(engine, _ids(model, "warm-up", args.tokens))  # first-use costs, not counted
+    await first_token(
+        engine, tagged_ids(model, "warm-up", args.tokens)
+    )  # first-use costs, not counted
     fill = 0
     for r in range(args.rounds):
-        prompts = {n: _ids(model, f"{r}-{n}", n) for n in lengths}
+        prompts = {n: tagged_ids(model, f"{r}-{n}", n) for n in lengths}
         for n, ids in prompts.items():
-            dt, res = await _once(engine, ids)
+            dt, res = await first_token(engine, ids)
             assert res.cached_tokens == 0, "a cold prompt"
             (out["cold"] if n == args.tokens else short[n]["cold"]).append(dt)
             if n == args.tokens:
-                dt, res = await _once(engine, ids)
+                dt, res = await first_token(engine, ids)
                 assert res.cached_tokens == (n - 1) // BLOCK * BLOCK
                 out["ram"].append(dt)
         for _ in range(2):
             fill += 1
-            await _once(engine, _ids(model, f"filler {fill}", args.tokens))
+            await first_token(engine, tagged_ids(model, f"filler {fill}", args.tokens))
         _settle(engine)
         for n, ids in prompts.items():
             before = engine.stats()
-            dt, res = await _once(engine, ids)
+            dt, res = await first_token(engine, ids)
             after = engine.stats()
             from_disk = after["kv_disk_hit_tokens"] - before["kv_disk_hit_tokens"]
             want = (n - 1) // BLOCK * BLOCK

@@ -27,73 +27,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import socket
 import statistics
-import subprocess
-import time
 from pathlib import Path
 
 from _common import (
     REPO_ROOT,
+    RedisServer,
     add_idle_args,
     append_section,
     default_model,
+    first_token,
     loadavg,
     machine_desc,
+    tagged_ids,
     this_command,
     utc_stamp,
     wait_for_idle,
 )
 
-from kvserve import Engine, GenerateResult, Model
+from kvserve import Engine, Model
 
 BLOCK = 16
-
-
-def _ids(model: Model, tag: str, n: int) -> list[int]:
-    """``n`` token ids of a text that starts with ``tag`` (so its first block is its own)."""
-    words = " ".join(f"w{(i * 7919) % 5003}" for i in range(n))
-    ids = model.tokenize(f"Document {tag}: {words}", add_special=True, parse_special=False)
-    assert len(ids) >= n
-    return ids[:n]
-
-
-async def _once(engine: Engine, ids: list[int]) -> tuple[float, GenerateResult]:
-    """Seconds from the request to its first (only) token, and the result."""
-    t0 = time.perf_counter()
-    result = None
-    async for item in engine.events(ids, max_tokens=1):
-        if isinstance(item, GenerateResult):
-            result = item
-    assert result is not None
-    return time.perf_counter() - t0, result
-
-
-def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server not found: apt-get install redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit("redis-server did not start") from None
-            time.sleep(0.02)
-    return proc, f"redis://127.0.0.1:{port}"
 
 
 Samples = dict[str, list[float]]
@@ -103,19 +57,19 @@ async def measure(args: argparse.Namespace, a: Engine, b: Engine) -> dict[int, S
     lengths = [*args.tokens, *args.short]
     out: dict[int, Samples] = {n: {"cold": [], "ram": [], "redis": []} for n in lengths}
     for e in (a, b):  # first-use costs, not counted
-        await _once(e, _ids(a.model, f"warm-up {id(e)}", 300))
+        await first_token(e, tagged_ids(a.model, f"warm-up {id(e)}", min(300, max(args.tokens))))
     for r in range(args.rounds):
         for n in lengths:
-            ids = _ids(a.model, f"{r}-{n}", n)
-            dt, res = await _once(a, ids)
+            ids = tagged_ids(a.model, f"{r}-{n}", n)
+            dt, res = await first_token(a, ids)
             assert res.cached_tokens == 0, "a cold prompt"
             out[n]["cold"].append(dt)
-            dt, res = await _once(a, ids)
+            dt, res = await first_token(a, ids)
             assert res.cached_tokens == (n - 1) // BLOCK * BLOCK
             out[n]["ram"].append(dt)
             a._loop.kv.flush_remote()
             before = b.stats()["kv_remote_hit_tokens"]
-            dt, res = await _once(b, ids)
+            dt, res = await first_token(b, ids)
             fetched = b.stats()["kv_remote_hit_tokens"] - before
             want = (n - 1) // BLOCK * BLOCK
             assert res.cached_tokens == fetched == want, (n, res.cached_tokens, fetched)
@@ -158,7 +112,8 @@ def main() -> None:
     if not args.model:
         raise SystemExit("no model: pass --model or run `python -m kvserve pull` first")
     ctx = max(args.tokens) + 64
-    redis, url = _start_redis()
+    redis = RedisServer(maxmemory="2gb")
+    url = redis.url
     busy = wait_for_idle(args.wait_idle, args.wait_max)
     load_before = f"{loadavg()}, CPUs {busy:.0f}% busy before"
     try:
@@ -175,8 +130,7 @@ def main() -> None:
             bytes_read = st["kv_remote_bytes_read"]
             errors = st["kv_remote_errors"] + a.stats()["kv_remote_errors"]
     finally:
-        redis.kill()
-        redis.wait()
+        redis.stop()
     ms = 1e3
     rows = []
     for n in args.tokens:

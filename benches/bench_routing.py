@@ -50,9 +50,6 @@ import asyncio
 import json
 import math
 import random
-import shutil
-import socket
-import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -60,6 +57,7 @@ from pathlib import Path
 
 from _common import (
     REPO_ROOT,
+    RedisServer,
     add_idle_args,
     append_section,
     default_model,
@@ -157,53 +155,6 @@ def make_workload(model: Model, args: argparse.Namespace) -> Workload:
             ]
         )
     return Workload(system, first, follow)
-
-
-# -- Redis ------------------------------------------------------------------------------------
-
-
-class Redis:
-    """Debian's ``redis-server`` on a free loopback port, no persistence, LRU under 1 GB."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("redis-server not found (Debian: apt-get install redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while self.cmd("PING") != "PONG":
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("redis-server did not answer within 10 s")
-            time.sleep(0.05)
-        self.url = f"redis://127.0.0.1:{self.port}"
-
-    def cmd(self, *words: str) -> str:
-        cli = shutil.which("redis-cli")
-        if cli is not None:
-            argv = [cli, "-p", str(self.port), *words]
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-            return p.stdout.strip()
-        # no redis-cli: one RESP command by hand (inline commands suffice here)
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
-                s.sendall((" ".join(words) + "\r\n").encode())
-                reply = s.recv(4096).decode(errors="replace").strip()
-        except OSError:
-            return ""
-        return reply.lstrip("+:")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 # -- one configuration ------------------------------------------------------------------------
@@ -382,7 +333,7 @@ def main() -> None:
 
     busy = wait_for_idle(args.wait_idle, args.wait_max)
     load_before = f"{loadavg()}, CPUs {busy:.0f}% busy before"
-    redis = Redis()
+    redis = RedisServer()
     outcomes: list[Outcome] = []
     try:
         for remote in (False, True):
