@@ -797,7 +797,7 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"prompt": "x", "priority": 1001}, 400, "priority", "less than or equal"),
     ("/v1/completions", {"prompt": "x", "priority": -1001}, 400, "priority", "greater than or"),
     ("/v1/completions", {"prompt": "x", "priority": 1.5}, 400, "priority", "integer"),
-    ("/v1/completions", {"prompt": "x", "priority": None}, 400, "priority", "integer"),
+    ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority", "integer"),
     ("/v1/chat/completions", {"messages": CHAT, "priority": "1"}, 400, "priority", "integer"),
     ("/v1/chat/completions", {"messages": CHAT, "priority": True}, 400, "priority", "integer"),
     # --max-tokens-limit is the context size by default

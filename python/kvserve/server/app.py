@@ -214,6 +214,18 @@ class _Server:
         name = self.engine.model.path.name if self.engine is not None else "kvserve"
         return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
+    @property
+    def fingerprint(self) -> str:
+        """``system_fingerprint``: what decides outputs besides the request (kvserve's
+        version, the model's weights identity and the K/V type); it changes when they do."""
+        from .. import __version__
+
+        engine = self.engine
+        if engine is None:
+            return f"kvserve-{__version__}"
+        ident = str(engine.model.core.identity)[:12]
+        return f"kvserve-{__version__}-{ident}-{engine.kv_type}"
+
     def capacity(self, engine: Engine) -> int:
         return engine.parallel + self.config.max_queue
 
@@ -538,7 +550,9 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prom
 
 
 def _messages(body: ChatRequest | TemplateRequest) -> list[dict[str, Any]]:
-    return [m.model_dump(exclude_none=True) for m in body.messages]
+    # The fields of a handed-back reply that change nothing stay out of the prompt.
+    ignored = {"refusal", "annotations", "tool_calls"}
+    return [m.model_dump(exclude_none=True, exclude=ignored) for m in body.messages]
 
 
 def _check_prompt_sizes(server: _Server, engine: Engine, prompts: Sequence[Prompt]) -> None:
@@ -799,6 +813,7 @@ def create_app(
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/models", include_in_schema=False)  # llama-server's unprefixed alias
     @app.get("/v1/models")
     async def models() -> Response:
         engine = server.ready()
@@ -874,6 +889,7 @@ def create_app(
 
         return JSONResponse({"prompt": await _blocking(run)})
 
+    @app.post("/completions", include_in_schema=False)
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
@@ -898,6 +914,7 @@ def create_app(
         rid = f"cmpl-{request.scope[REQUEST_ID]}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time())}
         base["model"] = server.model_id
+        base["system_fingerprint"] = server.fingerprint
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             offsets = [0] * job.count  # each choice's tokens' text so far (text_offset)
@@ -930,6 +947,7 @@ def create_app(
             )
         return JSONResponse({**base, "choices": choices, "usage": job.usage()})
 
+    @app.post("/chat/completions", include_in_schema=False)
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
@@ -965,6 +983,7 @@ def create_app(
         rid = f"chatcmpl-{request.scope[REQUEST_ID]}"
         base = {"id": rid, "object": "chat.completion", "created": int(time.time())}
         base["model"] = server.model_id
+        base["system_fingerprint"] = server.fingerprint
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             base["object"] = "chat.completion.chunk"

@@ -33,7 +33,9 @@ ARRIVAL = "kvserve.arrival"  # time.monotonic() when the request arrived
 ACCESS = "kvserve.access"  # dict of extra access-log fields a route fills in
 TENANT = "kvserve.tenant"  # the request's Tenant (None without API keys)
 # The generation routes: a tenant's rate and concurrency limits count these.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/completions", "/chat/completions"}
+)
 
 
 def _error_type(status: int) -> str:

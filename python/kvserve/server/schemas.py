@@ -1,8 +1,13 @@
 """The request bodies of the HTTP API, as pydantic models (OpenAI's names and shapes).
 
 The models check *types and shapes* strictly (``"0.5"`` is not a number, ``true`` is not an
-integer, an unknown field is an error: a field this server does not implement is refused
-rather than ignored). *Ranges* of the sampling options (``temperature >= 0``, ``top_p`` in
+integer, an unknown field is an error: a field this server does not implement, and that would
+change the output, is refused rather than ignored). A ``null`` is the field's default, as in
+OpenAI's API (``"stream": null`` is ``false``). Standard fields that change nothing here are
+accepted and ignored: ``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``,
+``reasoning_effort``, ``user``, and on an assistant message of a history ``refusal``,
+``annotations`` and an empty ``tool_calls`` (what the official client's ``model_dump()`` of a
+reply carries). *Ranges* of the sampling options (``temperature >= 0``, ``top_p`` in
 (0, 1], ...) are checked once, by :func:`kvserve.options.resolve`, when the request is built;
 only limits that belong to the HTTP API itself (``n``, ``max_tokens``, ``priority``) are
 declared here.
@@ -11,9 +16,9 @@ This module has no ``from __future__ import annotations`` and spells unions with
 ``Optional``/``Union`` so that pydantic can evaluate the annotations on Python 3.9.
 """
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..options import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 
@@ -45,6 +50,14 @@ SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        # A field sent as null takes its default (a required one is then missing: a 400).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Body):
@@ -84,6 +97,12 @@ class _Generation(_Body):
     # Mixed into the content keys of the request's K/V blocks (vLLM's ``cache_salt``): it
     # reuses cached prefixes only of requests of its tenant with the same salt.
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # OpenAI's fields that change nothing here: accepted, ignored.
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
 
 
 class CompletionRequest(_Generation):
@@ -107,6 +126,18 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[_TextPart], None] = None
     name: Optional[str] = None
+    # What the official client puts on an assistant reply it hands back (model_dump()): kept
+    # out of the prompt. Tool calls in a history are not supported yet: only an empty list.
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    tool_calls: Optional[list[Any]] = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: Optional[list[Any]]) -> Optional[list[Any]]:
+        if v:
+            raise ValueError("tool calls in a conversation are not supported yet")
+        return v
 
 
 class ChatRequest(_Generation):
