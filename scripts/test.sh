@@ -6,7 +6,8 @@
 #
 # 1. installs the test requirements into the current Python (`python` on PATH, or $PYTHON):
 #    pytest, gguf, numpy, the `openai` client and httpx (tests/test_server.py drives a live
-#    server with them), schemathesis (tests/test_fuzz_http.py fuzzes the HTTP API), Ray Serve
+#    server with them), jsonschema (the oracle of tests/test_structured.py), schemathesis
+#    (tests/test_fuzz_http.py fuzzes the HTTP API), Ray Serve
 #    (tests/test_cluster.py runs `kvserve serve --replicas 2`; ~25 s to install on the
 #    development machine, a no-op once there), and maturin for step 2;
 # 2. rebuilds and reinstalls the package from this checkout (`pip install --no-build-isolation .`)
@@ -56,7 +57,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON to a 
 say "installing the test requirements"
 "$PYTHON" -m pip install --quiet --disable-pip-version-check \
     "pytest>=7.4" "gguf>=0.10" "numpy>=1.22" "openai>=1.40" "httpx>=0.27" "maturin>=1.5,<2" \
-    "schemathesis>=4.1,<5" "ray[serve]>=2.40"
+    "schemathesis>=4.1,<5" "ray[serve]>=2.40" "jsonschema>=4"
 
 # 2. the package from this checkout
 if [ "$rebuild" = 1 ]; then

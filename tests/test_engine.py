@@ -96,6 +96,13 @@ STATS_KEYS = {
     "kv_remote_queued",
     "kv_remote_fetch_seconds",
     "kv_remote_fetch_latency_s",
+    # structured output
+    "grammar_compiles",
+    "grammar_compile_seconds",
+    "grammar_cache_hits",
+    "grammar_masks",
+    "grammar_mask_seconds",
+    "grammar_mask_wait_seconds",
 }
 
 SUBJECTS = ["cats", "rivers", "bread", "winter", "trains", "music", "gardens", "the moon"]

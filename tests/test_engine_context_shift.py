@@ -56,9 +56,9 @@ def spy_rows(engine: Engine) -> list[np.ndarray]:
     rows: list[np.ndarray] = []
     pick = engine._loop.pick
 
-    def spy(model: Any, req: Any, row: np.ndarray, greedy: int | None) -> int:
+    def spy(model: Any, req: Any, row: np.ndarray, greedy: int | None, *masked: Any) -> int:
         rows.append(np.asarray(row, dtype=np.float64))
-        return pick(model, req, row, greedy)
+        return pick(model, req, row, greedy, *masked)
 
     engine._loop.pick = spy  # type: ignore[method-assign]
     return rows

@@ -11,11 +11,14 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union, cast
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from typing_extensions import TypedDict
 
 from .sampling import DEFAULT_PENALTY_LAST_N, MAX_LOGPROBS, Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 __all__ = [
     "MAX_LOGIT_BIAS",
@@ -104,6 +107,11 @@ class RequestOptions(SamplingOptions, total=False):
     - ``cache_salt``: a string (1 to 256 characters) mixed into the content keys of the
       request's K/V blocks, so that it reuses cached prefixes only of requests with the same
       salt (and tenant), as vLLM's ``cache_salt``; default None.
+    - Structured output (at most one; see :mod:`kvserve.grammar`): ``response_format``
+      (OpenAI's: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+      {"schema": {...}, "strict": bool}}``, ``{"type": "text"}``), ``grammar`` (Lark or GBNF
+      text), ``json_schema`` (a schema). A bad one is a ``ValueError``
+      (:class:`kvserve.grammar.GrammarError`) naming the problem.
     """
 
     priority: int
@@ -112,6 +120,9 @@ class RequestOptions(SamplingOptions, total=False):
     n_keep: int
     tenant: str | None
     cache_salt: str | None
+    response_format: Mapping[str, Any] | None
+    grammar: str | None
+    json_schema: Mapping[str, Any] | str | None
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -132,6 +143,7 @@ class Resolved:
     logprobs: int | None = None  # alternatives per token, None: no logprobs
     tenant: str | None = None
     cache_salt: str | None = None
+    constraint: Constraint | None = None  # structured output (kvserve.grammar)
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -215,6 +227,13 @@ def resolve(
         raise ValueError(
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: off), got {logprobs!r}"
         )
+    constraint = None
+    if any(options.get(k) is not None for k in ("response_format", "grammar", "json_schema")):
+        from .grammar import constraint_from  # llguidance only when a request asks
+
+        constraint = constraint_from(
+            options.get("response_format"), options.get("grammar"), options.get("json_schema")
+        )
     return Resolved(
         sampler=Sampler(params, seed=options.get("seed")),
         stops=stops,
@@ -226,6 +245,7 @@ def resolve(
         logprobs=None if logprobs is None else int(logprobs),
         tenant=tenant,
         cache_salt=cache_salt,
+        constraint=constraint,
     )
 
 

@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 
 from .. import models
 from .._model import GenerateResult, Model, StrPath, prompt_ids
+from ..grammar import Grammars
 from ..options import RequestOptions, Resolved, resolve
 from ..sessions import SessionInfo, Turn, check_header, read_session_file, write_session_file
 from ..testing import Faults
@@ -244,6 +245,7 @@ class Engine:
                 f"priority_aging_s must be > 0 seconds or None, got {priority_aging_s}"
             )
         self.model = _load_model(model, threads)
+        self._grammars = Grammars(self.model)  # structured output's compiled grammars
         # The context may use the whole pool (its token limit is the pool): idle sessions are
         # parked beside the running sequences, and the reclaim policy, not the context's
         # n_ctx, decides how much they keep. The pool is sized for parallel x ctx_size tokens
@@ -401,6 +403,8 @@ class Engine:
         req.context_shift = self.context_shift if opts.context_shift is None else opts.context_shift
         req.keep = self._keep(opts.n_keep)
         req.turn = turn
+        if opts.constraint is not None:  # compiled here (GrammarError: a ValueError), cached
+            req.matcher = self._grammars.matcher(opts.constraint)
         return req
 
     def _keep(self, n_keep: int) -> int:
@@ -568,6 +572,8 @@ class Engine:
             )
             child = _new_request(list(req.ids), max_tokens, opts, req.salt)
             child.context_shift, child.keep = req.context_shift, req.keep
+            if req.matcher is not None:
+                child.matcher = req.matcher.deep_copy()  # nothing consumed yet
             req.children.append(child)
         return [req, *req.children]
 
@@ -790,7 +796,13 @@ class Engine:
         while the tier rests after an error), ``skipped_full`` (fetches skipped while blocks
         staged for requests not yet admitted took their budget), ``staged_bytes`` (those
         now), ``queued``, ``down`` (1 while resting),
-        ``fetch_seconds`` and ``fetch_latency_s`` (per fetch)."""
+        ``fetch_seconds`` and ``fetch_latency_s`` (per fetch).
+
+        ``grammar_*``: structured output (:mod:`kvserve.grammar`): ``compiles`` (grammars
+        compiled: cache misses) and ``compile_seconds``, ``cache_hits``, ``masks`` (token masks
+        computed), ``mask_seconds`` (their time, on the helper thread, overlapping the
+        forward passes) and ``mask_wait_seconds`` (what the engine thread waited for them after
+        a pass: the part that did not overlap)."""
         loop = self._loop
         st = loop.kv.stats()
         total = int(st["blocks_total"])
@@ -838,6 +850,12 @@ class Engine:
             "session_misses": loop.sessions.misses,
             "kv_blocks_evicted": int(st["blocks_evicted"]),
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
+            "grammar_compiles": self._grammars.compiles,
+            "grammar_compile_seconds": self._grammars.compile_seconds,
+            "grammar_cache_hits": self._grammars.hits,
+            "grammar_masks": loop.masks.rows,
+            "grammar_mask_seconds": loop.masks.seconds,
+            "grammar_mask_wait_seconds": loop.masks.waited,
             **_group_stats(st),
             **_disk_stats(st),
             **_remote_stats(st),

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .._model import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, GenerateResult, KvCacheFull
+from ..grammar import GrammarError
 from ..testing import Faults
+from .constrain import Masks, masked_row
 from .kv import KvManager
 from .output import argmax_rows, deliver, pick
 from .requests import DONE, RUNNING, WAITING, Call, EngineClosed, Request
@@ -111,6 +113,7 @@ class EngineLoop:
         self._is_eog = model.is_eog
         self._piece = model.token_to_piece
         self.pick = pick  # how a row becomes a token (replaceable: tests spy on it)
+        self.masks = Masks(model.n_vocab)  # structured output's token masks (engine.constrain)
         self.thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self.thread.start()
 
@@ -268,6 +271,7 @@ class EngineLoop:
                 if r.state != DONE:
                     r.state = DONE
                     r.sink.fail(error)
+        self.masks.close()
         self.kv.clear()
 
     def _reset(self, error: BaseException) -> None:
@@ -502,7 +506,7 @@ class EngineLoop:
                 child.state = DONE
                 child.sink.fail(error)
 
-    def _fork(self, parent: Request, row: np.ndarray) -> int:
+    def _fork(self, parent: Request, row: np.ndarray, masked: np.ndarray | None = None) -> int:
         """``parent``'s prompt is computed (``row``: the logits of its last token): each choice
         waiting for it gets a sequence that shares the prompt's K/V (``seq_cp``), picks its
         first token from ``row`` with its own sampler and runs on. Returns the tokens
@@ -515,10 +519,12 @@ class EngineLoop:
             with self.cond:
                 self.waiting_changed(child, -1)
             child.state = RUNNING
-            generated += self.contain(child, self._fork_one, parent, child, row) or 0
+            generated += self.contain(child, self._fork_one, parent, child, row, masked) or 0
         return generated
 
-    def _fork_one(self, parent: Request, child: Request, row: np.ndarray) -> int:
+    def _fork_one(
+        self, parent: Request, child: Request, row: np.ndarray, masked: np.ndarray | None
+    ) -> int:
         self.faults.check("fork", child)
         child.seq = self.kv.alloc()
         try:
@@ -531,6 +537,8 @@ class EngineLoop:
         child.cached_tokens = parent.cached_tokens
         self.sched.running[child.seq] = child
         greedy = int(np.argmax(row)) if child.argmax_only else None
+        if child.matcher is not None and masked is not None:  # its matcher is where parent's was
+            return self._deliver(child, self.pick(self.model, child, row, greedy, masked))
         return self._deliver(child, self.pick(self.model, child, row, greedy))
 
     # -- the scheduler's resources ---------------------------------------------------------------
@@ -730,7 +738,12 @@ class EngineLoop:
             if self.faults.hit("panic", reqs) is not None:
                 self.kv.ctx._inject_panic()
             self.faults.check("decode", *reqs)
-        logits = self.kv.decode(tokens, positions, seqs, flags)
+        # The constrained rows' token masks are computed while the pass runs.
+        masking = self.masks.start([e[0] for e in plan if e[3] and e[0].matcher is not None])
+        try:
+            logits = self.kv.decode(tokens, positions, seqs, flags)
+        finally:
+            self.masks.finish(masking)  # always waited for: the matchers are not shared
         self.computed_tokens += len(tokens)
         return logits
 
@@ -811,10 +824,16 @@ class EngineLoop:
     def _emit(self, req: Request, row: np.ndarray, greedy: int | None) -> int:
         if self.faults.armed:
             self.faults.check("sample", req)
-        tok = self.pick(self.model, req, row, greedy)
+        masked = None
+        if req.matcher is not None:
+            assert req.mask is not None, "a constrained row without its mask"
+            masked = masked_row(row, req.mask)
+            tok = self.pick(self.model, req, row, greedy, masked)
+        else:
+            tok = self.pick(self.model, req, row, greedy)
         n = 0
         if req.children:  # before req may finish and release its sequence
-            n += self._fork(req, row)
+            n += self._fork(req, row, masked)
         return n + self._deliver(req, tok)
 
     def _deliver(self, req: Request, tok: int) -> int:
@@ -824,6 +843,11 @@ class EngineLoop:
             self.faults.check("deliver", req)
         # Counted before the text goes out, so stats() never shows less than a caller saw.
         eog = not req.ignore_eos and self._is_eog(tok)
+        matcher = req.matcher
+        if matcher is not None and not eog:
+            req.mask = None
+            if not matcher.consume_token(tok):
+                raise GrammarError(f"the constraint refused token {tok}: {matcher.get_error()}")
         generated = not eog
         self.generated_tokens += generated
         try:
@@ -831,6 +855,8 @@ class EngineLoop:
         except BaseException:
             self.generated_tokens -= generated
             raise
+        if reason is None and matcher is not None and matcher.is_stopped():
+            reason = FINISH_STOP  # the grammar is complete: nothing more may follow
         if reason == FINISH_CONTEXT and self._shift_context(req):
             reason = None
         if reason is not None:

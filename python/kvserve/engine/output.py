@@ -28,12 +28,22 @@ def argmax_rows(reqs: list[Request], rows: np.ndarray) -> dict[int, int]:
     return dict(zip(plain, best.tolist()))
 
 
-def pick(model: Model, req: Request, row: np.ndarray, greedy: int | None) -> int:
+def pick(
+    model: Model,
+    req: Request,
+    row: np.ndarray,
+    greedy: int | None,
+    masked: np.ndarray | None = None,
+) -> int:
     """``req``'s token from its logits ``row`` (``greedy``: the argmax when it is a plain greedy
     row): its own sampler otherwise (bias and penalties over its tokens, then greedy or its own
-    seeded generator). A request that asked for logprobs gets the token's entry, from the raw
-    row, in ``pending_logprob``."""
-    tok = greedy if greedy is not None else req.sampler(row, req.ids)
+    seeded generator), over ``masked`` (the row with the tokens its constraint forbids at
+    ``-inf``) when given. A request that asked for logprobs gets the token's entry, from the
+    raw row, in ``pending_logprob``."""
+    if greedy is not None:
+        tok = greedy
+    else:
+        tok = req.sampler(row if masked is None else masked, req.ids)
     if req.n_logprobs is not None:
         req.pending_logprob = token_logprob(model, row, tok, req.n_logprobs)
     return tok

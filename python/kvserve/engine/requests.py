@@ -14,6 +14,8 @@ from ..sampling import Sampler, TokenLogprob
 from ..textstream import TextStream
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .._core import KvStaged
     from ..sessions import Turn
 
@@ -251,6 +253,10 @@ class Request:
         # n > 1 (Engine.choices): the other choices, forked from this request's sequence
         # (seq_cp) when its prompt is computed; emptied then. They wait with it until then.
         self.children: list[Request] = []
+        # Structured output: the request's llguidance matcher (None: free text) and the token
+        # bitmask of its next row, computed during the step's pass (engine.constrain).
+        self.matcher: Any = None
+        self.mask: np.ndarray | None = None
 
     @property
     def n_generated(self) -> int:
@@ -286,8 +292,9 @@ class Request:
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy without bias or penalties: the token is the argmax of the raw logits."""
-        return self.sampler.params.is_plain_greedy
+        """Greedy without bias, penalties or constraint: the token is the argmax of the raw
+        logits."""
+        return self.matcher is None and self.sampler.params.is_plain_greedy
 
 
 class Call:

@@ -107,6 +107,9 @@ _OPTION_FIELDS = {
     "session_id": "session_id",
     "priority": "priority",
     "cache_salt": "cache_salt",
+    "response_format": "response_format",
+    "grammar": "grammar",
+    "json_schema": "json_schema",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
@@ -128,8 +131,13 @@ def _bad_value(error: Exception, prompt_param: str) -> ApiError:
     message = str(error)
     if _PROMPT_TOO_LONG.match(message):
         return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
-    first = message.split(" ", 1)[0]  # the engine's messages start with the option's name
+    # The engine's messages start with the option's name (a constraint's with the path to the
+    # bad part of it and a colon: "response_format.json_schema.schema: ...").
+    first = message.split(" ", 1)[0]
+    path = first.rstrip(":")
     param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs", "n") else None)
+    if param is None and path.split(".")[0] in _HTTP_NAME:
+        param = path
     if message.startswith(("prompt token", "the prompt")):
         param = prompt_param
     return ApiError(400, message, param=param, code="invalid_value")

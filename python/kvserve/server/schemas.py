@@ -97,6 +97,11 @@ class _Generation(_Body):
     # Mixed into the content keys of the request's K/V blocks (vLLM's ``cache_salt``): it
     # reuses cached prefixes only of requests of its tenant with the same salt.
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Structured output (kvserve.grammar): OpenAI's response_format, llama.cpp's server's
+    # grammar (GBNF; Lark too) and json_schema; at most one.
+    response_format: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = None
     # OpenAI's fields that change nothing here: accepted, ignored.
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None

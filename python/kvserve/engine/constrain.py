@@ -1,0 +1,74 @@
+"""Token masks of constrained requests (structured output, :mod:`kvserve.grammar`), computed
+off the critical path: the engine thread starts them before a forward pass and collects them
+after it, so the matchers' work overlaps the pass (the core and llguidance both release the
+GIL). A step without constrained rows costs nothing here."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .requests import Request
+
+__all__ = ["Masks", "masked_row"]
+
+
+class Masks:
+    """One helper thread that fills the token bitmasks of a step's constrained rows."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self.words = (n_vocab + 31) // 32
+        self._pool: ThreadPoolExecutor | None = None
+        self._executor: Any = None  # llguidance's LLExecutor (its own threads)
+        self.rows = 0  # masks computed
+        self.seconds = 0.0  # time spent computing them (on the helper thread)
+        self.waited = 0.0  # time the engine thread waited for them after a pass
+
+    def start(self, reqs: list[Request]) -> tuple[list[Request], np.ndarray, Future[None]] | None:
+        """Starts computing the masks of ``reqs`` (their matchers' current states); None when
+        there are none. :meth:`finish` must be called before any of the matchers changes."""
+        if not reqs:
+            return None
+        if self._pool is None:
+            import llguidance
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+            self._executor = llguidance.LLExecutor()
+        bitmask = np.full((len(reqs), self.words), -1, dtype=np.int32)
+        jobs = [(r.matcher, i) for i, r in enumerate(reqs)]
+        fut = self._pool.submit(self._fill, jobs, bitmask)
+        return reqs, bitmask, fut
+
+    def _fill(self, jobs: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        self._executor.unsafe_compute_mask_ptr(
+            jobs, bitmask.ctypes.data, self.words * 4, bitmask.shape[0]
+        )
+        self.seconds += time.perf_counter() - t0
+        self.rows += len(jobs)
+
+    def finish(self, handle: tuple[list[Request], np.ndarray, Future[None]] | None) -> None:
+        """Waits for the masks ``start`` began and hands each request its own (``req.mask``)."""
+        if handle is None:
+            return
+        reqs, bitmask, fut = handle
+        t0 = time.perf_counter()
+        fut.result()
+        self.waited += time.perf_counter() - t0
+        for i, r in enumerate(reqs):
+            r.mask = bitmask[i]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def masked_row(row: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """``row`` with every token the bitmask ``words`` forbids at ``-inf`` (a new array):
+    token ``t`` is allowed when bit ``t % 32`` of word ``t // 32`` is set."""
+    allowed = np.unpackbits(words.view(np.uint8), bitorder="little", count=row.shape[-1])
+    return np.where(allowed.astype(bool), row, np.float32(-np.inf))
