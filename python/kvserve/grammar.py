@@ -56,10 +56,11 @@ __all__ = [
 MAX_SOURCE_CHARS = 64 * 1024
 # Compiled grammars kept per engine (by content).
 CACHE_SIZE = 256
-# Whitespace a JSON value may have between its tokens: at most 20 characters at each place (a
-# small model left free to indent can fill its whole budget with newlines; llama.cpp's JSON
-# grammars bound it the same way).
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
+# How JSON output is laid out: one line, with Python's json.dumps separators (", " and ": ").
+# Free whitespace (even bounded, as llama.cpp's JSON grammars allow up to ~20 characters at
+# each place) lets a small model spend its budget on newlines and indentation between values
+# instead of writing them; a fixed layout leaves it only the values to choose.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -115,7 +116,7 @@ def _schema_text(schema: object, what: str) -> str:
 
 def _json(schema_text: str, what: str, lenient: bool) -> str:
     llg = _llguidance()
-    options = {"whitespace_pattern": JSON_WHITESPACE, "lenient": lenient}
+    options = {**JSON_OPTIONS, "lenient": lenient}
     try:
         return str(llg.LLMatcher.grammar_from_json_schema(schema_text, defaults=options))
     except Exception as e:  # ValueError, or whatever else bad input makes of it
