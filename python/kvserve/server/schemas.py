@@ -64,22 +64,16 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Generation(_Body):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+class _Sampling(_Body):
+    """The fields of every generation route that become engine options (sampling, stop
+    rules, scheduling, the cache salt): python/kvserve/server/app.py ``_OPTION_FIELDS``."""
 
-    # Accepted and echoed back; the server serves one model whatever this names.
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     seed: Optional[int] = Field(default=None, ge=0)
     stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
     ignore_eos: bool = False
     typical_p: Optional[float] = None
     presence_penalty: Optional[float] = None
@@ -90,13 +84,25 @@ class _Generation(_Body):
     # Context shift (llama.cpp's): None = the server's --context-shift.
     context_shift: Optional[bool] = None
     n_keep: Optional[int] = None
-    # The conversation this request continues (kvserve.Engine sessions).
-    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
     # Scheduling: higher is admitted first and preempted last (FCFS within a priority).
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     # Mixed into the content keys of the request's K/V blocks (vLLM's ``cache_salt``): it
     # reuses cached prefixes only of requests of its tenant with the same salt.
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+
+class _Generation(_Sampling):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    # Accepted and echoed back; the server serves one model whatever this names.
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # The conversation this request continues (kvserve.Engine sessions).
+    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
     # Structured output (kvserve.grammar): OpenAI's response_format, llama.cpp's server's
     # grammar (GBNF; Lark too) and json_schema; at most one.
     response_format: Optional[dict[str, Any]] = None
