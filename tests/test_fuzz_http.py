@@ -20,7 +20,7 @@ def test_schemathesis_finds_no_5xx(model_path: Path) -> None:
     assert out.stdout.strip(), out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["failures"] == [], report["failures"][:5]
-    assert report["operations"] == 13 and report["cases"] >= 13 * 15, report
+    assert report["operations"] == 16 and report["cases"] >= 16 * 15, report
     assert report["alive"] and report["passed"] and out.returncode == 0, report
 
 

@@ -1782,6 +1782,7 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--max-sessions", "KVSERVE_MAX_SESSIONS"),
         ("--max-tokens-limit", "KVSERVE_MAX_TOKENS_LIMIT"),
         ("--max-prompt-chars", "KVSERVE_MAX_PROMPT_CHARS"),
+        ("--max-stored-responses", "KVSERVE_MAX_STORED_RESPONSES; default: 1024"),
         ("--body-timeout", "KVSERVE_BODY_TIMEOUT; default: 30"),
         ("--shutdown-grace", "KVSERVE_SHUTDOWN_GRACE; default: 3"),
     ):
@@ -1819,7 +1820,7 @@ def _serve_configs(
     """The ServerConfig that `kvserve serve ARGV` (with ``env``) would serve: the command runs
     with the server replaced by a recorder."""
     others = ["KVSERVE_MODEL", "KVSERVE_CONTEXT_SHIFT", "KVSERVE_MAX_PROMPT_CHARS"]
-    others.append("KVSERVE_KV_DISK")
+    others += ["KVSERVE_KV_DISK", "KVSERVE_MAX_STORED_RESPONSES"]
     for var in [*(v[0] for v in _ENGINE_FLAGS.values()), *others]:
         monkeypatch.delenv(var, raising=False)
     for k, v in (env or {}).items():
@@ -1900,11 +1901,14 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         "max_tokens_limit": 512,
     }
     assert (config.max_prompt_chars, config.max_queue) == (None, 256)
-    config = _serve_configs(["-m", str(model_path), "--max-prompt-chars", "5000"], monkeypatch)
-    assert config.max_prompt_chars == 5000
+    assert config.max_stored_responses == 1024
+    argv = ["-m", str(model_path), "--max-prompt-chars", "5000", "--max-stored-responses", "7"]
+    config = _serve_configs(argv, monkeypatch)
+    assert (config.max_prompt_chars, config.max_stored_responses) == (5000, 7)
     env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_MAX_PROMPT_CHARS": "6000"}
+    env["KVSERVE_MAX_STORED_RESPONSES"] = "9"
     config = _serve_configs([], monkeypatch, env)
-    assert config.max_prompt_chars == 6000
+    assert (config.max_prompt_chars, config.max_stored_responses) == (6000, 9)
 
 
 @pytest.mark.parametrize(

@@ -347,6 +347,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "most characters of one prompt (of a chat's message contents), refused with a 400"
      " before tokenizing (default: --ctx-size x the model's longest token in bytes, past"
      " which no prompt fits)"),
+    (("--max-stored-responses",), "N", "KVSERVE_MAX_STORED_RESPONSES", _positive_int, 1024,
+     "most /v1/responses responses kept for previous_response_id and GET (least recently"
+     " used out first, and the session that holds its K/V with it)"),
     (("--api-key",), "KEY", "KVSERVE_API_KEY", str, None,
      "require 'Authorization: Bearer KEY' on every route but /health"),
     (("--api-key-file",), "PATH", "KVSERVE_API_KEY_FILE", str, None,
@@ -447,6 +450,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_tokens_limit=s["max_tokens_limit"],
         max_prompt_chars=s["max_prompt_chars"],
         special_in_content=s["special_in_content"],
+        max_stored_responses=s["max_stored_responses"],
     )
 
 

@@ -36,7 +36,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar, Union, cast
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -68,11 +68,23 @@ from .http import (
     error_response,
 )
 from .metrics import CONTENT_TYPE, Metrics, priority_label
+from .responses import (
+    EventWriter,
+    ResponseStore,
+    StoredResponse,
+    engine_format,
+    engine_tools,
+    failure,
+    input_messages,
+    refuse_unsupported,
+    response_object,
+)
 from .schemas import (
     SESSION_ID,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponseRequest,
     RestoreRequest,
     TemplateRequest,
     TokenizeRequest,
@@ -158,6 +170,7 @@ class _Server:
         # The engine's tenant policies, from the tenants in force (None: the server has no
         # tenants, and an engine it was given keeps its own).
         self.policies: dict[str, TenantPolicy] | None = None
+        self.responses = ResponseStore(config.max_stored_responses)  # /v1/responses
         if engine is not None:
             self.set_engine(engine, prompt_char_limit(config, engine))
 
@@ -236,6 +249,24 @@ class _Server:
 
     def capacity(self, engine: Engine) -> int:
         return engine.parallel + self.config.max_queue
+
+    def drop_sessions(self, sessions: list[str]) -> None:
+        """Drops the engine's ``sessions`` (by their engine ids) in the background: a stored
+        response that held one left the store. A session already gone is no error."""
+        engine = self.engine
+        if engine is None:
+            return
+        for sid in sessions:
+
+            def drop(sid: str = sid) -> None:
+                try:
+                    engine.drop_session(sid)
+                except (KeyError, EngineClosed):
+                    pass
+                except Exception:  # nobody awaits this: say it here
+                    log.exception("could not drop session %s", sid)
+
+            asyncio.get_running_loop().run_in_executor(None, drop)
 
 
 def longest_token(model: Model) -> int:
@@ -497,11 +528,12 @@ def _internal(error: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error")
 
 
-def _options(body: CompletionRequest | ChatRequest) -> RequestOptions:
-    """The engine options of a request's fields (only those it set)."""
+def _options(body: CompletionRequest | ChatRequest | ResponseRequest) -> RequestOptions:
+    """The engine options of a request's fields (only those it set and has: the Responses
+    route has no ``session_id``)."""
     options: dict[str, Any] = {}
     for field, option in _OPTION_FIELDS.items():
-        value = getattr(body, field)
+        value = getattr(body, field, None)
         if value is None or (field == "ignore_eos" and value is False):
             continue
         if field == "logit_bias":
@@ -586,7 +618,9 @@ def _check_prompt_sizes(server: _Server, engine: Engine, prompts: Sequence[Promp
             )
 
 
-def _check_chat_size(server: _Server, messages: list[dict[str, Any]]) -> None:
+def _check_chat_size(
+    server: _Server, messages: list[dict[str, Any]], param: str = "messages"
+) -> None:
     """Refuses, before the template is rendered, messages whose contents have more than
     ``--max-prompt-chars`` characters in all."""
     chars = 0
@@ -601,7 +635,7 @@ def _check_chat_size(server: _Server, messages: list[dict[str, Any]]) -> None:
             400,
             f"the messages' contents have {chars} characters, more than this server takes"
             f" ({server.prompt_chars}: --max-prompt-chars)",
-            param="messages",
+            param=param,
             code="prompt_too_long",
         )
 
@@ -626,7 +660,10 @@ def _max_tokens(engine: Engine, fields: dict[str, int | None], default: int) -> 
 
 
 def _chat_ids(
-    engine: Engine, messages: list[dict[str, Any]], special_in_content: bool = False
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    special_in_content: bool = False,
+    param: str = "messages",
 ) -> list[int]:
     """The chat template rendered and tokenized (in a worker thread, never on the loop);
     message content is plain text unless ``special_in_content`` (Model.tokenize_chat)."""
@@ -638,7 +675,7 @@ def _chat_ids(
     try:
         ids: list[int] = tokenize_chat(messages, special_in_content=special_in_content)
     except ValueError as e:
-        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+        raise ApiError(400, str(e), param=param, code="invalid_value") from None
     return ids
 
 
@@ -1030,6 +1067,151 @@ def create_app(
             )
         return JSONResponse({**base, "choices": choices, "usage": job.usage()})
 
+    # -- the Responses API (python/kvserve/server/responses.py) -------------------------------
+    def owner(request: Request) -> str | None:
+        tenant = scoped_tenant(request)
+        return None if tenant is None else tenant.name
+
+    @app.post("/responses", include_in_schema=False)
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await _parse(request, ResponseRequest)
+        engine = server.ready()
+        refuse_unsupported(body)
+        _common_checks(request, body)
+        # text.format and tools: the engine options they map to (responses.py, one place each).
+        extra: dict[str, Any] = {**engine_format(body), **engine_tools(body)}
+        store = server.responses
+        tenant = owner(request)
+        previous: StoredResponse | None = None
+        if body.previous_response_id is not None:
+            previous = store.get(body.previous_response_id, tenant)
+            if previous is None:
+                raise ApiError(
+                    404,
+                    f"previous response {body.previous_response_id!r} not found",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        # The whole conversation, rendered again: the session reuses what it holds of it.
+        conversation = (*(previous.conversation if previous else ()), *input_messages(body))
+        system = (
+            [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
+        )
+        messages = [*system, *conversation]
+        _check_chat_size(server, messages, "input")
+        max_tokens = _max_tokens(
+            engine, {"max_output_tokens": body.max_output_tokens}, engine.ctx_size
+        )
+        rid = f"resp_{request.scope[REQUEST_ID]}"
+        if body.store:  # a new session is named after the response that starts it
+            extra["session_id"] = rid
+        options = scoped(request, cast(RequestOptions, {**_options(body), **extra}))
+        session: str | None = None
+        if body.store:  # the engine's (tenant-scoped) id of that session, or the previous one
+            session = store.claim(rid, previous, body.cache_salt, options["session_id"])
+            options["session_id"] = session
+
+        def give_back() -> None:  # the turn failed or was cancelled
+            if session is not None:
+                server.drop_sessions(store.release(rid, session, previous))
+
+        try:
+            job = await _open_job(
+                server,
+                request,
+                1,
+                lambda e: [_chat_ids(e, messages, config.special_in_content, "input")],
+                1,
+                max_tokens,
+                options,
+                "input",
+            )
+        except BaseException:
+            give_back()
+            raise
+        created = int(time.time())
+        model = server.model_id
+
+        def finish(result: GenerateResult) -> dict[str, Any]:
+            obj = response_object(
+                body, rid, model, created, result=result, usage=job.usage_counts()
+            )
+            if session is not None:
+                reply = {"role": "assistant", "content": result.text}
+                entry = StoredResponse(
+                    rid, tenant, (*conversation, reply), session, body.cache_salt, obj
+                )
+                server.drop_sessions(store.put(entry))
+            return obj
+
+        if not body.stream:
+            try:
+                done = await _collect(job)
+            except BaseException:
+                give_back()
+                raise
+            if not done:
+                give_back()
+                return Response(status_code=499)
+            result = job.results[0]
+            assert result is not None
+            return JSONResponse(finish(result))
+        writer = EventWriter(rid)
+        finished = False
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            nonlocal finished
+            stream = job.run()
+            try:
+                for event in writer.opening(response_object(body, rid, model, created)):
+                    yield event
+                async for _, delta in stream:
+                    if delta.text:
+                        yield writer.delta(delta.text)
+                result = job.results[0]
+                assert result is not None
+                final = finish(result)
+                finished = True
+                for event in writer.closing(final):
+                    yield event
+            except Exception as e:
+                error = _runtime_error(e)
+                failed = response_object(body, rid, model, created, error=failure(error))
+                for event in writer.failed(error, failed):
+                    yield event
+            finally:
+                await stream.aclose()
+
+        def disconnected() -> None:
+            request.scope[ACCESS]["disconnected"] = True
+
+        def closed() -> None:  # also when the stream never started (the client left first)
+            job.release()
+            if not finished:
+                give_back()
+
+        return EventStream(events(), on_disconnect=disconnected, on_close=closed)
+
+    @app.get("/responses/{response_id}", include_in_schema=False)
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        server.ready()
+        entry = server.responses.get(response_id, owner(request))
+        if entry is None:
+            raise _no_response(response_id)
+        return JSONResponse(entry.body)
+
+    @app.delete("/responses/{response_id}", include_in_schema=False)
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        server.ready()
+        sessions = server.responses.delete(response_id, owner(request))
+        if sessions is None:
+            raise _no_response(response_id)
+        server.drop_sessions(sessions)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
     # -- sessions -----------------------------------------------------------------------------
     def session_dir(request: Request) -> Path:
         """Where this request's tenant's session files are: ``--session-dir``, or with an API
@@ -1217,6 +1399,7 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/apply-template": TemplateRequest,
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
+    "/v1/responses": ResponseRequest,
     "/v1/sessions/restore": RestoreRequest,
 }
 
@@ -1260,7 +1443,9 @@ async def _collect(job: _Job) -> bool:
         raise _runtime_error(e) from None
 
 
-def _common_checks(request: Request, body: CompletionRequest | ChatRequest) -> None:
+def _common_checks(
+    request: Request, body: CompletionRequest | ChatRequest | ResponseRequest
+) -> None:
     """What both generation routes check and log alike."""
     if body.stream_options is not None and not body.stream:
         raise ApiError(
@@ -1377,6 +1562,12 @@ def _check_session_id(session_id: str) -> None:
 
 def _no_session(session_id: str) -> ApiError:
     return ApiError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+
+
+def _no_response(response_id: str) -> ApiError:
+    return ApiError(
+        404, f"no response {response_id!r}", param="response_id", code="response_not_found"
+    )
 
 
 def _session_json(info: SessionInfo) -> dict[str, Any]:

@@ -45,7 +45,9 @@ class ServerConfig:
     token in bytes, past which no prompt can fit. ``special_in_content``: parse special-token
     text inside chat message content as special tokens (llama.cpp's behaviour: a user can
     forge a role; for trusted clients only); off, content is plain text. When the app is given
-    an engine, the engine's own ``max_tokens_limit`` applies."""
+    an engine, the engine's own ``max_tokens_limit`` applies. ``max_stored_responses``: the most
+    ``/v1/responses`` responses kept for ``previous_response_id`` and ``GET`` (least recently
+    used out first; python/kvserve/server/responses.py)."""
 
     model: str | None = None
     chat_template: str | None = None
@@ -78,6 +80,7 @@ class ServerConfig:
     max_tokens_limit: int | None = None
     max_prompt_chars: int | None = None
     special_in_content: bool = False
+    max_stored_responses: int = 1024
 
     def body_limit(self, ctx_size: int | None = None) -> int:
         """``max_body``, or its default for ``ctx_size`` (the engine's; default: this config's

@@ -34,7 +34,14 @@ ACCESS = "kvserve.access"  # dict of extra access-log fields a route fills in
 TENANT = "kvserve.tenant"  # the request's Tenant (None without API keys)
 # The generation routes: a tenant's rate and concurrency limits count these.
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/completions", "/chat/completions"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/completions",
+        "/chat/completions",
+        "/responses",
+    }
 )
 
 

@@ -31,6 +31,8 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeRequest",
     "MAX_N",
+    "ResponseInputMessage",
+    "ResponseRequest",
     "RestoreRequest",
     "StreamOptions",
     "TemplateRequest",
@@ -189,3 +191,111 @@ class RestoreRequest(_Body):
 
     id: str = Field(pattern=SESSION_ID)
     session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
+
+
+# -- the Responses API (POST /v1/responses; python/kvserve/server/responses.py) ---------------
+
+# Input item types of the Responses API that carry no text this server can use yet: function
+# calls and their outputs (tools), reasoning items, references to stored items.
+_TOOL_ITEMS = frozenset(
+    {"function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output"}
+)
+# Content part types that are not text (this server serves text models).
+_MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+
+
+class _ResponseContentPart(_Body):
+    # input_text in a user/system/developer message; output_text in an assistant message
+    # handed back (the client's model_dump() of a previous output carries annotations and
+    # logprobs, which change nothing).
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Optional[list[Any]] = None
+    logprobs: Optional[list[Any]] = None
+    prompt_cache_breakpoint: Optional[dict[str, Any]] = None
+
+
+class ResponseInputMessage(_Body):
+    """A message item of a Responses ``input``: OpenAI's easy input message (``role`` and
+    ``content``, ``type`` optional) or an output message of a previous response handed back
+    (``id``, ``status``, ``phase``: accepted, ignored)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[_ResponseContentPart]]
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    phase: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_messages_only(cls, data: Any) -> Any:
+        # The item and part types that are valid in OpenAI's API but not here get a message
+        # that says why (a plain "unexpected value" would read like a client bug).
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("type")
+        if kind in _TOOL_ITEMS:
+            raise ValueError(f"{kind} items are not supported yet (no tools on this server)")
+        if kind is not None and kind != "message":
+            raise ValueError(f"only message items are supported, not {kind!r} items")
+        content = data.get("content")
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _MEDIA_PARTS:
+                    raise ValueError(f"{kind} content is not supported (text models only)")
+        return data
+
+
+class ResponseText(_Body):
+    """``text`` of a Responses request: ``format`` (only ``{"type": "text"}`` for now: see
+    ``engine_format`` in python/kvserve/server/responses.py) and ``verbosity`` (ignored)."""
+
+    format: Optional[dict[str, Any]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
+class ResponseStreamOptions(_Body):
+    include_obfuscation: Optional[bool] = None  # OpenAI's padding of deltas: nothing here
+
+
+class ResponseRequest(_Sampling):
+    """``POST /v1/responses``: ``input`` is a string (one user message) or a list of message
+    items; ``instructions`` a system message for this response only; ``previous_response_id``
+    continues a stored response's conversation (python/kvserve/server/responses.py)."""
+
+    model: Optional[str] = None
+    input: list[ResponseInputMessage] = Field(min_length=1)
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: Optional[ResponseStreamOptions] = None
+    store: bool = True
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    text: Optional[ResponseText] = None
+    # Tools: only none yet (python/kvserve/server/responses.py ``engine_tools``).
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    # OpenAI's fields that change nothing here: accepted, ignored.
+    parallel_tool_calls: Optional[bool] = None
+    max_tool_calls: Optional[int] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    service_tier: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None
+    include: Optional[list[str]] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    # Refused unless they change nothing (a 400 naming them): no background mode, no logprobs
+    # on this route yet.
+    background: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_is_one_user_message(cls, v: Any) -> Any:
+        # A string is one user message (OpenAI's rule). Done before validation so that a bad
+        # item is reported at its own place, not as "must be one of str, list".
+        return [{"role": "user", "content": v}] if isinstance(v, str) else v

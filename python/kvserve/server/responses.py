@@ -1,0 +1,329 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on kvserve's chat path and sessions: what
+the route needs besides the chat route's steps (python/kvserve/server/app.py): the input
+items as chat messages, the response object and its stream events in OpenAI's shapes, and the
+store of responses that ``previous_response_id`` continues.
+
+State model. A stored response keeps its conversation (the input messages of its whole chain
+and its own reply; ``instructions`` are not part of it, as OpenAI documents) and the engine
+session whose K/V holds that conversation. A follow-up renders the whole conversation again
+(instructions, the previous conversation, the new input) and runs as a chat turn *in that
+session*, so it computes only its new tokens: the session reuses the longest prefix of the
+tokens it holds. Each session is the *head* of at most one response: the last one that
+extended it (claimed when the follow-up starts). A follow-up from a response that is no
+longer its session's head (a second branch from the same response, or one whose session a
+later turn took) starts a session of its own: the full conversation is rendered anyway, so
+the answer is the same, and the prefix cache still maps the whole blocks it shares with the
+other branch. A failed or cancelled turn gives the head back (the engine keeps what the
+session held before the turn).
+
+Bounds: at most ``max_entries`` responses are stored, least recently used first out; a
+session is dropped when the response that heads it leaves the store (the engine's own
+limits, ``--max-sessions``, ``--session-ttl`` and the watermarks, apply as to every session).
+A continued response's conversation is the same list objects as its parent's (not a copy of
+their text). Responses are scoped by tenant: another tenant's id is unknown (404), as are ids
+of ``store: false`` responses. The store lives on the event loop (no locks).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .._model import FINISH_STOP, GenerateResult
+from .http import ApiError
+from .schemas import ResponseRequest
+
+__all__ = [
+    "EventWriter",
+    "ResponseStore",
+    "StoredResponse",
+    "engine_format",
+    "engine_tools",
+    "input_messages",
+    "refuse_unsupported",
+    "response_object",
+]
+
+
+@dataclass
+class StoredResponse:
+    """A response that ``previous_response_id`` may continue and ``GET`` may read."""
+
+    id: str
+    tenant: str | None  # its tenant (None: the server has no tenants)
+    conversation: tuple[dict[str, Any], ...]  # chat messages, its own reply last
+    session: str | None  # the engine's id of the session that ran it
+    cache_salt: str | None  # what its prefix keys were salted with
+    body: dict[str, Any]  # the response object
+
+
+class ResponseStore:
+    """The stored responses (least recently used out past ``max_entries``) and each
+    session's head. Event loop only."""
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.heads: dict[str, str] = {}  # engine session id -> the response its K/V holds
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, response_id: str, tenant: str | None) -> StoredResponse | None:
+        """The tenant's stored response ``response_id`` (None: unknown, or another
+        tenant's); it becomes the most recently used."""
+        entry = self.entries.get(response_id)
+        if entry is None or entry.tenant != tenant:
+            return None
+        self.entries.move_to_end(response_id)
+        return entry
+
+    def claim(
+        self, response_id: str, previous: StoredResponse | None, cache_salt: str | None, fresh: str
+    ) -> str:
+        """The session the new response ``response_id`` runs in, claimed for it at once:
+        ``previous``'s session when that still holds ``previous``'s conversation (and the
+        prefix keys are salted alike), else ``fresh`` (a new session)."""
+        session = fresh
+        if (
+            previous is not None
+            and previous.session is not None
+            and self.heads.get(previous.session) == previous.id
+            and previous.cache_salt == cache_salt
+        ):
+            session = previous.session
+        self.heads[session] = response_id
+        return session
+
+    def release(self, response_id: str, session: str, previous: StoredResponse | None) -> list[str]:
+        """``response_id`` failed or was cancelled in ``session``: the session heads
+        ``previous`` again when it continued it (the engine keeps what the session held
+        before a failed turn). Returns the sessions to drop (one no stored response heads)."""
+        if self.heads.get(session) != response_id:
+            return []
+        if previous is not None and previous.session == session and previous.id in self.entries:
+            self.heads[session] = previous.id
+            return []
+        del self.heads[session]
+        return [session]
+
+    def put(self, entry: StoredResponse) -> list[str]:
+        """Stores ``entry``; returns the sessions to drop: those of the responses that left
+        the store to make room, when they headed them."""
+        self.entries[entry.id] = entry
+        self.entries.move_to_end(entry.id)
+        dropped: list[str] = []
+        while len(self.entries) > self.max_entries:
+            _, old = self.entries.popitem(last=False)
+            dropped += self._unhead(old)
+        return dropped
+
+    def delete(self, response_id: str, tenant: str | None) -> list[str] | None:
+        """Forgets the tenant's response ``response_id``; returns the sessions to drop (None:
+        no such response)."""
+        if self.get(response_id, tenant) is None:
+            return None
+        return self._unhead(self.entries.pop(response_id))
+
+    def _unhead(self, entry: StoredResponse) -> list[str]:
+        if entry.session is not None and self.heads.get(entry.session) == entry.id:
+            del self.heads[entry.session]
+            return [entry.session]
+        return []
+
+
+# -- the request ---------------------------------------------------------------------------------
+
+
+def refuse_unsupported(body: ResponseRequest) -> None:
+    """A 400 naming each field whose value would change the output in a way this server does
+    not implement (fields that change nothing are accepted: python/kvserve/server/schemas.py)."""
+    if body.background:
+        raise _unsupported("background", "background mode is not supported")
+    if body.top_logprobs:
+        raise _unsupported("top_logprobs", "top_logprobs is not supported on /v1/responses yet")
+    if body.include and "message.output_text.logprobs" in body.include:
+        raise _unsupported("include", "message.output_text.logprobs is not supported yet")
+
+
+def engine_format(body: ResponseRequest) -> dict[str, Any]:
+    """The engine options for ``text.format``: the one place that maps it (plain text
+    needs none). Structured output (``json_schema``, ``json_object``) is wired here once the
+    engine takes a ``response_format``."""
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.get("type") == "text":
+        return {}
+    raise _unsupported(
+        "text",
+        f"text.format {fmt.get('type')!r} is not supported yet: only {{'type': 'text'}}",
+    )
+
+
+def engine_tools(body: ResponseRequest) -> dict[str, Any]:
+    """The engine options for ``tools`` and ``tool_choice``: the one place that maps them
+    (none yet: no tools, and a choice that asks for none)."""
+    if body.tools:
+        raise _unsupported("tools", "tools are not supported yet")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", "tool_choice needs tools, which are not supported yet")
+    return {}
+
+
+def _unsupported(field: str, message: str) -> ApiError:
+    return ApiError(400, message, param=field, code="unsupported_parameter")
+
+
+def input_messages(body: ResponseRequest) -> list[dict[str, Any]]:
+    """The request's input items as chat messages (what ``/v1/chat/completions`` takes):
+    string content stays a string, text parts become chat text parts."""
+    out: list[dict[str, Any]] = []
+    for item in body.input:
+        content: Any = item.content
+        if not isinstance(content, str):
+            content = [{"type": "text", "text": part.text} for part in content]
+        out.append({"role": item.role, "content": content})
+    return out
+
+
+# -- the response ----------------------------------------------------------------------------------
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text)]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": content}  # fmt: skip
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def response_object(
+    body: ResponseRequest,
+    response_id: str,
+    model: str,
+    created_at: int,
+    *,
+    result: GenerateResult | None = None,
+    usage: dict[str, int] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The response object (what the SDK's ``Response`` parses): ``in_progress`` without a
+    result, ``failed`` with an ``error``, else ``completed`` or ``incomplete`` (the reply
+    stopped at ``max_output_tokens`` or at a full context). ``usage`` (the chat route's
+    counts: prompt, cached, session-cached and completion tokens) comes with the result."""
+    status, output, incomplete = "in_progress", [], None
+    if error is not None:
+        status = "failed"
+    elif result is not None:
+        done = result.finish_reason == FINISH_STOP
+        status = "completed" if done else "incomplete"
+        if not done:
+            incomplete = {"reason": "max_output_tokens"}
+        output = [_message_item(f"msg_{response_id[len('resp_') :]}", result.text, status)]
+    obj: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True
+        if body.parallel_tool_calls is None
+        else body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
+        "store": body.store,
+        "temperature": 0.0 if body.temperature is None else body.temperature,  # greedy default
+        "text": {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else "auto",
+        "tools": [],
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": body.truncation or "disabled",
+        "usage": None,
+        "user": body.user,
+    }
+    if usage is not None:
+        obj["usage"] = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": usage["cached_tokens"],
+                "cache_write_tokens": 0,
+                # kvserve's own: the part of cached_tokens the response's session held.
+                "session_cached_tokens": usage["session_cached_tokens"],
+            },
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        }
+    return obj
+
+
+def failure(error: ApiError) -> dict[str, Any]:
+    """A response's ``error`` for a request that failed after it was queued: OpenAI's codes
+    are a closed set, so a request fault (4xx) is ``invalid_prompt`` and any other
+    ``server_error``; kvserve's own code goes in ``type``."""
+    code = "invalid_prompt" if error.status < 500 else "server_error"
+    return {"code": code, "message": error.message, "param": error.param, "type": error.code}
+
+
+class EventWriter:
+    """The Responses API's server-sent events of one response, numbered in order
+    (``sequence_number``): ``event: <type>`` and ``data: <event object>``."""
+
+    def __init__(self, response_id: str) -> None:
+        self.item_id = f"msg_{response_id[len('resp_') :]}"
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def opening(self, snapshot: dict[str, Any]) -> Iterator[bytes]:
+        """From ``response.created`` to the empty text part of the one message item."""
+        yield self.event("response.created", response=snapshot)
+        yield self.event("response.in_progress", response=snapshot)
+        yield self.event(
+            "response.output_item.added",
+            output_index=0,
+            item=_message_item(self.item_id, None, "in_progress"),
+        )
+        yield self.event("response.content_part.added", **self._at(), part=_text_part(""))
+
+    def delta(self, text: str) -> bytes:
+        return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+
+    def closing(self, final: dict[str, Any]) -> Iterator[bytes]:
+        """From ``response.output_text.done`` to ``response.completed`` (or
+        ``response.incomplete``), ``final`` being the whole response object."""
+        (item,) = final["output"]
+        text = item["content"][0]["text"]
+        yield self.event("response.output_text.done", **self._at(), text=text, logprobs=[])
+        yield self.event("response.content_part.done", **self._at(), part=_text_part(text))
+        yield self.event("response.output_item.done", output_index=0, item=item)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        yield self.event(kind, response=final)
+
+    def failed(self, error: ApiError, final: dict[str, Any]) -> Iterator[bytes]:
+        """An ``error`` event (kvserve's code, as the other routes' errors), then
+        ``response.failed`` with the failed response object."""
+        yield self.event("error", code=error.code, message=error.message, param=error.param)
+        yield self.event("response.failed", response=final)
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
