@@ -182,6 +182,10 @@ def test_previous_response_id_continues_the_conversation_in_its_session(live: Li
     second = _respond(url, {"input": "What is my name?", "previous_response_id": first["id"]})
     assert second["previous_response_id"] == first["id"] and second["instructions"] is None
     _same_as_chat(url, second, [*history, _user("What is my name?")])
+    # The same conversation sent whole, with the SDK's own output items handed back.
+    handed = [item.model_dump() for item in client.responses.retrieve(first["id"]).output]
+    items = [history[0], *handed, _user("What is my name?")]
+    assert _text(_respond(url, {"input": items, "store": False})) == _text(second)
     # (Without "Be kind." the template's own system prompt starts the conversation: the
     # session holds little of it. The follow-ups below keep their instructions.)
     third = _respond(url, {"input": "And my name backwards?", "instructions": "Be kind.",
