@@ -75,6 +75,7 @@ from .responses import (
     engine_format,
     engine_tools,
     failure,
+    format_error,
     input_messages,
     refuse_unsupported,
     response_object,
@@ -1127,6 +1128,9 @@ def create_app(
                 options,
                 "input",
             )
+        except ApiError as e:
+            give_back()
+            raise format_error(e) from None
         except BaseException:
             give_back()
             raise

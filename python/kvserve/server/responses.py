@@ -153,16 +153,35 @@ def refuse_unsupported(body: ResponseRequest) -> None:
 
 
 def engine_format(body: ResponseRequest) -> dict[str, Any]:
-    """The engine options for ``text.format``: the one place that maps it (plain text
-    needs none). Structured output (``json_schema``, ``json_object``) is wired here once the
-    engine takes a ``response_format``."""
+    """The engine options for ``text.format``: the one place that maps it. The Responses API
+    spells a schema flat (``{"type": "json_schema", "name", "schema", "strict"}``); the engine
+    takes chat's ``response_format`` shape (kvserve.grammar)."""
     fmt = body.text.format if body.text is not None else None
     if fmt is None or fmt.get("type") == "text":
         return {}
-    raise _unsupported(
-        "text",
-        f"text.format {fmt.get('type')!r} is not supported yet: only {{'type': 'text'}}",
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict") if fmt.get(k) is not None}
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    if fmt.get("type") == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    raise ApiError(
+        400,
+        f"text.format.type must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}",
+        param="text.format.type",
+        code="invalid_value",
     )
+
+
+def format_error(error: ApiError) -> ApiError:
+    """An error the engine raised about ``response_format`` (what :func:`engine_format`
+    made of ``text.format``), named as the Responses request's field."""
+    if error.param is None or not error.param.startswith("response_format"):
+        return error
+    param = "text.format" + error.param.removeprefix("response_format").replace(
+        ".json_schema", "", 1
+    )
+    message = error.message.replace(error.param, param, 1)
+    return ApiError(error.status, message, param=param, code=error.code, headers=error.headers)
 
 
 def engine_tools(body: ResponseRequest) -> dict[str, Any]:

@@ -249,8 +249,9 @@ class ResponseInputMessage(_Body):
 
 
 class ResponseText(_Body):
-    """``text`` of a Responses request: ``format`` (only ``{"type": "text"}`` for now: see
-    ``engine_format`` in python/kvserve/server/responses.py) and ``verbosity`` (ignored)."""
+    """``text`` of a Responses request: ``format`` (``text``, ``json_object``, ``json_schema``:
+    see ``engine_format`` in python/kvserve/server/responses.py) and ``verbosity``
+    (ignored)."""
 
     format: Optional[dict[str, Any]] = None
     verbosity: Optional[Literal["low", "medium", "high"]] = None
