@@ -312,3 +312,30 @@ def test_an_invalid_schema_is_a_400_naming_it(base: str) -> None:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param, err
+
+
+def test_a_failed_mask_fails_only_the_constrained_requests(engine: Engine) -> None:
+    """Masks that cannot be computed fail their requests alone (a GrammarError), not the
+    batch: a free request decoding beside them finishes with its usual text."""
+    loop = engine._loop
+    fill = loop.masks._fill
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("mask computation broke")
+
+    want = engine.chat(ASK, max_tokens=12, temperature=0).text
+    loop.masks._fill = broken  # type: ignore[method-assign]
+    try:
+        calls = [{"messages": ASK, "max_tokens": 12, "json_schema": SCHEMAS["enums"]}] * 2
+        calls.append({"messages": ASK, "max_tokens": 12, "temperature": 0})
+
+        async def run() -> list[Any]:
+            coros = (engine.achat(**c) for c in calls)
+            return list(await asyncio.gather(*coros, return_exceptions=True))
+
+        *bad, free = asyncio.run(run())
+    finally:
+        loop.masks._fill = fill  # type: ignore[method-assign]
+    assert all(isinstance(b, GrammarError) for b in bad), bad
+    assert free.text == want
+    assert engine.chat(ASK, max_tokens=40, json_schema=SCHEMAS["enums"]).finish_reason == "stop"

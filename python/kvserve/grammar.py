@@ -55,7 +55,7 @@ __all__ = [
 # The largest schema (as JSON text) or grammar a request may send.
 MAX_SOURCE_CHARS = 64 * 1024
 # Compiled grammars kept per engine (by content).
-CACHE_SIZE = 256
+CACHE_SIZE = 64
 # How JSON output is laid out: one line, with Python's json.dumps separators (", " and ": ").
 # Free whitespace (even bounded, as llama.cpp's JSON grammars allow up to ~20 characters at
 # each place) lets a small model spend its budget on newlines and indentation between values

@@ -5,6 +5,7 @@ GIL). A step without constrained rows costs nothing here."""
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -14,6 +15,8 @@ import numpy as np
 from .requests import Request
 
 __all__ = ["Masks", "masked_row"]
+
+log = logging.getLogger("kvserve.engine")
 
 
 class Masks:
@@ -57,8 +60,17 @@ class Masks:
             return
         reqs, bitmask, fut = handle
         t0 = time.perf_counter()
-        fut.result()
-        self.waited += time.perf_counter() - t0
+        try:
+            fut.result()
+        except Exception:
+            # Not the pass's failure: the rows go without masks, and each of their requests
+            # fails alone when it is sampled (engine.loop._emit).
+            log.exception("computing the token masks of %d constrained rows failed", len(reqs))
+            for r in reqs:
+                r.mask = None
+            return
+        finally:
+            self.waited += time.perf_counter() - t0
         for i, r in enumerate(reqs):
             r.mask = bitmask[i]
 

@@ -826,7 +826,8 @@ class EngineLoop:
             self.faults.check("sample", req)
         masked = None
         if req.matcher is not None:
-            assert req.mask is not None, "a constrained row without its mask"
+            if req.mask is None:
+                raise GrammarError("the constraint's token mask could not be computed")
             masked = masked_row(row, req.mask)
             tok = self.pick(self.model, req, row, greedy, masked)
         else:
