@@ -166,6 +166,23 @@ _COUNTERS = {
         "Seconds spent fetching from the shared K/V tier (per fetch: divide by"
         " kvserve_kv_remote_fetches_total)",
     ),
+    "grammar_compiles": (
+        "kvserve_grammar_compiles",
+        "Structured-output grammars compiled (cache misses)",
+    ),
+    "grammar_compile_seconds": (
+        "kvserve_grammar_compile_seconds",
+        "Seconds spent compiling structured-output grammars",
+    ),
+    "grammar_masks": ("kvserve_grammar_masks", "Token masks computed for constrained rows"),
+    "grammar_mask_seconds": (
+        "kvserve_grammar_mask_seconds",
+        "Seconds spent computing token masks (on a helper thread, during the forward passes)",
+    ),
+    "grammar_mask_wait_seconds": (
+        "kvserve_grammar_mask_wait_seconds",
+        "Seconds the engine thread waited for token masks after a pass (what did not overlap)",
+    ),
 }
 _GAUGES = {
     "kv_usage": ("kvserve_kv_usage_ratio", "Share of K/V blocks referenced by live sequences"),
