@@ -15,12 +15,13 @@ Generation contract:
 
 from __future__ import annotations
 
+import json
 import os
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,7 @@ from .textstream import TextStream
 
 if TYPE_CHECKING:
     from .chat import ChatTemplate, Message
+    from .tools import ToolCall
 
 try:
     from . import _core
@@ -64,6 +66,7 @@ SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vnni")
 FINISH_STOP = "stop"  # end-of-generation token or stop string
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CONTEXT = "context"  # the context window is full
+FINISH_TOOL_CALLS = "tool_calls"  # a chat reply that calls tools (kvserve.tools)
 
 # Most tokens one decode call takes (a context's n_batch, llama.cpp's default): prompts are
 # fed in batches of this many.
@@ -77,7 +80,13 @@ class GenerateResult:
     cache instead of computed (``session_cached_tokens`` of them: held by the request's
     resident session in :class:`kvserve.Engine`; the rest came from the prefix index).
     ``logprobs`` (when the ``logprobs`` option asked for them, else None): one
-    :class:`kvserve.sampling.TokenLogprob` per generated token, in order."""
+    :class:`kvserve.sampling.TokenLogprob` per generated token, in order.
+
+    ``tool_calls``: for a chat offered ``tools`` (:meth:`kvserve.Engine.chat`), the
+    :class:`kvserve.tools.ToolCall` items the reply made (None otherwise, and when it made
+    none); ``text`` is then the reply's content ("" when it is only calls; the generated text
+    itself is ``model.detokenize(tokens)``) and ``finish_reason`` is ``"tool_calls"`` when it
+    made calls."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
@@ -86,6 +95,7 @@ class GenerateResult:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     session_cached_tokens: int = 0
+    tool_calls: list[ToolCall] | None = None
 
 
 def _check_simd_env() -> None:
@@ -231,12 +241,17 @@ class Model:
         return self._chat_template
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt text for ``messages`` as llama.cpp's ``llama-server`` builds it (its
         ``/apply-template``): the chat template's output, less a leading BOS text that the
-        tokenizer adds anyway. Bad messages and template errors are ``ValueError``."""
-        return self.chat_template.prompt(messages, add_generation_prompt)
+        tokenizer adds anyway. ``tools``: OpenAI function tools the chat offers (see
+        :mod:`kvserve.tools`). Bad messages and template errors are ``ValueError``."""
+        return self.chat_template.prompt(messages, add_generation_prompt, tools)
 
     def tokenize_chat(
         self,
@@ -244,6 +259,7 @@ class Model:
         add_generation_prompt: bool = True,
         *,
         special_in_content: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids a chat prompt feeds the model: :meth:`apply_chat_template`'s text
         tokenized as generation tokenizes prompts (the model's BOS rule), so the ids hold
@@ -257,14 +273,14 @@ class Model:
         template that does not print such content verbatim is a ``ValueError``.
         ``special_in_content=True`` parses special-token text everywhere (llama.cpp's
         behaviour; for trusted input only). Other text fields of a message (``role``,
-        ``name``) become the template's markup, so without ``special_in_content`` one that
-        holds special-token text is a ``ValueError``."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        ``name``, tool calls, ``tools``) become the template's markup, so without
+        ``special_in_content`` one that holds special-token text is a ``ValueError``."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
         if not special_in_content:
-            self._check_markup_fields(messages)
+            self._check_markup_fields(messages, tools)
         if special_in_content or not self.content_has_special(messages):
             return prompt_ids(self, text)
-        segments = self.chat_template.segments(messages, add_generation_prompt)
+        segments = self.chat_template.segments(messages, add_generation_prompt, tools)
         if segments is None:
             raise ValueError(
                 "a message's content holds special-token text, and this chat template does not"
@@ -281,16 +297,25 @@ class Model:
     def _has_special(self, text: str) -> bool:
         return bool(text) and self.tokenize(text, False, True) != self.tokenize(text, False, False)
 
-    def _check_markup_fields(self, messages: Sequence[Message]) -> None:
+    def _check_markup_fields(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
         """``ValueError`` for a message text field other than content (the template prints
-        it as markup: a role, a name) that holds special-token text."""
+        it as markup: a role, a name, a tool call) or a tool that holds special-token text."""
         for i, m in enumerate(messages):
             for key, value in m.items():
-                if key != "content" and isinstance(value, str) and self._has_special(value):
+                if key == "content" or value is None:
+                    continue
+                if not isinstance(value, str):
+                    value = json.dumps(value, ensure_ascii=False, default=str)
+                if self._has_special(value):
                     raise ValueError(
                         f"messages[{i}].{key} holds special-token text (only content may, and"
                         " it is read as plain text)"
                     )
+        for i, tool in enumerate(tools or ()):
+            if self._has_special(json.dumps(tool, ensure_ascii=False, default=str)):
+                raise ValueError(f"tools[{i}] holds special-token text")
 
     def content_has_special(self, messages: Sequence[Message]) -> bool:
         """Whether some message's content (any text part) holds special-token text: text that
@@ -299,6 +324,8 @@ class Model:
 
         for m in check_messages(messages):
             content = m["content"]
+            if content is None:
+                continue
             texts = [content] if isinstance(content, str) else [p["text"] for p in content]
             for t in texts:
                 if t and self.tokenize(t, False, True) != self.tokenize(t, False, False):
