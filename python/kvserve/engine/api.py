@@ -5,6 +5,7 @@ happens there."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 from typing_extensions import Unpack
 
 from .. import models
-from .._model import GenerateResult, Model, StrPath, prompt_ids
-from ..grammar import Grammars
+from .._model import FINISH_STOP, FINISH_TOOL_CALLS, GenerateResult, Model, StrPath, prompt_ids
+from ..grammar import Constraint, Grammars
 from ..options import RequestOptions, Resolved, resolve
 from ..sessions import SessionInfo, Turn, check_header, read_session_file, write_session_file
 from ..testing import Faults
@@ -41,6 +42,7 @@ from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy, check_policies
 
 if TYPE_CHECKING:
     from ..chat import Message
+    from ..tools import ToolCall, ToolPlan
 
 __all__ = ["Engine"]
 
@@ -368,10 +370,15 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
     def _request(
-        self, prompt: str | Sequence[int], max_tokens: int, options: RequestOptions
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        options: RequestOptions,
+        constraint: Constraint | None = None,
     ) -> Request:
         """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
-        text or the token ids to feed as they are."""
+        text or the token ids to feed as they are; ``constraint``: one made by the caller
+        (a :class:`kvserve.tools.ToolPlan`'s), in place of the options' structured output."""
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if self.max_tokens_limit is not None and max_tokens > self.max_tokens_limit:
@@ -380,6 +387,13 @@ class Engine:
             )
         # TypeError / ValueError naming the argument
         opts = resolve(options, n_vocab=self.model.n_vocab, engine=True)
+        if constraint is not None:
+            if opts.constraint is not None:
+                raise ValueError(
+                    f"{opts.constraint.what.split('.')[0]} cannot be combined with tools"
+                    " (unless tool_choice is 'none'): the tool-call format constrains the output"
+                )
+            opts.constraint = constraint
         ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else self._ids(prompt)
         turn = None
         n = len(ids)
@@ -532,6 +546,8 @@ class Engine:
         prompt: str | Sequence[int],
         max_tokens: int = 128,
         n: int = 1,
+        *,
+        constraint: Constraint | None = None,
         **options: Unpack[RequestOptions],
     ) -> AsyncGenerator[Delta, None]:
         """``n`` completions of one prompt, streamed as :class:`Delta` items (each choice's
@@ -549,18 +565,25 @@ class Engine:
         engine's ``prompt_tokens`` counts the prompt once. With ``session_id``, ``n`` must be 1.
         Arguments are checked at the call; closing the iterator early or cancelling its task
         cancels every choice; the first failed choice raises its error (and cancels the rest).
+        ``constraint``: a :class:`kvserve.grammar.Constraint` made by the caller (a
+        :class:`kvserve.tools.ToolPlan`'s), in place of the options' structured output.
         """
-        reqs = self._group(prompt, max_tokens, n, options)
+        reqs = self._group(prompt, max_tokens, n, options, constraint)
         return self._stream_choices(reqs)
 
     def _group(
-        self, prompt: str | Sequence[int], max_tokens: int, n: int, options: RequestOptions
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        n: int,
+        options: RequestOptions,
+        constraint: Constraint | None = None,
     ) -> list[Request]:
         """The requests of :meth:`choices`: the first, which holds the others as its
         ``children`` until they fork."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.parallel:
             raise ValueError(f"n must be an integer in [1, parallel={self.parallel}], got {n!r}")
-        req = self._request(prompt, max_tokens, options)
+        req = self._request(prompt, max_tokens, options, constraint)
         if n > 1 and req.turn is not None:
             raise ValueError("n must be 1 with session_id (a session continues one conversation)")
         seed = options.get("seed")
@@ -616,39 +639,97 @@ class Engine:
             self._cancel(req)
 
     # -- chat --------------------------------------------------------------------------------
+    def tool_plan(
+        self,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> ToolPlan | None:
+        """How a chat offering ``tools`` is rendered, constrained and parsed with this model's
+        chat template (:func:`kvserve.tools.plan_tools`; None without tools). ``ValueError``
+        naming the bad field."""
+        from ..tools import plan_tools
+
+        return plan_tools(self.model.chat_template, tools, tool_choice, parallel_tool_calls)
+
+    def _chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int,
+        options: RequestOptions,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | Mapping[str, Any] | None,
+        parallel_tool_calls: bool | None,
+    ) -> tuple[Request, ToolPlan | None]:
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        shown = None if plan is None else plan.render_tools
+        ids = self.model.tokenize_chat(messages, tools=shown)
+        constraint = None if plan is None else plan.constraint
+        return self._request(ids, max_tokens, options, constraint), plan
+
     def chat(
         self,
         messages: Sequence[Message],
         max_tokens: int = 128,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """Reply to ``messages`` (blocking; any thread): the model's chat template with the
         generation prompt (:meth:`Model.tokenize_chat`), then as :meth:`generate`. Bad messages
         and template errors raise ``ValueError`` at the call, before anything is queued. With
         ``session_id``, ``messages`` is the whole conversation: the turn reuses the longest
-        prefix of its tokens that the session holds and computes the rest."""
-        return self._wait(self._request(self.model.tokenize_chat(messages), max_tokens, options))
+        prefix of its tokens that the session holds and computes the rest.
+
+        ``tools`` (OpenAI function tools), ``tool_choice`` (``"auto"``, the default with
+        tools, ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name":
+        ...}}``), ``parallel_tool_calls`` (False: at most one call): see :mod:`kvserve.tools`.
+        The result's ``tool_calls`` holds the calls, ``text`` the content and
+        ``finish_reason`` is ``"tool_calls"`` when the reply made calls. ``messages`` may hold
+        assistant messages with ``tool_calls`` and ``tool`` messages with their results."""
+        req, plan = self._chat(
+            messages, max_tokens, options, tools, tool_choice, parallel_tool_calls
+        )
+        return _with_calls(self._wait(req), plan)
 
     async def achat(
         self,
         messages: Sequence[Message],
         max_tokens: int = 128,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Unpack[RequestOptions],
     ) -> GenerateResult:
         """:meth:`chat` for asyncio; cancelling the task cancels the request."""
-        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
-        return await self._await(req)
+        req, plan = self._chat(
+            messages, max_tokens, options, tools, tool_choice, parallel_tool_calls
+        )
+        return _with_calls(await self._await(req), plan)
 
     def stream_chat(
         self,
         messages: Sequence[Message],
         max_tokens: int = 128,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Unpack[RequestOptions],
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[str | ToolCall, None]:
         """:meth:`stream` for a chat: the reply's text pieces; arguments and messages are
-        checked at the call."""
-        req = self._request(self.model.tokenize_chat(messages), max_tokens, options)
-        return cast("AsyncGenerator[str, None]", self._stream(req))
+        checked at the call. Offered tools, it yields the content's pieces (``str``) and each
+        :class:`kvserve.tools.ToolCall` when it is complete (without tools: only ``str``)."""
+        req, plan = self._chat(
+            messages, max_tokens, options, tools, tool_choice, parallel_tool_calls
+        )
+        stream = cast("AsyncGenerator[str, None]", self._stream(req))
+        if plan is None or not plan.active:
+            return stream
+        return _stream_calls(stream, plan)
 
     # -- sessions ------------------------------------------------------------------------------
     def _on_engine(self, fn: Callable[[], T], session_id: str | None = None) -> T:
@@ -860,3 +941,29 @@ class Engine:
             **_disk_stats(st),
             **_remote_stats(st),
         }
+
+
+def _with_calls(result: GenerateResult, plan: ToolPlan | None) -> GenerateResult:
+    """A chat result with its tool calls parsed out of its text (see :mod:`kvserve.tools`)."""
+    if plan is None or not plan.active:
+        return result
+    content, calls = plan.parse(result.text)
+    if not calls:
+        return dataclasses.replace(result, text=content or "")
+    # A reply cut short (length) keeps its reason: its calls are those it completed.
+    finish = FINISH_TOOL_CALLS if result.finish_reason == FINISH_STOP else result.finish_reason
+    return dataclasses.replace(result, text=content or "", tool_calls=calls, finish_reason=finish)
+
+
+async def _stream_calls(
+    stream: AsyncGenerator[str, None], plan: ToolPlan
+) -> AsyncGenerator[str | ToolCall, None]:
+    parser = plan.parser()
+    try:
+        async for piece in stream:
+            for event in parser.feed(piece):
+                yield event
+        for event in parser.finish():
+            yield event
+    finally:
+        await stream.aclose()
