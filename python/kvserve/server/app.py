@@ -47,15 +47,19 @@ from .. import __version__
 from .._model import (
     FINISH_CONTEXT,
     FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
     EngineError,
     GenerateResult,
     KvCacheFull,
     Model,
 )
 from ..engine import Delta, Engine, EngineClosed, TenantPolicy, TooManySessions
+from ..grammar import Constraint
 from ..options import RequestOptions
 from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo, remove_stale_temps
+from ..tools import ToolCall, ToolPlan
 from .config import ServerConfig
 from .http import (
     ACCESS,
@@ -125,6 +129,8 @@ _OPTION_FIELDS = {
     "json_schema": "json_schema",
 }
 _HTTP_NAME = {option: field for field, option in _OPTION_FIELDS.items()}
+# The chat fields of tool calls (kvserve.tools): errors name them by path ("tools[2].function").
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _ENGINE_OPTIONS = frozenset(RequestOptions.__annotations__)
 _PROMPT_TOO_LONG = re.compile(r"^the (prompt|session with this prompt) has \d+ tokens")
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -149,7 +155,7 @@ def _bad_value(error: Exception, prompt_param: str) -> ApiError:
     first = message.split(" ", 1)[0]
     path = first.rstrip(":")
     param = _HTTP_NAME.get(first, first if first in ("max_tokens", "logprobs", "n") else None)
-    if param is None and path.split(".")[0] in _HTTP_NAME:
+    if param is None and (path.split(".")[0] in _HTTP_NAME or path.startswith(_TOOL_FIELDS)):
         param = path
     if message.startswith(("prompt token", "the prompt")):
         param = prompt_param
@@ -294,12 +300,17 @@ def _choices(
     n: int,
     options: RequestOptions,
     prompt_param: str,
+    constraint: Constraint | None = None,
 ) -> list[AsyncGenerator[Delta, None]]:
     """The engine streams of a request's prompts, ``n`` choices each, all checked before any
     is queued (nothing is queued until a stream is iterated). Building them tokenizes text
-    prompts: called in a worker thread, never on the event loop."""
+    prompts: called in a worker thread, never on the event loop. ``constraint``: a tool
+    plan's (kvserve.tools)."""
     try:
-        return [engine.choices(prompt, max_tokens, n, **options) for prompt in prompts]
+        return [
+            engine.choices(prompt, max_tokens, n, constraint=constraint, **options)
+            for prompt in prompts
+        ]
     except (TypeError, ValueError) as e:
         raise _bad_value(e, prompt_param) from None
 
@@ -313,6 +324,7 @@ async def _open_job(
     max_tokens: int,
     options: RequestOptions,
     prompt_param: str,
+    constraint: Constraint | None = None,
 ) -> _Job:
     """Admits a generation request of ``n_prompts`` prompts (``prompts(engine)`` makes them,
     in a worker thread with the tokenization) and ``n`` choices each: checks what can be
@@ -347,7 +359,9 @@ async def _open_job(
     server.in_flight += count  # held while the prompts are tokenized, so no one overtakes
     try:
         gens = await _blocking(
-            lambda: _choices(engine, prompts(engine), max_tokens, n, options, prompt_param)
+            lambda: _choices(
+                engine, prompts(engine), max_tokens, n, options, prompt_param, constraint
+            )
         )
     except BaseException:
         server.in_flight -= count
@@ -592,8 +606,30 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prom
 
 def _messages(body: ChatRequest | TemplateRequest) -> list[dict[str, Any]]:
     # The fields of a handed-back reply that change nothing stay out of the prompt.
-    ignored = {"refusal", "annotations", "tool_calls"}
-    return [m.model_dump(exclude_none=True, exclude=ignored) for m in body.messages]
+    out = []
+    for m in body.messages:
+        message = m.model_dump(exclude_none=True, exclude={"refusal", "annotations"})
+        if not message.get("tool_calls"):
+            message.pop("tool_calls", None)
+        out.append(message)
+    return out
+
+
+def _tool_plan(engine: Engine, body: ChatRequest) -> ToolPlan | None:
+    """The request's tool plan (kvserve.tools; in a worker thread: it checks the tools'
+    schemas); a 400 naming the bad field."""
+    try:
+        return engine.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ValueError as e:
+        message = str(e)
+        first = re.split(r"[ :]", message, maxsplit=1)[0]
+        param = first if first.startswith(_TOOL_FIELDS) else "tools"
+        raise ApiError(400, message, param=param, code="invalid_value") from None
+
+
+def _tool_call_delta(index: int, call: ToolCall) -> dict[str, Any]:
+    """A streamed chunk's ``delta`` with one whole call (what the SDK's accumulator joins)."""
+    return {"tool_calls": [{"index": index, **call.to_openai()}]}
 
 
 def _check_prompt_sizes(server: _Server, engine: Engine, prompts: Sequence[Prompt]) -> None:
@@ -620,10 +656,13 @@ def _check_prompt_sizes(server: _Server, engine: Engine, prompts: Sequence[Promp
 
 
 def _check_chat_size(
-    server: _Server, messages: list[dict[str, Any]], param: str = "messages"
+    server: _Server,
+    messages: list[dict[str, Any]],
+    param: str = "messages",
+    tools: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Refuses, before the template is rendered, messages whose contents have more than
-    ``--max-prompt-chars`` characters in all."""
+    """Refuses, before the template is rendered, messages whose contents (tool calls and
+    tools included) have more than ``--max-prompt-chars`` characters in all."""
     chars = 0
     for m in messages:
         content = m.get("content")
@@ -631,6 +670,10 @@ def _check_chat_size(
             chars += len(content)
         elif isinstance(content, list):
             chars += sum(len(part["text"]) for part in content)
+        for call in m.get("tool_calls") or ():
+            chars += len(call["function"]["name"]) + len(call["function"]["arguments"])
+    if tools:
+        chars += len(json.dumps(tools))
     if chars > server.prompt_chars:
         raise ApiError(
             400,
@@ -665,17 +708,21 @@ def _chat_ids(
     messages: list[dict[str, Any]],
     special_in_content: bool = False,
     param: str = "messages",
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The chat template rendered and tokenized (in a worker thread, never on the loop);
-    message content is plain text unless ``special_in_content`` (Model.tokenize_chat)."""
+    """The chat template rendered (offering ``tools``) and tokenized (in a worker thread,
+    never on the loop); message content is plain text unless ``special_in_content``
+    (Model.tokenize_chat)."""
     tokenize_chat = getattr(engine.model, "tokenize_chat", None)
     if tokenize_chat is None:
         raise ApiError(
             501, "chat templates are not available in this build", code="not_implemented"
         )
     try:
-        ids: list[int] = tokenize_chat(messages, special_in_content=special_in_content)
+        ids: list[int] = tokenize_chat(messages, special_in_content=special_in_content, tools=tools)
     except ValueError as e:
+        if str(e).startswith("tools"):
+            param = "tools"
         raise ApiError(400, str(e), param=param, code="invalid_value") from None
     return ids
 
@@ -928,9 +975,10 @@ def create_app(
 
         def run() -> str:
             try:
-                prompt: str = apply(messages)
+                prompt: str = apply(messages, tools=body.tools)
             except ValueError as e:
-                raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+                param = "tools" if str(e).startswith("tools") else "messages"
+                raise ApiError(400, str(e), param=param, code="invalid_value") from None
             return prompt
 
         return JSONResponse({"prompt": await _blocking(run)})
@@ -970,12 +1018,14 @@ def create_app(
                 if logprobs is not None:
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 result = delta.result
-                return {
-                    "index": i,
-                    "text": delta.text,
-                    "logprobs": logprobs,
-                    "finish_reason": None if result is None else _finish_reason(result),
-                }
+                return [
+                    {
+                        "index": i,
+                        "text": delta.text,
+                        "logprobs": logprobs,
+                        "finish_reason": None if result is None else _finish_reason(result),
+                    }
+                ]
 
             return _stream(job, base, choice, [], usage)
         if not await _collect(job):
@@ -1010,22 +1060,28 @@ def create_app(
             options = _logprobs_option(options, body.top_logprobs or 0)
         _common_checks(request, body)
         messages = _messages(body)
-        _check_chat_size(server, messages)
+        _check_chat_size(server, messages, tools=body.tools)
         max_tokens = _max_tokens(  # max_completion_tokens wins; default: until the end
             engine,
             {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens},
             engine.ctx_size,
         )
+        plan = None
+        if body.tools or body.tool_choice is not None:
+            plan = await _blocking(lambda: _tool_plan(engine, body))
+        shown = None if plan is None else plan.render_tools
         job = await _open_job(
             server,
             request,
             1,
-            lambda e: [_chat_ids(e, messages, config.special_in_content)],
+            lambda e: [_chat_ids(e, messages, config.special_in_content, tools=shown)],
             body.n,
             max_tokens,
             options,
             "messages",
+            None if plan is None else plan.constraint,
         )
+        parsing = plan is not None and plan.active
         rid = f"chatcmpl-{request.scope[REQUEST_ID]}"
         base = {"id": rid, "object": "chat.completion", "created": int(time.time())}
         base["model"] = server.model_id
@@ -1033,20 +1089,51 @@ def create_app(
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             base["object"] = "chat.completion.chunk"
+            parsers = [plan.parser() for _ in range(body.n)] if plan and parsing else None
 
-            def choice(i: int, delta: Delta) -> dict[str, Any]:
+            def choice(i: int, delta: Delta) -> list[dict[str, Any]]:
                 result = delta.result
-                return {
-                    "index": i,
-                    "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": _chat_logprobs(engine, delta.logprobs),
-                    "finish_reason": None if result is None else _finish_reason(result),
-                }
+                finish = None if result is None else _finish_reason(result)
+                logprobs = _chat_logprobs(engine, delta.logprobs)
+                if parsers is None:
+                    part = {"content": delta.text} if delta.text else {}
+                    return [
+                        {"index": i, "delta": part, "logprobs": logprobs, "finish_reason": finish}
+                    ]
+                # Tools: the parser's content pieces and whole calls; the generic format's
+                # JSON envelope is never content.
+                parser = parsers[i]
+                made = parser.calls
+                events = parser.feed(delta.text)
+                if result is not None:
+                    events += parser.finish()
+                parts: list[dict[str, Any]] = []
+                for event in events:
+                    if isinstance(event, ToolCall):
+                        parts.append(_tool_call_delta(made, event))
+                        made += 1
+                    elif event:
+                        parts.append({"content": event})
+                if finish is not None:
+                    parts.append({})
+                    if parser.calls and finish == FINISH_STOP:
+                        finish = FINISH_TOOL_CALLS
+                elif not parts and logprobs is not None:
+                    parts.append({})
+                chunks = [
+                    {"index": i, "delta": part, "logprobs": None, "finish_reason": None}
+                    for part in parts
+                ]
+                if chunks:
+                    chunks[0]["logprobs"] = logprobs
+                    chunks[-1]["finish_reason"] = finish
+                return chunks
 
             opening = [
                 {
                     "index": i,
-                    "delta": {"role": "assistant", "content": ""},
+                    # (with tools, content may never come: null, as OpenAI sends it)
+                    "delta": {"role": "assistant", "content": None if parsing else ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
@@ -1058,12 +1145,20 @@ def create_app(
         choices = []
         for i, r in enumerate(job.results):
             assert r is not None
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = _finish_reason(r)
+            if plan is not None and parsing:
+                content, calls = plan.parse(r.text)
+                message["content"] = content
+                if calls:  # (a reply cut short keeps "length": its calls are the whole ones)
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                    finish = FINISH_TOOL_CALLS if finish == FINISH_STOP else finish
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": r.text},
+                    "message": message,
                     "logprobs": _chat_logprobs(engine, r.logprobs),
-                    "finish_reason": _finish_reason(r),
+                    "finish_reason": finish,
                 }
             )
         return JSONResponse({**base, "choices": choices, "usage": job.usage()})
@@ -1467,13 +1562,14 @@ def _common_checks(
 def _stream(
     job: _Job,
     base: dict[str, Any],
-    choice: Callable[[int, Delta], dict[str, Any]],
+    choice: Callable[[int, Delta], list[dict[str, Any]]],
     opening: list[dict[str, Any]],
     include_usage: bool,
 ) -> Response:
     """The SSE response of a streaming request: ``opening`` choices first (the chat role),
-    one chunk per piece of text (with its tokens' logprobs when asked), one per finished
-    choice (no text, its finish reason and the logprobs of tokens whose text was held back),
+    then for each engine delta the chunks ``choice`` makes of it (one per piece of text, with
+    its tokens' logprobs when asked; the finished choice's with its finish reason and the
+    logprobs of tokens whose text was held back; a chat with tools: content and tool calls),
     the usage chunk when asked, then ``data: [DONE]``. An error after the stream started is
     sent as ``data: {"error": ...}`` before ``[DONE]``."""
     extra = {"usage": None} if include_usage else {}
@@ -1484,7 +1580,8 @@ def _stream(
             if opening:
                 yield _sse({**base, "choices": opening, **extra})
             async for i, delta in stream:
-                yield _sse({**base, "choices": [choice(i, delta)], **extra})
+                for c in choice(i, delta):
+                    yield _sse({**base, "choices": [c], **extra})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": job.usage()})
         except Exception as e:

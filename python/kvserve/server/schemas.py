@@ -4,10 +4,12 @@ The models check *types and shapes* strictly (``"0.5"`` is not a number, ``true`
 integer, an unknown field is an error: a field this server does not implement, and that would
 change the output, is refused rather than ignored). A ``null`` is the field's default, as in
 OpenAI's API (``"stream": null`` is ``false``). Standard fields that change nothing here are
-accepted and ignored: ``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``,
-``reasoning_effort``, ``user``, and on an assistant message of a history ``refusal``,
-``annotations`` and an empty ``tool_calls`` (what the official client's ``model_dump()`` of a
-reply carries). *Ranges* of the sampling options (``temperature >= 0``, ``top_p`` in
+accepted and ignored: ``store``, ``metadata``, ``service_tier``, ``reasoning_effort``,
+``user`` (and ``parallel_tool_calls`` on the completions route), and on an assistant message of
+a history ``refusal`` and ``annotations`` (what the official client's ``model_dump()`` of a
+reply carries). Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+``tool_calls`` and ``tool`` messages in a history) are shaped here and checked in depth by
+:mod:`kvserve.tools`. *Ranges* of the sampling options (``temperature >= 0``, ``top_p`` in
 (0, 1], ...) are checked once, by :func:`kvserve.options.resolve`, when the request is built;
 only limits that belong to the HTTP API itself (``n``, ``max_tokens``, ``priority``) are
 declared here.
@@ -18,7 +20,7 @@ This module has no ``from __future__ import annotations`` and spells unions with
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..options import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 
@@ -110,11 +112,12 @@ class _Generation(_Sampling):
     response_format: Optional[dict[str, Any]] = None
     grammar: Optional[str] = None
     json_schema: Optional[dict[str, Any]] = None
+    # Chat: false allows at most one tool call (kvserve.tools); completions: ignored.
+    parallel_tool_calls: Optional[bool] = None
     # OpenAI's fields that change nothing here: accepted, ignored.
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = None
 
 
@@ -134,29 +137,38 @@ class _TextPart(_Body):
     text: str
 
 
+class _FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class _ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
 class ChatMessage(_Body):
     # The roles OpenAI defines (a role is printed by the chat template as markup).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[_TextPart], None] = None
     name: Optional[str] = None
+    # An assistant's calls, and the call a tool message answers (kvserve.tools renders them).
+    tool_calls: Optional[list[_ToolCall]] = None
+    tool_call_id: Optional[str] = None
     # What the official client puts on an assistant reply it hands back (model_dump()): kept
-    # out of the prompt. Tool calls in a history are not supported yet: only an empty list.
+    # out of the prompt.
     refusal: Optional[str] = None
     annotations: Optional[list[Any]] = None
-    tool_calls: Optional[list[Any]] = None
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v: Optional[list[Any]]) -> Optional[list[Any]]:
-        if v:
-            raise ValueError("tool calls in a conversation are not supported yet")
-        return v
 
 
 class ChatRequest(_Generation):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # Function tools (checked in depth by kvserve.tools: a 400 naming the bad part).
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # OpenAI's limit
@@ -180,9 +192,11 @@ class DetokenizeRequest(_Body):
 
 
 class TemplateRequest(_Body):
-    """``POST /apply-template``: the prompt text the chat template makes of ``messages``."""
+    """``POST /apply-template``: the prompt text the chat template makes of ``messages``
+    (offering ``tools``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[dict[str, Any]]] = None
 
 
 class RestoreRequest(_Body):
