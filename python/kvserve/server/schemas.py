@@ -20,7 +20,7 @@ This module has no ``from __future__ import annotations`` and spells unions with
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..options import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 
