@@ -501,7 +501,8 @@ def test_none_and_parallel_false(base: str) -> None:
     plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0)
     assert none.choices[0].message.tool_calls is None
     assert none.choices[0].message.content == plain.choices[0].message.content
-    # This model, free to make several calls, makes several; with false it makes one.
+    # With false, one call (the output schema's maxItems: checked against jsonschema in
+    # test_the_output_schema_allows_what_the_choice_allows); with true, at least one.
     for parallel in (False, True):
         r = client.chat.completions.create(
             model="m",
@@ -515,7 +516,7 @@ def test_none_and_parallel_false(base: str) -> None:
         calls = r.choices[0].message.tool_calls
         assert calls
         if parallel:
-            assert len(calls) > 1
+            assert len(calls) >= 1
         else:
             assert len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
 

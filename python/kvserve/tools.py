@@ -69,7 +69,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from .grammar import JSON_WHITESPACE, MAX_SOURCE_CHARS, Constraint, GrammarError
+from .grammar import JSON_OPTIONS, MAX_SOURCE_CHARS, Constraint, GrammarError
 
 if TYPE_CHECKING:
     from .chat import ChatTemplate
@@ -365,7 +365,7 @@ def _calls_schema(plan: ToolPlan) -> dict[str, Any]:
 
 def _guidance() -> dict[str, Any]:
     # Lenient: a keyword llguidance cannot enforce is ignored (strict tools were checked alone).
-    return {"whitespace_pattern": JSON_WHITESPACE, "lenient": True}
+    return {**JSON_OPTIONS, "lenient": True}
 
 
 def _constraint(plan: ToolPlan) -> Constraint | None:
