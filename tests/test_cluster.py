@@ -38,6 +38,7 @@ SYSTEM = " ".join(
     for i in range(30)
 )
 QUESTIONS = ["Which rule is the first?", "What does the keeper log?", "Name one lighthouse."]
+ORIGIN = "http://app.example"  # --cors-origins: the ingress answers for CORS
 
 
 def _chat(question: str, system: str = SYSTEM) -> list[dict[str, str]]:
@@ -53,7 +54,7 @@ class Cluster:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve", "serve", "--replicas", "2", "-m", str(model),
-             "--port", "0", "-t", "1", "-np", "2", "-c", str(CTX)],
+             "--port", "0", "-t", "1", "-np", "2", "-c", str(CTX), "--cors-origins", ORIGIN],
             stdout=self.out,
             stderr=subprocess.STDOUT,
             env={**os.environ},
@@ -147,6 +148,25 @@ def test_models_and_health_through_the_ingress(cluster: Cluster, model_path: Pat
         "kvserve-replica-0",
         "kvserve-replica-1",
     }
+
+
+def test_cors_at_the_ingress(cluster: Cluster) -> None:
+    """--cors-origins: the ingress answers preflights itself and puts the headers on every
+    answer once (the replicas run without), exposing its routing headers too."""
+    ask = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    r = httpx.options(f"{cluster.url}/v1/chat/completions", headers=ask)
+    assert r.status_code == 204 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-kvserve-replica" not in r.headers  # no replica was asked
+    for r in (
+        httpx.get(f"{cluster.url}/v1/models", headers={"Origin": ORIGIN}),  # a replica's
+        httpx.get(f"{cluster.url}/health", headers={"Origin": ORIGIN}),  # the ingress's own
+    ):
+        assert r.status_code == 200
+        assert r.headers.get_list("access-control-allow-origin") == [ORIGIN]
+        exposed = r.headers["access-control-expose-headers"].lower()
+        assert "x-kvserve-replica" in exposed and "x-request-id" in exposed
+    r = httpx.get(f"{cluster.url}/v1/models", headers={"Origin": "http://other.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 def test_a_body_over_the_limit_is_refused_at_the_ingress(cluster: Cluster) -> None:

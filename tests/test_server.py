@@ -1790,6 +1790,7 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--max-stored-responses", "KVSERVE_MAX_STORED_RESPONSES; default: 1024"),
         ("--body-timeout", "KVSERVE_BODY_TIMEOUT; default: 30"),
         ("--shutdown-grace", "KVSERVE_SHUTDOWN_GRACE; default: 3"),
+        ("--cors-origins", "KVSERVE_CORS_ORIGINS"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
 
@@ -1825,7 +1826,7 @@ def _serve_configs(
     """The ServerConfig that `kvserve serve ARGV` (with ``env``) would serve: the command runs
     with the server replaced by a recorder."""
     others = ["KVSERVE_MODEL", "KVSERVE_CONTEXT_SHIFT", "KVSERVE_MAX_PROMPT_CHARS"]
-    others += ["KVSERVE_KV_DISK", "KVSERVE_MAX_STORED_RESPONSES"]
+    others += ["KVSERVE_KV_DISK", "KVSERVE_MAX_STORED_RESPONSES", "KVSERVE_CORS_ORIGINS"]
     for var in [*(v[0] for v in _ENGINE_FLAGS.values()), *others]:
         monkeypatch.delenv(var, raising=False)
     for k, v in (env or {}).items():
@@ -1905,7 +1906,7 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         "max_sessions": None,
         "max_tokens_limit": 512,
     }
-    assert (config.max_prompt_chars, config.max_queue) == (None, 256)
+    assert (config.max_prompt_chars, config.max_queue, config.cors_origins) == (None, 256, None)
     assert config.max_stored_responses == 1024
     argv = ["-m", str(model_path), "--max-prompt-chars", "5000", "--max-stored-responses", "7"]
     config = _serve_configs(argv, monkeypatch)
@@ -1914,6 +1915,11 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
     env["KVSERVE_MAX_STORED_RESPONSES"] = "9"
     config = _serve_configs([], monkeypatch, env)
     assert (config.max_prompt_chars, config.max_stored_responses) == (6000, 9)
+    origins = "http://a.example, https://b.example:8443"
+    config = _serve_configs(["-m", str(model_path), "--cors-origins", origins], monkeypatch)
+    assert config.cors_origins == ["http://a.example", "https://b.example:8443"]
+    env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_CORS_ORIGINS": "*"}
+    assert _serve_configs([], monkeypatch, env).cors_origins == ["*"]
 
 
 @pytest.mark.parametrize(
@@ -1933,6 +1939,8 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         ({}, ["--kv-type", "q4"], "expected one of f16, q8_0, f32"),
         ({"KVSERVE_MAX_TOKENS_LIMIT": "0"}, [], "KVSERVE_MAX_TOKENS_LIMIT: expected a positive"),
         ({}, ["--max-prompt-chars", "-1"], "expected a positive integer"),
+        ({}, ["--cors-origins", "http://a.example/"], "no path or trailing slash"),
+        ({"KVSERVE_CORS_ORIGINS": "*,http://a"}, [], "KVSERVE_CORS_ORIGINS: cors origins: '*'"),
     ],
 )
 def test_serve_bad_settings_are_one_line_errors(

@@ -280,6 +280,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _origins(text: str) -> list[str]:
+    """``--cors-origins``: a comma-separated list of origins, or ``*``."""
+    from .server.cors import parse_origins
+
+    try:
+        origins = parse_origins(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if origins is None:
+        raise argparse.ArgumentTypeError("expected origins such as https://app.example.com, or *")
+    return list(origins)
+
+
 def _port(text: str) -> int:
     value = _nonneg_int(text)
     if value > 65535:
@@ -357,6 +370,10 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
     (("--api-keys-file",), "PATH", "KVSERVE_API_KEYS_FILE", str, None,
      "tenants, their keys and limits (TOML, [tenants.NAME] tables; read again on SIGHUP);"
      " session ids are then scoped by tenant"),
+    (("--cors-origins",), "ORIGINS", "KVSERVE_CORS_ORIGINS", _origins, None,
+     "let browser pages of these origins call the server (CORS): comma-separated origins"
+     " such as https://app.example.com,http://localhost:3000, or * for any; preflights are"
+     " answered without an API key (default: none, no CORS headers)"),
     (("--max-body",), "SIZE", "KVSERVE_MAX_BODY", _size, None,
      "largest request body (413 beyond it; default: 256 bytes per token of --ctx-size, at"
      " least 1MiB)"),
@@ -451,6 +468,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         max_prompt_chars=s["max_prompt_chars"],
         special_in_content=s["special_in_content"],
         max_stored_responses=s["max_stored_responses"],
+        cors_origins=s["cors_origins"],
     )
 
 

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from .._model import Model, prompt_ids
 from ..engine.tenancy import salt_for
 from ..server.config import ServerConfig
+from ..server.cors import EXPOSED_HEADERS, Cors, parse_origins
 from ..server.tenants import Tenants
 from .router import Choice, Router
 
@@ -45,6 +46,8 @@ __all__ = ["PromptKeys", "create_ingress"]
 log = logging.getLogger("kvserve.cluster")
 
 _GENERATION = ("/v1/chat/completions", "/v1/completions")
+# The headers the ingress adds to a replica's answer (module docs).
+_ROUTING_HEADERS = ("x-kvserve-replica", "x-kvserve-route", "x-kvserve-prefix-blocks")
 # Hop-by-hop and framing headers the ingress's own server sets.
 _DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "date",
                    "server"})  # fmt: skip
@@ -260,9 +263,10 @@ class _Ingress:
         self.matched[name] += choice.matched_blocks
         _, status, out_headers = start
         kept = {k: v for k, v in out_headers if k.lower() not in _DROP}
-        kept["x-kvserve-replica"] = name
-        kept["x-kvserve-route"] = choice.reason
-        kept["x-kvserve-prefix-blocks"] = str(choice.matched_blocks)
+        replica, route, blocks = _ROUTING_HEADERS
+        kept[replica] = name
+        kept[route] = choice.reason
+        kept[blocks] = str(choice.matched_blocks)
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -371,4 +375,8 @@ def create_ingress(
         lifespan=lifespan,
     )
     app.state.ingress = ingress
-    return app
+    origins = parse_origins(config.cors_origins)
+    if origins is None:
+        return app
+    # The ingress answers preflights and adds the CORS headers (the replicas run without).
+    return Cors(app, origins, expose=(*EXPOSED_HEADERS, *_ROUTING_HEADERS))  # type: ignore[return-value]

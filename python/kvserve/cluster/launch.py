@@ -88,6 +88,7 @@ def serve_replicas(
         serve.start(proxy_location="Disabled")  # the ingress below is the HTTP server
         t_ray = time.monotonic() - t0
         fields = dataclasses.asdict(config)
+        fields["cors_origins"] = None  # the ingress answers for CORS (no headers twice)
         deployment = serve.deployment(ReplicaServer)
         names = [f"kvserve-replica-{i}" for i in range(replicas)]
         targets = [

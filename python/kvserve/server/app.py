@@ -61,6 +61,7 @@ from ..sampling import TokenLogprob
 from ..sessions import SessionFileError, SessionInfo, remove_stale_temps
 from ..tools import ToolCall, ToolPlan
 from .config import ServerConfig
+from .cors import Cors, parse_origins
 from .http import (
     ACCESS,
     ARRIVAL,
@@ -1479,7 +1480,7 @@ def create_app(
     app.state.drain = server.drain
     tenants = _tenants(config)
     server.set_tenants(tenants if config.api_keys_file is not None else None)
-    return Gate(  # type: ignore[return-value]
+    gate = Gate(
         app,
         routes=lambda: app.routes,
         metrics=server.metrics,
@@ -1488,6 +1489,9 @@ def create_app(
         body_timeout=config.body_timeout,
         on_reload=server.set_tenants,
     )
+    # CORS outside the gate: a preflight carries no API key (kvserve.server.cors).
+    origins = parse_origins(config.cors_origins)
+    return gate if origins is None else Cors(gate, origins)  # type: ignore[return-value]
 
 
 # The JSON body each POST route parses (its schema goes into the OpenAPI document; the routes

@@ -47,7 +47,9 @@ class ServerConfig:
     forge a role; for trusted clients only); off, content is plain text. When the app is given
     an engine, the engine's own ``max_tokens_limit`` applies. ``max_stored_responses``: the most
     ``/v1/responses`` responses kept for ``previous_response_id`` and ``GET`` (least recently
-    used out first; python/kvserve/server/responses.py)."""
+    used out first; python/kvserve/server/responses.py). ``cors_origins``: the origins whose
+    browser pages may call the server (``https://app.example.com``, or ``*`` alone for any;
+    :mod:`kvserve.server.cors`); None: no CORS headers at all."""
 
     model: str | None = None
     chat_template: str | None = None
@@ -81,6 +83,7 @@ class ServerConfig:
     max_prompt_chars: int | None = None
     special_in_content: bool = False
     max_stored_responses: int = 1024
+    cors_origins: list[str] | None = None
 
     def body_limit(self, ctx_size: int | None = None) -> int:
         """``max_body``, or its default for ``ctx_size`` (the engine's; default: this config's
