@@ -379,7 +379,7 @@ def test_cancellation_frees_the_blocks(engine: Engine) -> None:
         ({"temperature": -0.5}, "temperature must be >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": -1}, "max_tokens must be >= 0"),
         ({"min_p": 2.0}, r"min_p must be in \[0, 1\]"),
         ({"prompt": "word " * 600}, "ctx_size=512"),
         ({"typical_p": 0.0}, r"typical_p must be in \(0, 1\]"),

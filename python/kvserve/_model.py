@@ -80,7 +80,12 @@ class GenerateResult:
     cache instead of computed (``session_cached_tokens`` of them: held by the request's
     resident session in :class:`kvserve.Engine`; the rest came from the prefix index).
     ``logprobs`` (when the ``logprobs`` option asked for them, else None): one
-    :class:`kvserve.sampling.TokenLogprob` per generated token, in order.
+    :class:`kvserve.sampling.TokenLogprob` per generated token, in order; ``end_logprob``:
+    then also the entry of the end-of-generation token that ended the generation (it is in
+    neither ``tokens`` nor ``text``), None when none did. ``prompt_logprobs`` (when the
+    :class:`kvserve.Engine` option ``prompt_logprobs`` asked for them, else None): one entry
+    per prompt token, the first None (nothing precedes it), each other token's
+    log-probability given the tokens before it.
 
     ``tool_calls``: for a chat offered ``tools`` (:meth:`kvserve.Engine.chat`), the
     :class:`kvserve.tools.ToolCall` items the reply made (None otherwise, and when it made
@@ -96,6 +101,8 @@ class GenerateResult:
     logprobs: list[TokenLogprob] | None = None
     session_cached_tokens: int = 0
     tool_calls: list[ToolCall] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    end_logprob: TokenLogprob | None = None
 
 
 def _check_simd_env() -> None:
@@ -435,6 +442,7 @@ class _Run:
         self.logprobs: list[TokenLogprob] | None = None if opts.logprobs is None else []
         self.finish_reason = FINISH_LENGTH
         self.cached_tokens = 0
+        self.end_logprob: TokenLogprob | None = None
 
     def result(self) -> GenerateResult:
         """Runs the generation to its end."""
@@ -446,6 +454,7 @@ class _Run:
             prompt_tokens=len(self.prompt_tokens),
             cached_tokens=self.cached_tokens,
             logprobs=self.logprobs,
+            end_logprob=self.end_logprob,
         )
 
     def _token_ids(self) -> Generator[int, None, None]:
@@ -468,11 +477,15 @@ class _Run:
         while True:
             row = _last_row(logits)
             tok = self.sampler(row, history)
+            entry = None
+            if self.n_logprobs is not None:
+                entry = token_logprob(self.model, row, tok, self.n_logprobs)
             if is_eog(tok) and not self.ignore_eos:
                 self.finish_reason = FINISH_STOP
+                self.end_logprob = entry
                 return
-            if self.logprobs is not None and self.n_logprobs is not None:
-                self.logprobs.append(token_logprob(self.model, row, tok, self.n_logprobs))
+            if self.logprobs is not None and entry is not None:
+                self.logprobs.append(entry)
             self.tokens.append(tok)
             history.append(tok)
             yield tok

@@ -112,6 +112,14 @@ class RequestOptions(SamplingOptions, total=False):
       {"schema": {...}, "strict": bool}}``, ``{"type": "text"}``), ``grammar`` (Lark or GBNF
       text), ``json_schema`` (a schema). A bad one is a ``ValueError``
       (:class:`kvserve.grammar.GrammarError`) naming the problem.
+    - ``prompt_logprobs``: N in [0, 20] (None = off): the log-probability of every prompt
+      token after the first under the model given the tokens before it (log-softmax of the
+      raw logits of the position before it) and the N most probable tokens there, in
+      :attr:`kvserve.GenerateResult.prompt_logprobs` (what scoring harnesses need: with
+      ``max_tokens=0`` nothing is generated). They are computed in the request's own prefill
+      (logits of every prompt row, reduced to the entries as each chunk is computed): the
+      request reuses no cached prefix (only what a preemption left computed), and it cannot
+      continue a session (``session_id``).
     """
 
     priority: int
@@ -123,6 +131,7 @@ class RequestOptions(SamplingOptions, total=False):
     response_format: Mapping[str, Any] | None
     grammar: str | None
     json_schema: Mapping[str, Any] | str | None
+    prompt_logprobs: int | None
 
 
 _KEYS = frozenset(SamplingOptions.__annotations__)
@@ -144,6 +153,7 @@ class Resolved:
     tenant: str | None = None
     cache_salt: str | None = None
     constraint: Constraint | None = None  # structured output (kvserve.grammar)
+    prompt_logprobs: int | None = None  # alternatives per prompt token, None: not asked
 
 
 def stop_list(stop: Stop) -> list[str]:
@@ -221,11 +231,12 @@ def resolve(
         raise ValueError(f"context_shift must be True or False, got {context_shift!r}")
     if n_vocab is not None:
         params.check_vocab(n_vocab)
-    logprobs = options.get("logprobs")
-    integer = isinstance(logprobs, numbers.Integral) and not isinstance(logprobs, bool)
-    if logprobs is not None and (not integer or not 0 <= logprobs <= MAX_LOGPROBS):
+    logprobs = _logprobs(options, "logprobs")
+    prompt_logprobs = _logprobs(options, "prompt_logprobs")
+    if prompt_logprobs is not None and session_id is not None:
         raise ValueError(
-            f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: off), got {logprobs!r}"
+            "prompt_logprobs cannot be combined with session_id (a turn continues K/V whose"
+            " rows were not kept)"
         )
     constraint = None
     if any(options.get(k) is not None for k in ("response_format", "grammar", "json_schema")):
@@ -242,11 +253,23 @@ def resolve(
         session_id=session_id,
         context_shift=context_shift,
         n_keep=n_keep,
-        logprobs=None if logprobs is None else int(logprobs),
+        logprobs=logprobs,
         tenant=tenant,
         cache_salt=cache_salt,
         constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _logprobs(options: RequestOptions, name: str) -> int | None:
+    """Option ``name`` (``logprobs``, ``prompt_logprobs``): None or an integer in [0, 20]."""
+    value = options.get(name)
+    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if value is not None and (not integer or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(
+            f"{name} must be an integer in [0, {MAX_LOGPROBS}] (None: off), got {value!r}"
+        )
+    return None if value is None else int(value)
 
 
 def _opt_str(options: RequestOptions, name: str, limit: int) -> str | None:

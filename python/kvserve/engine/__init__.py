@@ -49,6 +49,18 @@ One step:
    end-of-generation, stop strings (incrementally: work per token bounded by the new text),
    max_tokens and ``ctx_size``, and retire finished sequences.
 
+Prompt logprobs (the ``prompt_logprobs`` option; ``echo`` with ``logprobs`` on the server's
+``/v1/completions``) are computed in the request's own prefill: its batch rows ask the core for
+the logits of every prompt position whose entry is still missing (the others only that of the
+last token, as always), and each step reduces those rows to the entries (the next token's
+log-softmax and the top alternatives) before the next one, so no row outlives its step; such a
+request's prompt goes in chunks of at most ``PROMPT_LOGITS_BYTES`` (64 MiB) of logits. Its
+rows must be computed, so it maps no cached prefix at admission (after a preemption, only the
+positions whose entries it already has), and it does not fetch from the shared tier; its own
+blocks are cached for others as usual. Measured on SmolLM2 (49k vocabulary), a 105-token
+prompt computed with all its rows costs about a third more than without (the output layer
+and the reduction).
+
 The package: :mod:`.api` (this front end), :mod:`.scheduler` (pure policy), :mod:`.kv` (the
 only caller of the context), :mod:`.session_manager`, :mod:`.output`, :mod:`.loop` (the
 thread and containment); docs/ARCHITECTURE.md has the map.

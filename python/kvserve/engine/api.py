@@ -50,6 +50,11 @@ log = logging.getLogger("kvserve.engine")
 
 T = TypeVar("T")
 
+# The logits one step may return for the prompt rows of a request that asked for prompt
+# logprobs (float32 x vocabulary per row): its prompt goes in chunks of at most this much
+# (341 tokens for a 49k vocabulary, 64 for 262k), each reduced to entries in its step.
+PROMPT_LOGITS_BYTES = 64 << 20
+
 
 def _load_model(model: Model | StrPath | None, threads: int | None) -> Model:
     if isinstance(model, Model):
@@ -74,6 +79,7 @@ def _new_request(ids: list[int], max_tokens: int, opts: Resolved, salt: bytes) -
         logprobs=opts.logprobs,
         tenant=opts.tenant,
         salt=salt,
+        prompt_logprobs=opts.prompt_logprobs,
     )
 
 
@@ -302,6 +308,7 @@ class Engine:
             prefix_cache=prefix_cache,
             aging_s=priority_aging_s,
             policy=self.tenant_policy,
+            prompt_rows=max(16, PROMPT_LOGITS_BYTES // (4 * self.model.n_vocab)),
         )
         self._loop = EngineLoop(
             self.model,
@@ -379,8 +386,8 @@ class Engine:
         """Validates everything and builds the request (nothing is queued yet); ``prompt`` is
         text or the token ids to feed as they are; ``constraint``: one made by the caller
         (a :class:`kvserve.tools.ToolPlan`'s), in place of the options' structured output."""
-        if max_tokens <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if self.max_tokens_limit is not None and max_tokens > self.max_tokens_limit:
             raise ValueError(
                 f"max_tokens must be <= max_tokens_limit={self.max_tokens_limit}, got {max_tokens}"
@@ -445,8 +452,13 @@ class Engine:
 
     def _submit(self, req: Request) -> None:
         fetcher = self._fetcher
-        # A text turn of a session continues what the session holds here: nothing to fetch.
-        if fetcher is not None and (req.turn is None or req.turn.cont is None):
+        # A text turn of a session continues what the session holds here: nothing to fetch;
+        # nor for a request that computes its prompt's rows (prompt_logprobs).
+        if (
+            fetcher is not None
+            and (req.turn is None or req.turn.cont is None)
+            and req.match_limit is None
+        ):
             if self._loop.closed:
                 raise EngineClosed(self._loop.fatal or "the engine is closed")
             try:
@@ -484,7 +496,10 @@ class Engine:
     ) -> GenerateResult:
         """Complete ``prompt`` (blocking; any thread). ``options``: see
         :class:`kvserve.options.RequestOptions` (sampling, stop rules, ``priority``,
-        ``session_id``: continue that session, see the module docs)."""
+        ``session_id``: continue that session, see the module docs; ``prompt_logprobs=N``:
+        each prompt token's log-probability and N alternatives, in the result's
+        ``prompt_logprobs``). ``max_tokens=0`` computes the prompt alone (with
+        ``prompt_logprobs``: scores a text, as evaluation harnesses do) and generates nothing."""
         return self._wait(self._request(prompt, max_tokens, options))
 
     def _wait(self, req: Request) -> GenerateResult:
@@ -604,7 +619,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | End] = asyncio.Queue()
         for i, req in enumerate(reqs):
-            req.sink = ChoiceSink(loop, queue, i)
+            req.sink = ChoiceSink(loop, queue, i, req)
         self._submit(reqs[0])
         try:
             left = len(reqs)

@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .._model import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, GenerateResult, KvCacheFull
+from .._model import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateResult,
+    KvCacheFull,
+    token_logprob,
+)
 from ..grammar import GrammarError
 from ..testing import Faults
 from .constrain import Masks, masked_row
@@ -491,6 +498,8 @@ class EngineLoop:
                 cached_tokens=max(req.cached_tokens, 0),
                 logprobs=req.logprobs,
                 session_cached_tokens=req.session_cached if req.cached_tokens >= 0 else 0,
+                prompt_logprobs=req.prompt_logprobs,
+                end_logprob=req.end_logprob,
             ),
             req.unsent_logprobs(),
         )
@@ -526,6 +535,11 @@ class EngineLoop:
         self, parent: Request, child: Request, row: np.ndarray, masked: np.ndarray | None
     ) -> int:
         self.faults.check("fork", child)
+        child.prompt_logprobs = parent.prompt_logprobs  # complete, and never changed again
+        if child.max_tokens == 0:  # nothing to generate: no sequence of its own
+            child.n_done, child.cached_tokens = parent.n_done, parent.cached_tokens
+            self.finish(child)
+            return 0
         child.seq = self.kv.alloc()
         try:
             self.kv.fork(parent.seq, child.seq)
@@ -558,7 +572,8 @@ class EngineLoop:
         session = req.turn.session if req.turn is not None else None
         if session is not None:
             return self.sessions.resident_prefix(req)  # None when evicted: no fast lane
-        return self.kv.peek(req.context(), req.salt)
+        limit = req.match_limit
+        return self.kv.peek(req.context() if limit is None else req.context(0, limit), req.salt)
 
     def reclaim_idle(self, prefer: Sequence[str | None] = ()) -> bool:
         s = self.sessions.table.victim(prefer)
@@ -605,7 +620,9 @@ class EngineLoop:
             req.seq = self.kv.alloc()
             self.sched.running[req.seq] = req  # a failure below releases it
             self.faults.check("prefix_match", req)
-            n = self.kv.match(req.seq, req.context(), req.salt, req.staged)
+            limit = req.match_limit  # prompt logprobs: its rows are computed, not mapped
+            ids = req.context() if limit is None else req.context(0, limit)
+            n = self.kv.match(req.seq, ids, req.salt, req.staged)
         self.sched.running[req.seq] = req
         return n
 
@@ -792,15 +809,28 @@ class EngineLoop:
         """A computed part of the batch: its requests advance, park or get their tokens.
         Returns the tokens generated."""
         self.sched.charge(plan)  # its prompt tokens, to their tenants' virtual times
-        for req, _start, k, _want in plan:
+        rows = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(
+            logits.n_rows, logits.n_vocab
+        )
+        wanting: list[Request] = []
+        at: list[int] = []  # the row of each of them (after any prompt rows: _batch)
+        i = 0
+        for req, start, k, want in plan:
             req.n_done += k
             req.faults = 0  # decoded: no longer a suspect
             if req.turn is not None and req.turn.closing:
                 self.contain(req, self.sessions.park, req)
-        rows = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(
-            logits.n_rows, logits.n_vocab
-        )
-        wanting = [req for req, _s, _k, want in plan if want]
+            echo = req.prompt_rows(start, k)
+            if echo:
+                if req.state == RUNNING and not req.cancel_requested:
+                    self.contain(req, self._prompt_logprobs, req, echo, rows[i : i + len(echo)])
+                i += len(echo)
+            if want:
+                wanting.append(req)
+                at.append(i)
+                i += 1
+        if len(at) < len(rows):  # prompt rows among them: the sampled rows alone
+            rows = rows[at]
         greedy = argmax_rows(wanting, rows)
         n_generated = 0
         first = 0
@@ -821,9 +851,24 @@ class EngineLoop:
                 first = i + 1
         return n_generated
 
+    def _prompt_logprobs(self, req: Request, positions: range, rows: np.ndarray) -> None:
+        """Reduces the logits ``rows`` of prompt ``positions`` to the entries of the prompt
+        tokens after them (each row to its token's log-probability and top alternatives, so
+        no row outlives its step)."""
+        entries = req.prompt_logprobs
+        n = req.n_prompt_logprobs
+        assert entries is not None and n is not None and positions.start == len(entries) - 1
+        ids = req.ids
+        for p, row in zip(positions, rows):
+            entries.append(token_logprob(self.model, row, ids[p + 1], n))
+
     def _emit(self, req: Request, row: np.ndarray, greedy: int | None) -> int:
         if self.faults.armed:
             self.faults.check("sample", req)
+        if req.max_tokens == 0:  # the prompt alone (its K/V, its logprobs): nothing to pick
+            n = self._fork(req, row) if req.children else 0
+            self.finish(req)
+            return n
         masked = None
         if req.matcher is not None:
             if req.mask is None:
@@ -894,5 +939,10 @@ def _batch(plan: list[PlanEntry]) -> tuple[list[int], list[int], list[int], list
         tokens += req.context(start, start + k)
         positions += range(start, start + k)
         seqs += [req.seq] * k
-        flags += [False] * (k - 1) + [want]
+        echo = req.prompt_rows(start, k)  # rows for prompt logprobs, before the sampled one
+        if echo:
+            flags += [p in echo for p in range(start, start + k)]
+            flags[-1] = flags[-1] or want  # never a prompt row when want: it is the last
+        else:
+            flags += [False] * (k - 1) + [want]
     return tokens, positions, seqs, flags

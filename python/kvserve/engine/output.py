@@ -57,6 +57,7 @@ def deliver(
     it. ``eog``: ``tok`` ends the generation (an end-of-generation token, ``ignore_eos``
     off); it is not delivered."""
     if eog:
+        req.end_logprob, req.pending_logprob = req.pending_logprob, None
         return FINISH_STOP
     req.ids.append(tok)
     if req.logprobs is not None and req.pending_logprob is not None:

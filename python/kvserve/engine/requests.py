@@ -161,12 +161,15 @@ class Delta:
     delivered since the choice's previous delta (a token whose text is held back, such as the
     start of a possible stop string, comes with the text it becomes part of, or in the last
     delta), so a choice's entries join to its result's ``logprobs``. ``result``: set in the
-    choice's last delta (finish reason, tokens, token counts), None before."""
+    choice's last delta (finish reason, tokens, token counts), None before.
+    ``prompt_logprobs``: in the choice's first delta, when the request asked for them (as
+    :attr:`GenerateResult.prompt_logprobs`), None in the others."""
 
     index: int
     text: str
     logprobs: list[TokenLogprob] | None = None
     result: GenerateResult | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class ChoiceSink(Sink):
@@ -174,11 +177,22 @@ class ChoiceSink(Sink):
     error of a failed choice as an ``End``) through the event loop."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Delta | End], index: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[Delta | End],
+        index: int,
+        req: Request | None = None,
     ) -> None:
         self.loop = loop
         self.queue = queue
         self.index = index
+        # The request whose prompt logprobs its first delta carries (None: nothing to carry).
+        self.req = req if req is not None and req.n_prompt_logprobs is not None else None
+
+    def _prompt(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs for the delta being sent: the first one only."""
+        req, self.req = self.req, None
+        return None if req is None else req.prompt_logprobs
 
     def _put(self, item: Delta | End) -> None:
         try:
@@ -187,10 +201,10 @@ class ChoiceSink(Sink):
             pass
 
     def piece(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
-        self._put(Delta(self.index, text, logprobs))
+        self._put(Delta(self.index, text, logprobs, None, self._prompt()))
 
     def done(self, result: GenerateResult, logprobs: list[TokenLogprob] | None) -> None:
-        self._put(Delta(self.index, "", logprobs, result))
+        self._put(Delta(self.index, "", logprobs, result, self._prompt()))
 
     def fail(self, error: BaseException) -> None:
         self._put(End(error))
@@ -210,6 +224,7 @@ class Request:
         logprobs: int | None = None,
         tenant: str | None = None,
         salt: bytes = b"",
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.ids = ids  # prompt, then the generated tokens (the penalties' history)
         self.n_prompt = len(ids)
@@ -249,6 +264,14 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         self.pending_logprob: TokenLogprob | None = None
         self.logprobs_sent = 0  # entries already handed to the sink
+        self.end_logprob: TokenLogprob | None = None  # the ending EOG token's entry
+        # prompt_logprobs: alternatives per prompt token (None: not asked); the entries so far,
+        # one per prompt token from the first (None), each appended when the row before its
+        # token is computed (prompt_rows).
+        self.n_prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if prompt_logprobs is None else [None]
+        )
         self.turn: Turn | None = None  # the session part (session requests only)
         # n > 1 (Engine.choices): the other choices, forked from this request's sequence
         # (seq_cp) when its prompt is computed; emptied then. They wait with it until then.
@@ -280,6 +303,25 @@ class Request:
         if a >= keep:
             return ids[a + shift : b + shift]
         return ids[a:keep] + ids[keep + shift : b + shift]
+
+    def prompt_rows(self, start: int, k: int) -> range:
+        """The positions among ``[start, start + k)`` whose logits rows give prompt logprobs
+        still missing (row ``p`` gives prompt token ``p + 1``'s entry); empty when none are
+        asked or all are in."""
+        entries = self.prompt_logprobs
+        if entries is None:
+            return range(0)
+        return range(max(start, len(entries) - 1), min(start + k, self.n_prompt - 1))
+
+    @property
+    def match_limit(self) -> int | None:
+        """The most leading tokens a prefix match may map for it (None: no limit): a request
+        that still needs prompt rows computes them, so only those already reduced (before a
+        preemption) may come from the cache."""
+        entries = self.prompt_logprobs
+        if entries is None or len(entries) >= self.n_prompt:
+            return None
+        return len(entries) - 1
 
     def unsent_logprobs(self) -> list[TokenLogprob] | None:
         """The logprob entries not yet handed to the sink (None when not asked); marks them

@@ -340,6 +340,7 @@ class Scheduler:
         fast_lane: int | None = None,
         aging_s: float | None = 30.0,
         policy: Callable[[Tenant], TenantPolicy] = _default_policy,
+        prompt_rows: int | None = None,
     ) -> None:
         self.parallel = parallel
         self.batch_tokens = batch_tokens
@@ -348,6 +349,9 @@ class Scheduler:
         # Prompt tokens left to compute that still let a request skip the queue while the
         # step's prompt budget is taken: four blocks, or 1/8 of the budget.
         self.fast_lane = max(4 * block_size, batch_tokens // 8) if fast_lane is None else fast_lane
+        # The most prompt tokens per step of a request that asked for prompt logprobs (each
+        # gets a logits row in that step's output; None: no limit beyond the budget).
+        self.prompt_rows = prompt_rows
         self.queue = WaitQueue(aging_s)
         self.running: dict[int, Request] = {}  # sequence id -> request
         self.policy = policy
@@ -630,6 +634,8 @@ class Scheduler:
         b = self.block
         ids = req.context()
         usable = (len(ids) - 1) // b * b  # what a prefix match could map
+        if req.match_limit is not None:
+            usable = min(usable, req.match_limit // b * b)
         if usable == 0:
             return False
         head = ids[:b]
@@ -806,6 +812,8 @@ class Scheduler:
                 if budget <= 0:
                     break
                 k = min(req.n_tokens - req.n_done, budget)
+                if self.prompt_rows is not None and req.prompt_rows(req.n_done, k):
+                    k = min(k, self.prompt_rows)
                 plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
                 budget -= k
         return plan
