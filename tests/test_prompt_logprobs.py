@@ -1,5 +1,8 @@
-"""Prompt log-probabilities: the Engine's ``prompt_logprobs`` option (python/kvserve/engine/
-loop.py ``_batch``/``_consume``).
+"""Prompt log-probabilities: the Engine's ``prompt_logprobs`` option and ``echo`` on
+``/v1/completions`` (python/kvserve/engine/loop.py ``_batch``/``_consume``, python/kvserve/
+server/app.py), with the request shapes scoring harnesses send (lm-evaluation-harness's
+``local-completions``: token-id prompts, ``echo: true, logprobs: 1, max_tokens: 1``; or
+``max_tokens: 0``).
 
 Oracle: our own core decoding the prompt one token per call (a fresh context, no batching, no
 chunks, no prefix cache) with a float64 log-softmax in numpy: the prompt logprobs computed in
@@ -9,21 +12,28 @@ chunked, batched prefill must equal those.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
 from kvserve import Engine, Model
 from kvserve.sampling import TokenLogprob
+from kvserve.server.app import create_app
+from kvserve.server.config import ServerConfig
+from kvserve.testing import live_server
 
 TEXT = (
     "The lighthouse keeper climbed the stairs every evening at dusk, trimmed the wick, polished"
     " the lens and wrote the weather into the log. "
 ) * 2
+CONTEXT = "Question: what is the capital of France?\nAnswer:"
+CONTINUATION = " Paris is the capital of France."
 # Prompt logprobs of a chunked, batched prefill against a one-token-per-call decode of the same
 # core: equal but for summation order (measured: bit for bit on this machine).
 EXACT = 1e-4
@@ -188,3 +198,128 @@ def test_the_end_token_entry(engine: Engine, model: Model) -> None:
     assert r.end_logprob is not None and r.end_logprob.token == eos
     assert r.end_logprob == model.generate("Hello", max_tokens=4, **kw).end_logprob
     assert engine.generate("Hello", max_tokens=2, ignore_eos=True, logprobs=1).end_logprob is None
+
+
+# -- the HTTP API -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url(engine: Engine) -> Iterator[str]:
+    with live_server(create_app(ServerConfig(), engine=engine)) as u:
+        yield u
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _lm_eval_score(choice: dict[str, Any], ctxlen: int) -> tuple[float, bool]:
+    """What lm-evaluation-harness's local-completions does with a choice (its
+    ``parse_logprobs``): the continuation's summed logprob and whether it is greedy."""
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))
+
+
+def test_lm_eval_harness_request_shape(url: str, model: Model, ref: Reference) -> None:
+    """Token-id prompts (context + continuation, a batch of two), echo, logprobs 1,
+    max_tokens 1, temperature 0, a seed: the continuation's score is the oracle's; with
+    max_tokens 0 the same entries end at the prompt's end."""
+    ctx = _ids(model, CONTEXT)
+    conts = [
+        _ids(model, CONTEXT + CONTINUATION)[len(ctx) :],
+        model.tokenize(" 42", add_special=False),
+    ]
+    prompts = [ctx + c for c in conts]
+    body = {"model": "m", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1}
+    out = _post(url, {**body, "seed": 1234, "echo": True})
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert len(choices) == 2
+    for ids, choice in zip(prompts, choices):
+        rows = ref.rows(ids)
+        want = sum(rows[i - 1][ids[i]] for i in range(len(ctx), len(ids)))
+        greedy = all(int(np.argmax(rows[i - 1])) == ids[i] for i in range(len(ctx), len(ids)))
+        got, is_greedy = _lm_eval_score(choice, len(ctx))
+        assert abs(got - want) < EXACT * len(ids) and is_greedy == greedy
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and choice["text"].startswith(model.detokenize(ids))
+    # max_tokens 0 (the shape other harnesses send): the prompt's entries alone, the same.
+    zero = _post(url, {**body, "max_tokens": 0, "echo": True})
+    for ids, choice, full in zip(prompts, zero["choices"], choices):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) and choice["finish_reason"] == "length"
+        assert lp["token_logprobs"] == full["logprobs"]["token_logprobs"][:-1]
+    assert zero["usage"]["completion_tokens"] == 0
+    assert zero["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+
+def test_echo_shapes(url: str, model: Model) -> None:
+    """Text prompts: ``text`` is the prompt as sent, then the completion (the same as without
+    echo); each token's text is at its ``text_offset`` in it, chat markup included; a stream
+    gives the same text and entries."""
+    prompt = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n"
+    base = {"prompt": prompt, "max_tokens": 5, "temperature": 0}
+    plain = _post(url, base)["choices"][0]
+    echoed = _post(url, {**base, "echo": True})["choices"][0]
+    assert echoed["text"] == prompt + plain["text"] and echoed["logprobs"] is None
+    full = _post(url, {**base, "echo": True, "logprobs": 2})["choices"][0]
+    lp = full["logprobs"]
+    assert full["text"] == echoed["text"]
+    n_prompt = len(_ids(model, prompt))
+    assert len(lp["tokens"]) == n_prompt + 5
+    assert "".join(lp["tokens"][:n_prompt]) == prompt  # markup tokens by their markup
+    for tok, at in zip(lp["tokens"], lp["text_offset"]):
+        assert full["text"][at : at + len(tok)] == tok
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+    # Streamed: the prompt comes first, with its entries; the whole joins to the same.
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={**base, "echo": True, "logprobs": 2, "stream": True},
+        timeout=120,
+    )
+    chunks = [
+        json.loads(line[6:])["choices"][0]
+        for line in r.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert chunks[0]["text"].startswith(prompt)
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in c["logprobs"][key]] == lp[key], key
+
+
+def test_a_completion_ended_by_its_end_token_lists_it(url: str, model: Model) -> None:
+    """A scoring client slices the entries after the prompt by position: a completion that
+    ended on an end-of-generation token lists that token (not in the text), as OpenAI's and
+    vLLM's legacy completions do."""
+    eos = model.eos
+    assert eos is not None and model.is_eog(eos)
+    body = {"prompt": "Hello", "max_tokens": 1, "echo": True, "logprobs": 1}
+    out = _post(url, {**body, "logit_bias": {str(eos): 100}})["choices"][0]
+    n_prompt = len(_ids(model, "Hello"))
+    assert out["finish_reason"] == "stop" and out["text"] == "Hello"
+    lp = out["logprobs"]
+    assert len(lp["tokens"]) == n_prompt + 1
+    assert lp["tokens"][-1] == model.core.token_to_piece(eos, True).decode()
+    assert lp["token_logprobs"][-1] < 0 and lp["text_offset"][-1] == len("Hello")
+
+
+def test_echo_errors(url: str) -> None:
+    for body, param in (
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "echo": True, "session_id": "s1"}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
+    ):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

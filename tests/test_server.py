@@ -760,7 +760,7 @@ _BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"prompt": "x", "n": PARALLEL + 1}, 400, "n", f"parallel={PARALLEL}"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "greater"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", "must be one of"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "session_id": "s"}, 400, "echo", "session"),
     ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "not permitted"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),

@@ -8,6 +8,14 @@ get ``seed + j`` (choice ``j``), so a seeded request with ``n > 1`` gives differ
 reproducible choices. Each streamed chunk carries the logprobs of the tokens its text came
 from (when asked), so the chunks' entries join to the non-streamed ones.
 
+Echo (``/v1/completions``): ``echo: true`` puts the prompt before each choice's text, and with
+``logprobs: N`` the prompt's tokens before the completion's in the legacy ``logprobs`` object
+(the first token's logprob and alternatives null, as OpenAI's), computed in the prompt's own
+prefill (the engine's ``prompt_logprobs``); a completion ended by an end-of-generation token
+then lists that token last, as OpenAI's and vLLM's legacy completions do, so a harness that
+slices the entries by position scores the right tokens. ``max_tokens: 0`` is allowed with
+echo only (the prompt alone: what evaluation harnesses send to score a text).
+
 Admission: at most ``parallel + max_queue`` sequences are in the server at once; a request
 that would pass that gets 503 with ``Retry-After``. Its ``priority`` orders the engine's queue
 (higher first). A client that disconnects (streaming or not) has its requests cancelled; the
@@ -53,6 +61,7 @@ from .._model import (
     GenerateResult,
     KvCacheFull,
     Model,
+    prompt_ids,
 )
 from ..engine import Delta, Engine, EngineClosed, TenantPolicy, TooManySessions
 from ..grammar import Constraint
@@ -776,7 +785,109 @@ def _completion_logprobs(
     }
 
 
-# -- the app ----------------------------------------------------------------------------------
+# -- echo: the prompt before the completion ----------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Echo:
+    """An echoed prompt: its text as the response shows it, its token ids (what the engine
+    is given) and, with logprobs, each token's text (``tokens`` of the legacy logprobs)."""
+
+    text: str
+    ids: list[int]
+    pieces: list[str] | None
+
+
+def _echo(model: Model, prompt: Prompt, with_tokens: bool) -> _Echo:
+    """The echo of one prompt (in a worker thread: it tokenizes). A text prompt is echoed
+    as it was sent; its tokens are the engine's (``prompt_ids``: the model's BOS rule, special
+    tokens parsed), each shown as its text in the prompt (special tokens' markup included; an
+    added BOS as ""), so ``text_offset`` indexes the echoed text. A token-id prompt is echoed
+    as its tokens' texts."""
+    try:
+        ids = prompt_ids(model, prompt) if isinstance(prompt, str) else list(prompt)
+    except ValueError as e:
+        raise _bad_value(e, "prompt") from None
+    n_vocab = model.n_vocab
+    if not all(0 <= t < n_vocab for t in ids):  # the engine names the bad one
+        return _Echo("", ids, None)
+    raw = [model.core.token_to_piece(t, True) for t in ids]
+    if isinstance(prompt, str) and model.add_bos and ids[:1] == [model.bos]:
+        raw[0] = b""  # added by the tokenizer: not in the prompt's text
+    text = prompt if isinstance(prompt, str) else b"".join(raw).decode("utf-8", errors="replace")
+    pieces = [p.decode("utf-8", errors="replace") for p in raw] if with_tokens else None
+    return _Echo(text, ids, pieces)
+
+
+def _markup(model: Model, token: int) -> str:
+    """A token's text with special tokens as their markup (as they are in a prompt's text)."""
+    return model.core.token_to_piece(token, True).decode("utf-8", errors="replace")
+
+
+def _echo_logprobs(
+    model: Model, echo: _Echo, entries: Sequence[TokenLogprob | None] | None
+) -> dict[str, Any] | None:
+    """The legacy ``logprobs`` of an echoed prompt: its tokens, their log-probabilities (the
+    first null, as OpenAI's) and alternatives (as the tokens, special tokens by their markup),
+    offsets from 0."""
+    if entries is None or echo.pieces is None:
+        return None
+    offsets, at = [], 0
+    for piece in echo.pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {
+        "tokens": list(echo.pieces),
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [
+            None if e is None else {_markup(model, t): lp for t, lp in e.top} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _end_logprobs(model: Model, result: GenerateResult, at: int) -> dict[str, Any] | None:
+    """The legacy ``logprobs`` of the end-of-generation token that ended ``result`` (not in
+    its text; offset ``at``, the text's end), listed after an echoed prompt's completion as
+    OpenAI's and vLLM's legacy completions list it: a client that scores by position (the
+    completion's entries after the prompt's) finds it there. None when no such token ended it."""
+    end = result.end_logprob
+    if end is None:
+        return None
+
+    return {
+        "tokens": [_markup(model, end.token)],
+        "token_logprobs": [end.logprob],
+        "top_logprobs": [{_markup(model, t): lp for t, lp in end.top}],
+        "text_offset": [at],
+    }
+
+
+def _join_logprobs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Legacy ``logprobs`` objects one after the other (None parts left out; None if all are)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [x for p in present for x in p[k]] for k in keys}
+
+
+def _check_echo(body: CompletionRequest) -> None:
+    """``max_tokens: 0`` is for an echo alone; echo does not continue a session."""
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(
+            400,
+            "max_tokens must be greater than or equal to 1 (0 only with echo: true)",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    if body.echo and body.session_id is not None:
+        raise ApiError(
+            400,
+            "echo cannot be combined with session_id (a session's turn echoes no prompt)",
+            param="echo",
+            code="invalid_value",
+        )
 
 
 def load_engine(config: ServerConfig) -> Engine:
@@ -990,7 +1101,6 @@ def create_app(
         body = await _parse(request, CompletionRequest)
         engine = server.ready()
         for field, unsupported in (
-            ("echo", body.echo),
             ("suffix", body.suffix is not None),
             ("best_of", body.best_of not in (None, body.n)),
         ):
@@ -998,13 +1108,24 @@ def create_app(
                 raise ApiError(
                     400, f"{field} is not supported", param=field, code="unsupported_parameter"
                 )
+        _check_echo(body)
         options = scoped(request, _logprobs_option(_options(body), body.logprobs))
+        if body.echo and body.logprobs is not None:
+            options["prompt_logprobs"] = body.logprobs  # computed in the prompt's prefill
         _common_checks(request, body)
         prompts = _prompts(body.prompt)
         _check_prompt_sizes(server, engine, prompts)
         max_tokens = _max_tokens(engine, {"max_tokens": body.max_tokens}, 16)  # OpenAI's 16
+        echoes: list[_Echo] = []  # per prompt, made with the tokenization (echo only)
+
+        def to_engine(e: Engine) -> Sequence[Prompt]:
+            if not body.echo:
+                return prompts
+            echoes[:] = [_echo(e.model, p, body.logprobs is not None) for p in prompts]
+            return [x.ids for x in echoes]
+
         job = await _open_job(
-            server, request, len(prompts), lambda _: prompts, body.n, max_tokens, options, "prompt"
+            server, request, len(prompts), to_engine, body.n, max_tokens, options, "prompt"
         )
         rid = f"cmpl-{request.scope[REQUEST_ID]}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time())}
@@ -1012,17 +1133,31 @@ def create_app(
         base["system_fingerprint"] = server.fingerprint
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            offsets = [0] * job.count  # each choice's tokens' text so far (text_offset)
+            # Each choice's text so far (text_offset); an echoed prompt's text comes first.
+            offsets = [len(echoes[i // body.n].text) if echoes else 0 for i in range(job.count)]
+            opened = [False] * job.count
 
             def choice(i: int, delta: Delta) -> dict[str, Any]:
                 logprobs = _completion_logprobs(engine, delta.logprobs, offsets[i])
                 if logprobs is not None:
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 result = delta.result
+                text = delta.text
+                if echoes:
+                    echo = echoes[i // body.n]
+                    if not opened[i]:  # the first chunk of a choice: the prompt before it
+                        opened[i] = True
+                        text = echo.text + text
+                        logprobs = _join_logprobs(
+                            _echo_logprobs(engine.model, echo, delta.prompt_logprobs), logprobs
+                        )
+                    if result is not None and logprobs is not None:
+                        end = _end_logprobs(engine.model, result, offsets[i])
+                        logprobs = _join_logprobs(logprobs, end)
                 return [
                     {
                         "index": i,
-                        "text": delta.text,
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": None if result is None else _finish_reason(result),
                     }
@@ -1034,11 +1169,22 @@ def create_app(
         choices = []
         for i, r in enumerate(job.results):
             assert r is not None
+            text, logprobs = r.text, _completion_logprobs(engine, r.logprobs)
+            if echoes:
+                echo = echoes[i // body.n]
+                text = echo.text + r.text
+                if logprobs is not None:
+                    at = len(echo.text)
+                    logprobs = _join_logprobs(
+                        _echo_logprobs(engine.model, echo, r.prompt_logprobs),
+                        _completion_logprobs(engine, r.logprobs, at),
+                        _end_logprobs(engine.model, r, at + len(r.text)),
+                    )
             choices.append(
                 {
                     "index": i,
-                    "text": r.text,
-                    "logprobs": _completion_logprobs(engine, r.logprobs),
+                    "text": text,
+                    "logprobs": logprobs,
                     "finish_reason": _finish_reason(r),
                 }
             )

@@ -126,7 +126,10 @@ class CompletionRequest(_Generation):
     token-id lists; each prompt gets ``n`` choices (index ``prompt * n + j``)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    # 0: the prompt alone, allowed with echo only (scoring a text by its prompt logprobs).
+    max_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[int] = None
+    # The prompt's text before the completion's (and with logprobs its tokens' entries).
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
