@@ -180,6 +180,8 @@ def test_a_preempted_prefill_resumes_without_gaps_or_repeats(model: Model, ref: 
 def test_prompt_logprobs_arguments(engine: Engine) -> None:
     with pytest.raises(ValueError, match="prompt_logprobs cannot be combined with session_id"):
         engine.generate("Hi", prompt_logprobs=1, session_id="s")
+    with pytest.raises(ValueError, match="max_tokens must be >= 1 with session_id"):
+        engine.generate("Hi", max_tokens=0, session_id="s")
     with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
         engine.generate("Hi", prompt_logprobs=21)
     # One token: nothing precedes it, nothing to compute.

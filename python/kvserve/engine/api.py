@@ -404,6 +404,8 @@ class Engine:
         ids = prompt_ids(self.model, prompt) if isinstance(prompt, str) else self._ids(prompt)
         turn = None
         n = len(ids)
+        if opts.session_id is not None and max_tokens == 0:
+            raise ValueError("max_tokens must be >= 1 with session_id (a turn generates)")
         if opts.session_id is not None:
             # Text continues the session (no second BOS); token ids (a chat) give the whole
             # conversation, which reuses the longest prefix the session holds.
