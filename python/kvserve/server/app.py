@@ -1137,7 +1137,7 @@ def create_app(
             offsets = [len(echoes[i // body.n].text) if echoes else 0 for i in range(job.count)]
             opened = [False] * job.count
 
-            def choice(i: int, delta: Delta) -> dict[str, Any]:
+            def choice(i: int, delta: Delta) -> list[dict[str, Any]]:
                 logprobs = _completion_logprobs(engine, delta.logprobs, offsets[i])
                 if logprobs is not None:
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
