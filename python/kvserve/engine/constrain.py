@@ -26,7 +26,6 @@ class Masks:
         self.n_vocab = n_vocab
         self.words = (n_vocab + 31) // 32
         self._pool: ThreadPoolExecutor | None = None
-        self._executor: Any = None  # llguidance's LLExecutor (its own threads)
         self.rows = 0  # masks computed
         self.seconds = 0.0  # time spent computing them (on the helper thread)
         self.waited = 0.0  # time the engine thread waited for them after a pass
@@ -37,20 +36,23 @@ class Masks:
         if not reqs:
             return None
         if self._pool is None:
-            import llguidance
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
-            self._executor = llguidance.LLExecutor()
         bitmask = np.full((len(reqs), self.words), -1, dtype=np.int32)
         jobs = [(r.matcher, i) for i, r in enumerate(reqs)]
         fut = self._pool.submit(self._fill, jobs, bitmask)
         return reqs, bitmask, fut
 
     def _fill(self, jobs: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
+        # One matcher after another on this thread (each call releases the GIL). llguidance's
+        # own parallel executor was measured at ~130 µs per mask here against ~18 µs for this
+        # loop: with the forward pass on every core, waking its pool costs more than the work.
         t0 = time.perf_counter()
-        self._executor.unsafe_compute_mask_ptr(
-            jobs, bitmask.ctypes.data, self.words * 4, bitmask.shape[0]
-        )
+        row = self.words * 4
+        base = bitmask.ctypes.data
+        for matcher, i in jobs:
+            # The pointer is row i of ``bitmask`` (C-contiguous int32, ``words`` per row),
+            # which lives until finish(): what llguidance writes stays inside it.
+            matcher.unsafe_compute_mask_ptr(base + i * row, row)
         self.seconds += time.perf_counter() - t0
         self.rows += len(jobs)
 
@@ -83,4 +85,4 @@ def masked_row(row: np.ndarray, words: np.ndarray) -> np.ndarray:
     """``row`` with every token the bitmask ``words`` forbids at ``-inf`` (a new array):
     token ``t`` is allowed when bit ``t % 32`` of word ``t // 32`` is set."""
     allowed = np.unpackbits(words.view(np.uint8), bitorder="little", count=row.shape[-1])
-    return np.where(allowed.astype(bool), row, np.float32(-np.inf))
+    return np.where(allowed.view(bool), row, np.float32(-np.inf))  # 0/1 bytes: a bool view
