@@ -186,6 +186,8 @@ def test_bad_tools_and_choices_are_errors_naming_the_field() -> None:
     flat = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
     plan = plan_tools(chatml, flat, {"type": "function", "name": "get_weather"})
     assert plan is not None and plan.function == "get_weather"
+    with pytest.raises(ValueError, match=r"^tool_choice\.name 'nope' is not one of the tools"):
+        plan_tools(chatml, flat, {"type": "function", "name": "nope"})
 
 
 def test_the_output_schema_allows_what_the_choice_allows() -> None:

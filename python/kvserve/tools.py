@@ -214,12 +214,14 @@ def _check_choice(tool_choice: object, tools: list[Tool]) -> tuple[str, str | No
             "tool_choice must be 'auto', 'none', 'required' or"
             ' {"type": "function", "function": {"name": ...}}'
         )
-    fn = tool_choice.get("function", tool_choice)  # the Responses API's is flat
+    # The Responses API's is flat ({"type": "function", "name": ...}): named as it is sent.
+    where = "tool_choice.function.name" if "function" in tool_choice else "tool_choice.name"
+    fn = tool_choice.get("function", tool_choice)
     name = fn.get("name") if isinstance(fn, Mapping) else None
     if not isinstance(name, str):
-        raise ValueError("tool_choice.function.name must be a string")
+        raise ValueError(f"{where} must be a string")
     if name not in {t.name for t in tools}:
-        raise ValueError(f"tool_choice.function.name {name!r} is not one of the tools")
+        raise ValueError(f"{where} {name!r} is not one of the tools")
     return "function", name
 
 
