@@ -314,16 +314,13 @@ def test_fields_that_change_nothing_are_accepted_and_the_rest_are_400s(live: Liv
     got = _respond(url, {**base, **ignored})
     assert _text(got) == _text(want) and got["metadata"] == {"team": "a"}
     assert got["user"] == "u-1" and got["tool_choice"] == "auto"
-    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
     image = {"type": "input_image", "image_url": "https://example.com/a.png"}
-    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": []}
     for field, value, code in (
-        ("tools", [tool], "unsupported_parameter"),
-        ("tool_choice", "required", "unsupported_parameter"),
         ("text", {"format": {"type": "xml"}}, "invalid_value"),
         ("background", True, "unsupported_parameter"),
         ("input", [{"role": "user", "content": [image]}], "invalid_value"),
-        ("input", [call], "invalid_value"),
+        ("input", [reasoning], "invalid_value"),
         ("input", [], "invalid_value"),
         ("input", None, "invalid_value"),
         ("max_output_tokens", 0, "invalid_value"),

@@ -84,14 +84,15 @@ from .http import (
 from .metrics import CONTENT_TYPE, Metrics, priority_label
 from .responses import (
     EventWriter,
+    ReplyItems,
     ResponseStore,
     StoredResponse,
     engine_format,
-    engine_tools,
     failure,
     format_error,
     input_messages,
     refuse_unsupported,
+    reply_status,
     response_object,
 )
 from .schemas import (
@@ -625,7 +626,7 @@ def _messages(body: ChatRequest | TemplateRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_plan(engine: Engine, body: ChatRequest) -> ToolPlan | None:
+def _tool_plan(engine: Engine, body: ChatRequest | ResponseRequest) -> ToolPlan | None:
     """The request's tool plan (kvserve.tools; in a worker thread: it checks the tools'
     schemas); a 400 naming the bad field."""
     try:
@@ -1322,8 +1323,8 @@ def create_app(
         engine = server.ready()
         refuse_unsupported(body)
         _common_checks(request, body)
-        # text.format and tools: the engine options they map to (responses.py, one place each).
-        extra: dict[str, Any] = {**engine_format(body), **engine_tools(body)}
+        # text.format: the engine options it maps to (responses.py, the one place).
+        extra: dict[str, Any] = engine_format(body)
         store = server.responses
         tenant = owner(request)
         previous: StoredResponse | None = None
@@ -1342,10 +1343,15 @@ def create_app(
             [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
         )
         messages = [*system, *conversation]
-        _check_chat_size(server, messages, "input")
+        _check_chat_size(server, messages, "input", tools=body.tools)
         max_tokens = _max_tokens(
             engine, {"max_output_tokens": body.max_output_tokens}, engine.ctx_size
         )
+        plan = None  # function tools, as on the chat route (kvserve.tools)
+        if body.tools or body.tool_choice is not None:
+            plan = await _blocking(lambda: _tool_plan(engine, body))
+        shown = None if plan is None else plan.render_tools
+        parsing = plan is not None and plan.active
         rid = f"resp_{request.scope[REQUEST_ID]}"
         if body.store:  # a new session is named after the response that starts it
             extra["session_id"] = rid
@@ -1364,11 +1370,12 @@ def create_app(
                 server,
                 request,
                 1,
-                lambda e: [_chat_ids(e, messages, config.special_in_content, "input")],
+                lambda e: [_chat_ids(e, messages, config.special_in_content, "input", shown)],
                 1,
                 max_tokens,
                 options,
                 "input",
+                None if plan is None else plan.constraint,
             )
         except ApiError as e:
             give_back()
@@ -1378,13 +1385,22 @@ def create_app(
             raise
         created = int(time.time())
         model = server.model_id
+        items = ReplyItems(rid, parsing)
+        parser = plan.parser() if plan is not None and parsing else None
+
+        def pieces(text: str, last: bool) -> list[str | ToolCall]:
+            """The reply's content and calls in ``text`` (the next piece of it)."""
+            if parser is None:
+                return [text]
+            return parser.feed(text) + (parser.finish() if last else [])
 
         def finish(result: GenerateResult) -> dict[str, Any]:
             obj = response_object(
-                body, rid, model, created, result=result, usage=job.usage_counts()
-            )
+                body, rid, model, created, plan=plan, status=reply_status(result),
+                output=items.output, usage=job.usage_counts(),
+            )  # fmt: skip
             if session is not None:
-                reply = {"role": "assistant", "content": result.text}
+                reply = items.chat_message()
                 entry = StoredResponse(
                     rid, tenant, (*conversation, reply), session, body.cache_salt, obj
                 )
@@ -1402,28 +1418,37 @@ def create_app(
                 return Response(status_code=499)
             result = job.results[0]
             assert result is not None
+            items.start()
+            items.add(pieces(result.text, last=True))
+            items.close(reply_status(result))
             return JSONResponse(finish(result))
-        writer = EventWriter(rid)
+        writer = EventWriter()
         finished = False
 
         async def events() -> AsyncGenerator[bytes, None]:
             nonlocal finished
             stream = job.run()
             try:
-                for event in writer.opening(response_object(body, rid, model, created)):
+                snapshot = response_object(body, rid, model, created, plan=plan)
+                for event in writer.opening(snapshot):
+                    yield event
+                for event in writer.events(items.start()):
                     yield event
                 async for _, delta in stream:
-                    if delta.text:
-                        yield writer.delta(delta.text)
+                    added = items.add(pieces(delta.text, last=delta.result is not None))
+                    for event in writer.events(added):
+                        yield event
                 result = job.results[0]
                 assert result is not None
+                closing = items.close(reply_status(result))
                 final = finish(result)
                 finished = True
-                for event in writer.closing(final):
+                for event in writer.events(closing):
                     yield event
+                yield writer.closing(final)
             except Exception as e:
                 error = _runtime_error(e)
-                failed = response_object(body, rid, model, created, error=failure(error))
+                failed = response_object(body, rid, model, created, plan=plan, error=failure(error))
                 for event in writer.failed(error, failed):
                     yield event
             finally:

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) on kvserve's chat path and sessions: what
 the route needs besides the chat route's steps (python/kvserve/server/app.py): the input
-items as chat messages, the response object and its stream events in OpenAI's shapes, and the
-store of responses that ``previous_response_id`` continues.
+items as chat messages (function calls and their outputs as the chat route's tool calls and
+tool messages), the response object, its output items and their stream events in OpenAI's
+shapes, and the store of responses that ``previous_response_id`` continues.
 
 State model. A stored response keeps its conversation (the input messages of its whole chain
 and its own reply; ``instructions`` are not part of it, as OpenAI documents) and the engine
@@ -29,22 +30,24 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._model import FINISH_STOP, GenerateResult
+from ..tools import ToolCall, ToolPlan
 from .http import ApiError
-from .schemas import ResponseRequest
+from .schemas import ResponseFunctionCall, ResponseFunctionCallOutput, ResponseRequest
 
 __all__ = [
     "EventWriter",
+    "ReplyItems",
     "ResponseStore",
     "StoredResponse",
     "engine_format",
-    "engine_tools",
     "input_messages",
     "refuse_unsupported",
+    "reply_status",
     "response_object",
 ]
 
@@ -184,33 +187,146 @@ def format_error(error: ApiError) -> ApiError:
     return ApiError(error.status, message, param=param, code=error.code, headers=error.headers)
 
 
-def engine_tools(body: ResponseRequest) -> dict[str, Any]:
-    """The engine options for ``tools`` and ``tool_choice``: the one place that maps them
-    (none yet: no tools, and a choice that asks for none)."""
-    if body.tools:
-        raise _unsupported("tools", "tools are not supported yet")
-    if body.tool_choice not in (None, "auto", "none"):
-        raise _unsupported("tool_choice", "tool_choice needs tools, which are not supported yet")
-    return {}
-
-
 def _unsupported(field: str, message: str) -> ApiError:
     return ApiError(400, message, param=field, code="unsupported_parameter")
 
 
 def input_messages(body: ResponseRequest) -> list[dict[str, Any]]:
     """The request's input items as chat messages (what ``/v1/chat/completions`` takes):
-    string content stays a string, text parts become chat text parts."""
+    string content stays a string, text parts become chat text parts; ``function_call``
+    items become an assistant message's ``tool_calls`` (joining the assistant message just
+    before them: a reply's text and calls are one chat message, as the chat route answers
+    them) and each ``function_call_output`` a ``tool`` message."""
     out: list[dict[str, Any]] = []
     for item in body.input:
-        content: Any = item.content
-        if not isinstance(content, str):
-            content = [{"type": "text", "text": part.text} for part in content]
-        out.append({"role": item.role, "content": content})
+        if isinstance(item, ResponseFunctionCall):
+            fn = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": fn}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None, "tool_calls": []}
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif isinstance(item, ResponseFunctionCallOutput):
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _chat_content(item.output)})  # fmt: skip
+        else:
+            out.append({"role": item.role, "content": _chat_content(item.content)})
     return out
 
 
+def _chat_content(content: str | list[Any]) -> str | list[dict[str, str]]:
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": part.text} for part in content]
+
+
 # -- the response ----------------------------------------------------------------------------------
+
+# A stream event before it is numbered: its type and its fields.
+Event = tuple[str, dict[str, Any]]
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+class ReplyItems:
+    """The ``output`` items of one reply and their stream events, built from the reply's
+    pieces in the order they come (content text and whole :class:`kvserve.tools.ToolCall`
+    items, as :class:`kvserve.tools.ToolCallParser` gives them), so that a streamed response
+    and a whole one have the same items: one ``message`` item with one ``output_text`` part
+    holding all the content, and one ``function_call`` item per call, each at the output
+    index where it first came. Without tools (``parsing`` false) the message item opens at
+    once; with tools it opens with the first content, and a reply that is only calls has
+    none (a reply with neither has an empty one)."""
+
+    def __init__(self, response_id: str, parsing: bool) -> None:
+        suffix = response_id[len("resp_") :]
+        self.message_id = f"msg_{suffix}"
+        self.call_prefix = f"fc_{suffix}_"
+        self.parsing = parsing
+        self.output: list[dict[str, Any]] = []  # the items so far, by output index
+        self.message_index: int | None = None  # the message item's, once it is open
+        self.text = ""
+        self.calls: list[ToolCall] = []
+
+    def start(self) -> list[Event]:
+        """The events that open the reply: the message item's, without tools."""
+        return [] if self.parsing else self._open_message()
+
+    def add(self, pieces: Sequence[str | ToolCall]) -> list[Event]:
+        """Adds pieces of the reply; returns their events."""
+        events: list[Event] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                events += self._call(piece)
+                continue
+            if not piece:
+                continue
+            if self.message_index is None:
+                events += self._open_message()
+            self.text += piece
+            events.append(("response.output_text.delta", {**self._at(), "delta": piece,
+                                                          "logprobs": []}))  # fmt: skip
+        return events
+
+    def close(self, status: str) -> list[Event]:
+        """Ends the reply with ``status`` (the response's: the message item's too); returns
+        the message item's closing events (opening it first when there is neither content
+        nor a call)."""
+        events: list[Event] = []
+        if self.message_index is None and not self.calls:
+            events += self._open_message()
+        if self.message_index is None:
+            return events
+        item = _message_item(self.message_id, self.text, status)
+        self.output[self.message_index] = item
+        part = _text_part(self.text)
+        events.append(("response.output_text.done", {**self._at(), "text": self.text,
+                                                     "logprobs": []}))  # fmt: skip
+        events.append(("response.content_part.done", {**self._at(), "part": part}))
+        events.append(("response.output_item.done", {"output_index": self.message_index,
+                                                     "item": item}))  # fmt: skip
+        return events
+
+    def chat_message(self) -> dict[str, Any]:
+        """The reply as the assistant message of a chat history (what the chat route
+        answers: content None when the reply is only calls)."""
+        content = None if self.message_index is None else self.text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.calls:
+            message["tool_calls"] = [c.to_openai() for c in self.calls]
+        return message
+
+    def _open_message(self) -> list[Event]:
+        self.message_index = len(self.output)
+        self.output.append(_message_item(self.message_id, None, "in_progress"))
+        added = {"output_index": self.message_index, "item": self.output[-1]}
+        return [
+            ("response.output_item.added", added),
+            ("response.content_part.added", {**self._at(), "part": _text_part("")}),
+        ]
+
+    def _call(self, call: ToolCall) -> list[Event]:
+        index = len(self.output)
+        item_id = f"{self.call_prefix}{len(self.calls)}"
+        self.calls.append(call)
+        item = {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": "completed"}  # fmt: skip
+        self.output.append(item)
+        at = {"item_id": item_id, "output_index": index}
+        started = {**item, "arguments": "", "status": "in_progress"}
+        return [
+            ("response.output_item.added", {"output_index": index, "item": started}),
+            ("response.function_call_arguments.delta", {**at, "delta": call.arguments}),
+            ("response.function_call_arguments.done", {**at, "arguments": call.arguments}),
+            ("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.message_id, "output_index": self.message_index,
+                "content_index": 0}  # fmt: skip
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -219,8 +335,27 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
             "content": content}  # fmt: skip
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
+def reply_status(result: GenerateResult) -> str:
+    """A finished reply's status: ``completed``, or ``incomplete`` (it stopped at
+    ``max_output_tokens`` or at a full context)."""
+    return "completed" if result.finish_reason == FINISH_STOP else "incomplete"
+
+
+def _tools_echo(plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """The request's tools as the response shows them (the SDK's ``FunctionTool``: flat,
+    whichever shape they were sent in)."""
+    if plan is None:
+        return []
+    return [{"type": "function", "name": t.name, "description": t.description,
+             "parameters": t.parameters, "strict": t.strict} for t in plan.tools]  # fmt: skip
+
+
+def _tool_choice_echo(body: ResponseRequest) -> Any:
+    choice = body.tool_choice
+    if isinstance(choice, dict):  # a named function (kvserve.tools checked it), flat
+        fn = choice.get("function", choice)
+        return {"type": "function", "name": fn["name"]}
+    return "auto" if choice is None else choice
 
 
 def response_object(
@@ -229,23 +364,24 @@ def response_object(
     model: str,
     created_at: int,
     *,
-    result: GenerateResult | None = None,
+    plan: ToolPlan | None = None,
+    status: str | None = None,
+    output: list[dict[str, Any]] | None = None,
     usage: dict[str, int] | None = None,
     error: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The response object (what the SDK's ``Response`` parses): ``in_progress`` without a
-    result, ``failed`` with an ``error``, else ``completed`` or ``incomplete`` (the reply
-    stopped at ``max_output_tokens`` or at a full context). ``usage`` (the chat route's
-    counts: prompt, cached, session-cached and completion tokens) comes with the result."""
-    status, output, incomplete = "in_progress", [], None
+    ``status``, ``failed`` with an ``error``, else ``status`` (:func:`reply_status`) with the
+    reply's ``output`` items (:class:`ReplyItems`). ``usage`` (the chat route's counts:
+    prompt, cached, session-cached and completion tokens) comes with the output; ``plan``
+    (the request's tools) is echoed."""
+    incomplete = None
     if error is not None:
-        status = "failed"
-    elif result is not None:
-        done = result.finish_reason == FINISH_STOP
-        status = "completed" if done else "incomplete"
-        if not done:
-            incomplete = {"reason": "max_output_tokens"}
-        output = [_message_item(f"msg_{response_id[len('resp_') :]}", result.text, status)]
+        status, output = "failed", None
+    elif status is None:
+        status, output = "in_progress", None
+    elif status == "incomplete":
+        incomplete = {"reason": "max_output_tokens"}
     obj: dict[str, Any] = {
         "id": response_id,
         "object": "response",
@@ -258,7 +394,7 @@ def response_object(
         "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {},
         "model": model,
-        "output": output,
+        "output": output or [],
         "parallel_tool_calls": True
         if body.parallel_tool_calls is None
         else body.parallel_tool_calls,
@@ -268,8 +404,8 @@ def response_object(
         "store": body.store,
         "temperature": 0.0 if body.temperature is None else body.temperature,  # greedy default
         "text": {"format": {"type": "text"}},
-        "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else "auto",
-        "tools": [],
+        "tool_choice": _tool_choice_echo(body),
+        "tools": _tools_echo(plan),
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled",
         "usage": None,
@@ -301,10 +437,10 @@ def failure(error: ApiError) -> dict[str, Any]:
 
 class EventWriter:
     """The Responses API's server-sent events of one response, numbered in order
-    (``sequence_number``): ``event: <type>`` and ``data: <event object>``."""
+    (``sequence_number``): ``event: <type>`` and ``data: <event object>``; the output items'
+    events come from :class:`ReplyItems`."""
 
-    def __init__(self, response_id: str) -> None:
-        self.item_id = f"msg_{response_id[len('resp_') :]}"
+    def __init__(self) -> None:
         self.sequence = 0
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -313,36 +449,23 @@ class EventWriter:
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
+    def events(self, events: list[Event]) -> Iterator[bytes]:
+        for kind, fields in events:
+            yield self.event(kind, **fields)
+
     def opening(self, snapshot: dict[str, Any]) -> Iterator[bytes]:
-        """From ``response.created`` to the empty text part of the one message item."""
+        """``response.created`` and ``response.in_progress``."""
         yield self.event("response.created", response=snapshot)
         yield self.event("response.in_progress", response=snapshot)
-        yield self.event(
-            "response.output_item.added",
-            output_index=0,
-            item=_message_item(self.item_id, None, "in_progress"),
-        )
-        yield self.event("response.content_part.added", **self._at(), part=_text_part(""))
 
-    def delta(self, text: str) -> bytes:
-        return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
-
-    def closing(self, final: dict[str, Any]) -> Iterator[bytes]:
-        """From ``response.output_text.done`` to ``response.completed`` (or
-        ``response.incomplete``), ``final`` being the whole response object."""
-        (item,) = final["output"]
-        text = item["content"][0]["text"]
-        yield self.event("response.output_text.done", **self._at(), text=text, logprobs=[])
-        yield self.event("response.content_part.done", **self._at(), part=_text_part(text))
-        yield self.event("response.output_item.done", output_index=0, item=item)
+    def closing(self, final: dict[str, Any]) -> bytes:
+        """``response.completed`` (or ``response.incomplete``), ``final`` being the whole
+        response object."""
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield self.event(kind, response=final)
+        return self.event(kind, response=final)
 
     def failed(self, error: ApiError, final: dict[str, Any]) -> Iterator[bytes]:
         """An ``error`` event (kvserve's code, as the other routes' errors), then
         ``response.failed`` with the failed response object."""
         yield self.event("error", code=error.code, message=error.message, param=error.param)
         yield self.event("response.failed", response=final)
-
-    def _at(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}

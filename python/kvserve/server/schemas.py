@@ -18,9 +18,17 @@ This module has no ``from __future__ import annotations`` and spells unions with
 ``Optional``/``Union`` so that pydantic can evaluate the annotations on Python 3.9.
 """
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from ..options import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 
@@ -33,6 +41,9 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeRequest",
     "MAX_N",
+    "ResponseFunctionCall",
+    "ResponseFunctionCallOutput",
+    "ResponseInputItem",
     "ResponseInputMessage",
     "ResponseRequest",
     "RestoreRequest",
@@ -212,13 +223,20 @@ class RestoreRequest(_Body):
 
 # -- the Responses API (POST /v1/responses; python/kvserve/server/responses.py) ---------------
 
-# Input item types of the Responses API that carry no text this server can use yet: function
-# calls and their outputs (tools), reasoning items, references to stored items.
-_TOOL_ITEMS = frozenset(
-    {"function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output"}
-)
+# Input item types of the Responses API that this server does not take: custom tools' calls
+# and their outputs (it has function tools only).
+_CUSTOM_TOOL_ITEMS = frozenset({"custom_tool_call", "custom_tool_call_output"})
 # Content part types that are not text (this server serves text models).
 _MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+
+
+def _no_media(content: Any) -> None:
+    # A part type that is valid in OpenAI's API but not here gets a message that says why.
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise ValueError(f"{kind} content is not supported (text models only)")
 
 
 class _ResponseContentPart(_Body):
@@ -247,22 +265,69 @@ class ResponseInputMessage(_Body):
     @model_validator(mode="before")
     @classmethod
     def _text_messages_only(cls, data: Any) -> Any:
-        # The item and part types that are valid in OpenAI's API but not here get a message
-        # that says why (a plain "unexpected value" would read like a client bug).
+        # The item types that are valid in OpenAI's API but not here get a message that says
+        # why (a plain "unexpected value" would read like a client bug). Items of other types
+        # come here (the input's discriminator: ``_input_kind``) to be refused.
         if not isinstance(data, dict):
             return data
         kind = data.get("type")
-        if kind in _TOOL_ITEMS:
-            raise ValueError(f"{kind} items are not supported yet (no tools on this server)")
+        if kind in _CUSTOM_TOOL_ITEMS:
+            raise ValueError(f"{kind} items are not supported (function tools only)")
         if kind is not None and kind != "message":
-            raise ValueError(f"only message items are supported, not {kind!r} items")
-        content = data.get("content")
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in _MEDIA_PARTS:
-                    raise ValueError(f"{kind} content is not supported (text models only)")
+            raise ValueError(
+                "only message, function_call and function_call_output items are supported,"
+                f" not {kind!r} items"
+            )
+        _no_media(data.get("content"))
         return data
+
+
+class ResponseFunctionCall(_Body):
+    """A ``function_call`` item of a Responses ``input``: a call the model made (a previous
+    response's output item handed back, or the client's own), rendered as an assistant
+    message's tool call. ``id`` and ``status`` are accepted and ignored."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class ResponseFunctionCallOutput(_Body):
+    """A ``function_call_output`` item of a Responses ``input``: the result of the call
+    ``call_id`` (text, or a list of text parts), rendered as a ``tool`` message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Union[str, list[_ResponseContentPart]]
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _no_media(data.get("output"))
+        return data
+
+
+def _input_kind(item: Any) -> str:
+    # The member of ResponseInputItem an item is validated as: its ``type`` (a message when
+    # it has none); any other type goes to the message, which refuses it with a reason.
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if kind in ("function_call", "function_call_output") else "message"
+
+
+ResponseInputItem = Annotated[
+    Union[
+        Annotated[ResponseInputMessage, Tag("message")],
+        Annotated[ResponseFunctionCall, Tag("function_call")],
+        Annotated[ResponseFunctionCallOutput, Tag("function_call_output")],
+    ],
+    Discriminator(_input_kind),
+]
 
 
 class ResponseText(_Body):
@@ -279,12 +344,13 @@ class ResponseStreamOptions(_Body):
 
 
 class ResponseRequest(_Sampling):
-    """``POST /v1/responses``: ``input`` is a string (one user message) or a list of message
-    items; ``instructions`` a system message for this response only; ``previous_response_id``
-    continues a stored response's conversation (python/kvserve/server/responses.py)."""
+    """``POST /v1/responses``: ``input`` is a string (one user message) or a list of items
+    (messages, function calls and their outputs); ``instructions`` a system message for this
+    response only; ``previous_response_id`` continues a stored response's conversation
+    (python/kvserve/server/responses.py)."""
 
     model: Optional[str] = None
-    input: list[ResponseInputMessage] = Field(min_length=1)
+    input: list[ResponseInputItem] = Field(min_length=1)
     instructions: Optional[str] = None
     previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
@@ -294,11 +360,13 @@ class ResponseRequest(_Sampling):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     text: Optional[ResponseText] = None
-    # Tools: only none yet (python/kvserve/server/responses.py ``engine_tools``).
+    # Function tools, in the Responses API's flat shape (checked in depth by kvserve.tools: a
+    # 400 naming the bad part).
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    # OpenAI's fields that change nothing here: accepted, ignored.
     parallel_tool_calls: Optional[bool] = None
+    # OpenAI's fields that change nothing here: accepted, ignored (max_tool_calls counts
+    # built-in tools' calls, which this server has none of).
     max_tool_calls: Optional[int] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     service_tier: Optional[str] = None
