@@ -421,3 +421,200 @@ def test_structured_output_with_text_format(live: Live) -> None:
     r2 = _post(live.url, "/v1/responses", {"input": "x", "text": {"format": bad}})
     assert r2.status_code == 400, r2.text
     assert r2.json()["error"]["param"] == "text.format.schema", r2.text
+
+
+# -- function tools ------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+# The Responses API's flat tools, and the same tools as the chat route takes them.
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "name": "get_weather", "description": "The current weather of a city",
+     "parameters": WEATHER},
+]  # fmt: skip
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+              for t in TOOLS]  # fmt: skip
+ASK = "What is the weather like in Paris today?"
+RESULT = '{"celsius": 18, "sky": "sunny"}'
+
+
+def _reply(obj: dict[str, Any]) -> tuple[str | None, list[tuple[str, str]]]:
+    """A response's output as a chat reply: (content, [(name, arguments)]). The message item
+    (if any) comes first, with one text part; each function_call item is completed."""
+    content, calls = None, []
+    for i, item in enumerate(obj["output"]):
+        if item["type"] == "message":
+            assert i == 0 and item["id"].startswith("msg_")
+            (part,) = item["content"]
+            content = part["text"]
+        else:
+            assert item["type"] == "function_call" and item["status"] == "completed"
+            assert item["id"].startswith("fc_") and item["call_id"].startswith("call_")
+            calls.append((item["name"], item["arguments"]))
+    return content, calls
+
+
+def _same_reply_as_chat(url: str, obj: dict[str, Any], messages: list[Any], **tools: Any) -> None:
+    """``obj`` is what the chat route answers to ``messages`` with the same tools: content,
+    calls (names and argument texts), status and token counts."""
+    body = {"messages": messages, "max_tokens": obj["max_output_tokens"], "temperature": 0}
+    r = _post(url, "/v1/chat/completions", {**body, "tools": CHAT_TOOLS, **tools})
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    choice = chat["choices"][0]
+    message = choice["message"]
+    calls = [(c["function"]["name"], c["function"]["arguments"])
+             for c in message.get("tool_calls") or ()]  # fmt: skip
+    assert _reply(obj) == (message["content"], calls)
+    assert obj["status"] == ("incomplete" if choice["finish_reason"] == "length" else "completed")
+    assert obj["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert obj["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
+
+
+def _call_message(item: Any) -> dict[str, Any]:
+    fn = {"name": item.name, "arguments": item.arguments}
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": item.call_id, "type": "function", "function": fn}]}  # fmt: skip
+
+
+def test_a_function_call_round_trip(live: Live) -> None:
+    """tool_choice required gives a function_call item (its arguments valid by the tool's
+    schema) equal to the chat route's call; its output handed back with previous_response_id
+    continues in the session (cached_tokens cover the whole first turn) as the chat route
+    continues that history; with tool_choice none the answer is text; the SDK's own output
+    items handed back as input (no stored state) give the same answer."""
+    import jsonschema
+
+    url, client = live.url, live.client
+    first = client.responses.create(
+        model="m", input=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    obj = httpx.get(f"{url}/v1/responses/{first.id}").json()
+    SdkResponse.model_validate(obj)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert first.status == "completed" and first.output_text == ""
+    assert first.tool_choice == "required" and first.parallel_tool_calls is False
+    echoed = [t.model_dump(exclude_unset=True) for t in first.tools]
+    assert echoed == [{**TOOLS[0], "strict": False}]
+    _same_reply_as_chat(url, obj, [_user(ASK)], tool_choice="required", parallel_tool_calls=False)
+    # The call's output, continuing the stored response (tool_choice auto: the default).
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    history = [_user(ASK), _call_message(call),
+               {"role": "tool", "tool_call_id": call.call_id, "content": RESULT}]  # fmt: skip
+    body = {"input": [output], "tools": TOOLS, "max_output_tokens": 60}
+    second = _respond(url, {**body, "previous_response_id": first.id})
+    _same_reply_as_chat(url, second, history)
+    cached, in_session = _cached(second)
+    assert in_session == cached > 0
+    usage = first.usage
+    assert usage is not None and cached >= usage.input_tokens + usage.output_tokens - 2
+    # tool_choice none: a text answer (a branch from the first response: its own session).
+    text = _respond(url, {**body, "tool_choice": "none", "previous_response_id": first.id})
+    assert [item["type"] for item in text["output"]] == ["message"] and _text(text)
+    _same_reply_as_chat(url, text, history, tool_choice="none")
+    assert text["tools"][0]["name"] == "get_weather" and text["tool_choice"] == "none"
+    # Stateless: the SDK's own output items handed back, then the output.
+    handed = [item.model_dump() for item in first.output]
+    items = [_user(ASK), *handed, output]
+    again = _respond(url, {**body, "input": items, "tool_choice": "none", "store": False})
+    assert _reply(again) == _reply(text)
+
+
+def _events(url: str, body: dict[str, Any]) -> list[Any]:
+    """The stream's events, each parsed strictly as the SDK's ResponseStreamEvent, numbered
+    in order."""
+    events: list[Any] = []
+    with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True},
+                      timeout=120) as r:  # fmt: skip
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(TypeAdapter(ResponseStreamEvent).validate_json(line[6:]))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def test_streamed_tool_responses_have_the_same_items(live: Live) -> None:
+    """Streamed, a response's items are the non-streamed ones: each call an item added with
+    empty arguments, its arguments (delta, done), the item done, at increasing output
+    indexes; with tools, content (a response the model gives instead of calls) opens the
+    message item when it comes. The SDK's stream helper accumulates the same items."""
+    url, client = live.url, live.client
+    both = "What is the weather like in Paris and in Rome today?"
+    haiku = "Write a haiku about the sea."
+    for ask, choice, calls, limit in ((both, "required", 2, 60), (haiku, "auto", 0, 16)):
+        body = {"input": ask, "tools": TOOLS, "tool_choice": choice, "max_output_tokens": limit,
+                "temperature": 0}  # fmt: skip
+        whole = _respond(url, body)
+        content, made = _reply(whole)
+        assert len(made) == calls and (content is None) == (calls > 0), whole["output"]
+        assert whole["status"] == ("completed" if calls else "incomplete")
+        events = _events(url, body)
+        final = events[-1].response
+        assert events[-1].type == f"response.{whole['status']}"
+        assert _reply(final.model_dump()) == _reply(whole)
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        added = [e for e in events if e.type == "response.output_item.added"]
+        assert [e.output_index for e in added] == list(range(len(whole["output"])))
+        for i, item in enumerate(final.output):
+            mine = [e for e in events if getattr(e, "output_index", None) == i]
+            if item.type == "function_call":
+                assert [e.type for e in mine] == [
+                    "response.output_item.added", "response.function_call_arguments.delta",
+                    "response.function_call_arguments.done", "response.output_item.done",
+                ]  # fmt: skip
+                assert mine[0].item.arguments == "" and mine[0].item.status == "in_progress"
+                assert mine[1].delta == mine[2].arguments == item.arguments
+                assert mine[3].item == item and {e.item_id for e in mine[1:3]} == {item.id}
+            else:
+                deltas = [e.delta for e in mine if e.type == "response.output_text.delta"]
+                assert deltas and "".join(deltas) == item.content[0].text
+                assert mine[-1].type == "response.output_item.done" and mine[-1].item == item
+        # The SDK's accumulator: the arguments and the text it joins, and its final response.
+        with client.responses.stream(model="m", **body) as stream:
+            sdk = list(stream)
+            got = stream.get_final_response() if whole["status"] == "completed" else None
+        snapshots = [e.snapshot for e in sdk if e.type == "response.function_call_arguments.delta"]
+        assert snapshots == [arguments for _, arguments in made]
+        texts = [e.snapshot for e in sdk if e.type == "response.output_text.delta"]
+        assert (texts[-1] if texts else None) == content
+        assert got is None or _reply(got.model_dump()) == _reply(whole)
+
+
+def test_bad_tools_are_400s_naming_the_field(live: Live) -> None:
+    url = live.url
+    flat = TOOLS[0]
+    image = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{**flat, "parameters": {"type": "bogus"}}]}, "tools[0].parameters"),
+        ({"tools": [flat, flat]}, "tools[1].name"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+         "tool_choice.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": [image]}]},
+         "input"),
+        ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""}]},
+         "input"),
+    ]  # fmt: skip
+    for extra, param in cases:
+        r = _post(url, "/v1/responses", {"input": ASK, "max_output_tokens": 4, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, (extra, error)
+    assert "input_image" in r.text or "custom_tool_call" in r.text
