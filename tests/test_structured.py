@@ -22,8 +22,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from kvserve import Engine
-from kvserve.engine.constrain import masked_row
+from kvserve.engine.constrain import allowed_ids
 from kvserve.grammar import MAX_SOURCE_CHARS, GrammarError, constraint_from
+from kvserve.sampling import Sampler, SamplingParams
 from kvserve.server.app import create_app
 from kvserve.server.config import ServerConfig
 from kvserve.testing import live_server
@@ -137,19 +138,50 @@ def test_constraint_forms_and_errors_name_the_field() -> None:
             constraint_from(**kwargs)
 
 
-def test_masked_row_matches_llguidance_reference() -> None:
+def test_allowed_ids_match_llguidance_reference() -> None:
     from llguidance.numpy import apply_token_bitmask_inplace
 
     rng = np.random.default_rng(1)
     for n_vocab in (49152, 1000, 33):
         words = rng.integers(-(2**31), 2**31, size=(n_vocab + 31) // 32, dtype=np.int64)
         words = words.astype(np.int32)
-        row = rng.standard_normal(n_vocab).astype(np.float32)
-        want = row.copy()[None, :]
-        apply_token_bitmask_inplace(want, words[None, :])
-        got = masked_row(row, words)
-        np.testing.assert_array_equal(got, want[0])
-        assert np.isfinite(got).sum() == np.isfinite(want).sum() > 0
+        ref = np.zeros((1, n_vocab), dtype=np.float32)
+        apply_token_bitmask_inplace(ref, words[None, :])
+        want = np.flatnonzero(np.isfinite(ref[0]))
+        np.testing.assert_array_equal(allowed_ids(words, n_vocab), want)
+        assert 0 < len(want) < n_vocab
+
+
+def test_sampling_among_allowed_tokens_is_sampling_the_masked_row() -> None:
+    """The sampler's ``allowed`` path (the chain run on the allowed tokens alone) draws exactly
+    what the plain chain draws from the row with every other logit at -inf, with the same
+    seed, for every kind of sampling setting."""
+    rng = np.random.default_rng(7)
+    n = 5000
+    settings: list[dict[str, Any]] = [
+        {"temperature": 0.0},
+        {"temperature": 0.0, "repeat_penalty": 1.3, "logit_bias": {3: 5.0, 4: -np.inf}},
+        {"temperature": 0.8},
+        {"temperature": 1.1, "top_k": 7},
+        {"temperature": 1.0, "top_k": 4000},  # more than the allowed tokens
+        {"temperature": 0.7, "top_p": 0.8},
+        {"temperature": 0.9, "typical_p": 0.6, "min_p": 0.05},
+        {"temperature": 1.0, "presence_penalty": 1.0, "frequency_penalty": 0.5},
+    ]
+    for k, params in enumerate(settings):
+        for trial in range(6):
+            row = (rng.standard_normal(n) * 2).astype(np.float32)
+            keep = rng.random(n) < (0.002 if trial % 2 else 0.3)
+            keep[[3, 10]] = True
+            allowed = np.flatnonzero(keep)
+            masked = np.where(keep, row, np.float32(-np.inf))
+            history = rng.integers(0, n, size=40).tolist() + [3, 10]
+            p = SamplingParams(**params)
+            for seed in range(4):
+                want = Sampler(p, seed=seed)(masked, history)
+                got = Sampler(p, seed=seed)(row, history, allowed)
+                assert got == want, (k, trial, seed, params)
+                assert keep[got]
 
 
 # -- the engine --------------------------------------------------------------------------------

@@ -508,13 +508,20 @@ def _filtered_row(
 
 
 def _row_distribution(
-    logits: npt.ArrayLike, params: SamplingParams, history: History | None
+    logits: npt.ArrayLike,
+    params: SamplingParams,
+    history: History | None,
+    allowed: npt.NDArray[np.intp] | None = None,
 ) -> tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.float64]]:
     """The whole chain for one row of raw logits (temperature > 0), kept sparse: ``(ids, p)``,
     the probabilities ``p`` of the tokens ``ids`` (ascending; None: every token), every other
     token having probability 0. One float64 copy of the row is made and worked on in place;
     after top-k or a filter only the surviving tokens are carried on, so a 262k-entry row is
-    passed over a few times and the rest of the chain and the draw run on the survivors."""
+    passed over a few times and the rest of the chain and the draw run on the survivors.
+
+    ``allowed`` (ascending token ids): only those tokens may be drawn, exactly as if every
+    other logit were ``-inf`` (a constraint's mask), but the chain runs on them alone after the
+    bias and penalties (``exp`` of hundreds of thousands of ``-inf`` is slow)."""
     z = _float64_copy(logits)
     _add_bias(z, params.logit_bias)
     if params.penalizes:
@@ -526,11 +533,13 @@ def _row_distribution(
             params.frequency_penalty,
             params.penalty_last_n,
         )
-    z /= params.temperature
     ids: npt.NDArray[np.intp] | None = None
+    if allowed is not None:
+        ids, z = allowed, z[allowed]
+    z /= params.temperature
     if 0 < params.top_k < z.size:
-        ids = np.flatnonzero(top_k_mask(z, params.top_k))
-        z = z[ids]
+        keep = np.flatnonzero(top_k_mask(z, params.top_k))
+        ids, z = (keep if ids is None else ids[keep]), z[keep]
     # softmax's arithmetic, in place
     top = float(np.max(z))
     z -= top if math.isfinite(top) else 0.0
@@ -573,17 +582,26 @@ def sample(
     params: SamplingParams,
     rng: np.random.Generator,
     history: History | None = None,
+    allowed: npt.NDArray[np.intp] | None = None,
 ) -> npt.NDArray[np.intp]:
     """Draw one token per row (a 0-d array for a single row of logits); ``history``: the
-    sequence's tokens so far (prompt included), for the penalties."""
-    if params.is_plain_greedy:
+    sequence's tokens so far (prompt included), for the penalties. ``allowed`` (one row only;
+    ascending token ids, at least one): only those may be drawn, the same draw as with every
+    other logit at ``-inf``."""
+    if allowed is not None:
+        if np.ndim(logits) != 1 or len(allowed) == 0:
+            raise ValueError("allowed needs one row of logits and at least one token")
+        if params.is_greedy:  # the first largest among them, as an argmax over the masked row
+            x = logits if params.is_plain_greedy else adjusted_logits(logits, params, history)
+            return np.asarray(allowed[int(np.argmax(np.asarray(x)[allowed]))], dtype=np.intp)
+    elif params.is_plain_greedy:
         return greedy(logits)
-    if params.is_greedy:
+    elif params.is_greedy:
         return greedy(adjusted_logits(logits, params, history))
     if np.ndim(logits) == 1:
         # One row, drawn from its sparse distribution: the running mass over the surviving
         # tokens in id order is the whole row's (the others add exact zeros).
-        ids, p = _row_distribution(logits, params, history)
+        ids, p = _row_distribution(logits, params, history, allowed)
         cum = np.cumsum(p, out=p)
         # u in (0, 1]: the first token whose running mass reaches u * total has p > 0.
         u = 1.0 - rng.random(size=(1,))
@@ -606,11 +624,17 @@ class Sampler:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
 
-    def __call__(self, logits: npt.ArrayLike, history: History | None = None) -> int:
-        """Next token for one row of logits; ``history``: the sequence's tokens so far."""
+    def __call__(
+        self,
+        logits: npt.ArrayLike,
+        history: History | None = None,
+        allowed: npt.NDArray[np.intp] | None = None,
+    ) -> int:
+        """Next token for one row of logits; ``history``: the sequence's tokens so far;
+        ``allowed``: the only tokens that may be drawn (see :func:`sample`)."""
         if np.ndim(logits) != 1:
             raise ValueError(f"expected one row of logits, got shape {np.shape(logits)}")
-        return int(sample(logits, self.params, self.rng, history))
+        return int(sample(logits, self.params, self.rng, history, allowed))
 
     def sample_rows(
         self, logits: npt.ArrayLike, history: History | None = None

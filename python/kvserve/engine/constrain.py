@@ -14,7 +14,7 @@ import numpy as np
 
 from .requests import Request
 
-__all__ = ["Masks", "masked_row"]
+__all__ = ["Masks", "allowed_ids"]
 
 log = logging.getLogger("kvserve.engine")
 
@@ -81,8 +81,8 @@ class Masks:
             self._pool.shutdown(wait=True)
 
 
-def masked_row(row: np.ndarray, words: np.ndarray) -> np.ndarray:
-    """``row`` with every token the bitmask ``words`` forbids at ``-inf`` (a new array):
-    token ``t`` is allowed when bit ``t % 32`` of word ``t // 32`` is set."""
-    allowed = np.unpackbits(words.view(np.uint8), bitorder="little", count=row.shape[-1])
-    return np.where(allowed.view(bool), row, np.float32(-np.inf))  # 0/1 bytes: a bool view
+def allowed_ids(words: np.ndarray, n_vocab: int) -> np.ndarray:
+    """The token ids the bitmask ``words`` allows, ascending: token ``t`` is allowed when bit
+    ``t % 32`` of word ``t // 32`` is set."""
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=n_vocab)
+    return np.flatnonzero(bits)

@@ -37,7 +37,7 @@ from .._model import (
 )
 from ..grammar import GrammarError
 from ..testing import Faults
-from .constrain import Masks, masked_row
+from .constrain import Masks, allowed_ids
 from .kv import KvManager
 from .output import argmax_rows, deliver, pick
 from .requests import DONE, RUNNING, WAITING, Call, EngineClosed, Request
@@ -515,7 +515,7 @@ class EngineLoop:
                 child.state = DONE
                 child.sink.fail(error)
 
-    def _fork(self, parent: Request, row: np.ndarray, masked: np.ndarray | None = None) -> int:
+    def _fork(self, parent: Request, row: np.ndarray, allowed: np.ndarray | None = None) -> int:
         """``parent``'s prompt is computed (``row``: the logits of its last token): each choice
         waiting for it gets a sequence that shares the prompt's K/V (``seq_cp``), picks its
         first token from ``row`` with its own sampler and runs on. Returns the tokens
@@ -528,11 +528,11 @@ class EngineLoop:
             with self.cond:
                 self.waiting_changed(child, -1)
             child.state = RUNNING
-            generated += self.contain(child, self._fork_one, parent, child, row, masked) or 0
+            generated += self.contain(child, self._fork_one, parent, child, row, allowed) or 0
         return generated
 
     def _fork_one(
-        self, parent: Request, child: Request, row: np.ndarray, masked: np.ndarray | None
+        self, parent: Request, child: Request, row: np.ndarray, allowed: np.ndarray | None
     ) -> int:
         self.faults.check("fork", child)
         child.prompt_logprobs = parent.prompt_logprobs  # complete, and never changed again
@@ -551,8 +551,8 @@ class EngineLoop:
         child.cached_tokens = parent.cached_tokens
         self.sched.running[child.seq] = child
         greedy = int(np.argmax(row)) if child.argmax_only else None
-        if child.matcher is not None and masked is not None:  # its matcher is where parent's was
-            return self._deliver(child, self.pick(self.model, child, row, greedy, masked))
+        if child.matcher is not None and allowed is not None:  # its matcher is where parent's was
+            return self._deliver(child, self.pick(self.model, child, row, greedy, allowed))
         return self._deliver(child, self.pick(self.model, child, row, greedy))
 
     # -- the scheduler's resources ---------------------------------------------------------------
@@ -869,17 +869,19 @@ class EngineLoop:
             n = self._fork(req, row) if req.children else 0
             self.finish(req)
             return n
-        masked = None
+        allowed = None
         if req.matcher is not None:
             if req.mask is None:
                 raise GrammarError("the constraint's token mask could not be computed")
-            masked = masked_row(row, req.mask)
-            tok = self.pick(self.model, req, row, greedy, masked)
+            allowed = allowed_ids(req.mask, len(row))
+            if len(allowed) == 0:
+                raise GrammarError("the constraint allows no token here")
+            tok = self.pick(self.model, req, row, greedy, allowed)
         else:
             tok = self.pick(self.model, req, row, greedy)
         n = 0
         if req.children:  # before req may finish and release its sequence
-            n += self._fork(req, row, masked)
+            n += self._fork(req, row, allowed)
         return n + self._deliver(req, tok)
 
     def _deliver(self, req: Request, tok: int) -> int:

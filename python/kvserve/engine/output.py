@@ -33,17 +33,19 @@ def pick(
     req: Request,
     row: np.ndarray,
     greedy: int | None,
-    masked: np.ndarray | None = None,
+    allowed: np.ndarray | None = None,
 ) -> int:
     """``req``'s token from its logits ``row`` (``greedy``: the argmax when it is a plain greedy
     row): its own sampler otherwise (bias and penalties over its tokens, then greedy or its own
-    seeded generator), over ``masked`` (the row with the tokens its constraint forbids at
-    ``-inf``) when given. A request that asked for logprobs gets the token's entry, from the
-    raw row, in ``pending_logprob``."""
+    seeded generator), among ``allowed`` (the token ids its constraint allows) when given. A
+    request that asked for logprobs gets the token's entry, from the raw row, in
+    ``pending_logprob``."""
     if greedy is not None:
         tok = greedy
+    elif allowed is None:
+        tok = req.sampler(row, req.ids)
     else:
-        tok = req.sampler(row if masked is None else masked, req.ids)
+        tok = req.sampler(row, req.ids, allowed)
     if req.n_logprobs is not None:
         req.pending_logprob = token_logprob(model, row, tok, req.n_logprobs)
     return tok
