@@ -603,3 +603,34 @@ def test_a_template_with_its_own_tool_format(model_path: Path) -> None:
             f"{url}/apply-template", json={"messages": ASK, "tools": TOOLS}, timeout=60
         )
         assert json.dumps(TOOLS[0]) in prompt.json()["prompt"]
+
+
+def test_the_cluster_ingress_keys_a_tool_chat_as_the_replica_cached_it(model_path: Path) -> None:
+    """The ingress routes a chat by the block keys of the prompt a replica will compute: with
+    tools (rendered as the replica renders them) and a history the SDK dumped (nulls and
+    all), every full block of its prompt is in the replica's cache after the replica served
+    the same body."""
+    from kvserve.cluster.ingress import PromptKeys
+
+    body: dict[str, Any] = {
+        "messages": [
+            *ASK,
+            {"role": "assistant", "content": "Let me check.", "refusal": None, "tool_calls": []},
+            {"role": "user", "content": "Please do."},
+        ],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 1,
+    }
+    cfg = ServerConfig(model=str(model_path), ctx_size=2048)
+    with Engine(model_path, parallel=2, ctx_size=2048) as engine:
+        with live_server(create_app(cfg, engine=engine)) as url:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        ids = PromptKeys(cfg).ids("/v1/chat/completions", body)
+        with_tools = len(ids)
+        cached = engine._loop.kv.peek(ids, b"")
+        plain = PromptKeys(cfg).ids("/v1/chat/completions", {**body, "tools": None})
+    assert with_tools > len(plain) + 50  # the tools are in the prompt
+    assert r.json()["usage"]["prompt_tokens"] == with_tools
+    assert cached == (with_tools - 1) // 16 * 16 > 0

@@ -39,6 +39,7 @@ from ..engine.tenancy import salt_for
 from ..server.config import ServerConfig
 from ..server.cors import EXPOSED_HEADERS, Cors, parse_origins
 from ..server.tenants import Tenants
+from ..tools import plan_tools
 from .router import Choice, Router
 
 __all__ = ["PromptKeys", "create_ingress"]
@@ -91,7 +92,20 @@ class PromptKeys:
             if not isinstance(messages, list):
                 return []
             special = self.config.special_in_content
-            return list(self.model.tokenize_chat(messages, special_in_content=special))
+            # The tools as the replica renders them (kvserve.tools: the template's own format
+            # or the generic system section), so that the keys are those of its prompt.
+            shown = None
+            if body.get("tools"):
+                plan = plan_tools(
+                    self.model.chat_template,
+                    body.get("tools"),
+                    body.get("tool_choice"),
+                    body.get("parallel_tool_calls"),
+                )
+                shown = None if plan is None else plan.render_tools
+            return list(
+                self.model.tokenize_chat(messages, special_in_content=special, tools=shown)
+            )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: the first one's prefix decides
