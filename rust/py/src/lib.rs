@@ -14,7 +14,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ModelError", py.get_type::<errors::ModelError>())?;
     m.add("KvCacheFull", py.get_type::<errors::KvCacheFull>())?;
     m.add("EngineError", py.get_type::<errors::EngineError>())?;
-    m.add_class::<buffer::Logits>()?;
+    m.add("Logits", buffer::logits_type(py)?)?;
     m.add_class::<model::Model>()?;
     m.add_class::<model::Context>()?;
     m.add_class::<model::KvStaged>()?;

@@ -18,7 +18,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::buffer::Logits;
+use crate::buffer::new_logits;
 use crate::errors::{to_py, EngineError};
 
 #[pyclass(frozen, module = "kvserve._core")]
@@ -440,7 +440,7 @@ impl Context {
         positions: Vec<i32>,
         seq_ids: Vec<i32>,
         logits: Vec<bool>,
-    ) -> PyResult<Logits> {
+    ) -> PyResult<Py<PyAny>> {
         let tokens = tokens
             .into_iter()
             .map(|t| check_vocab(self.n_vocab, t))
@@ -452,7 +452,7 @@ impl Context {
             logits,
         };
         let out = self.with(py, |c| c.decode(&batch))?;
-        Ok(Logits::new(out.data, out.n_rows, out.n_vocab))
+        new_logits(py, out.data, out.n_rows, out.n_vocab)
     }
 
     /// Asks before decoding: whether a batch of these positions and sequence ids (the

@@ -5,19 +5,19 @@ use kvserve_core::quant::{self, GgmlType};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::buffer::Logits;
+use crate::buffer::new_logits;
 use crate::errors::to_py;
 
 /// Dequantizes `n` elements of ggml type `type_name` ("Q4_K", "F16", ...) from `data`.
 #[pyfunction]
-pub fn dequantize(py: Python<'_>, type_name: &str, data: &[u8], n: usize) -> PyResult<Logits> {
+pub fn dequantize(py: Python<'_>, type_name: &str, data: &[u8], n: usize) -> PyResult<Py<PyAny>> {
     let ty = GgmlType::from_name(type_name)
         .ok_or_else(|| PyValueError::new_err(format!("unknown ggml type '{type_name}'")))?;
     let mut out = vec![0.0f32; n];
     let src = data.to_vec();
     py.detach(|| quant::dequantize(ty, &src, &mut out))
         .map_err(to_py)?;
-    Ok(Logits::new(out, 1, n))
+    new_logits(py, out, 1, n)
 }
 
 /// The kernel family in use: "scalar", "avx2", "avx512" or "avx512vnni".
