@@ -51,7 +51,7 @@ die() {
 }
 
 command -v cargo >/dev/null 2>&1 || die "cargo not found; install Rust with https://rustup.rs"
-command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON to a Python >= 3.9)"
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON to a Python >= 3.10)"
 
 # 1. test requirements (loose pins: the oldest versions known to work with the tests)
 say "installing the test requirements"

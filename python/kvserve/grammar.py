@@ -85,10 +85,9 @@ class Constraint:
 def _llguidance() -> Any:
     try:
         import llguidance
-    except ImportError as e:  # Python 3.9, or a broken install
+    except ImportError as e:  # a dependency of kvserve: missing only from a broken install
         raise GrammarError(
-            "structured output needs the llguidance package (Python >= 3.10):"
-            f" pip install llguidance ({e})"
+            f"structured output needs the llguidance package: pip install llguidance ({e})"
         ) from None
     return llguidance
 

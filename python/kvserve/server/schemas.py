@@ -14,8 +14,10 @@ reply carries). Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, assi
 only limits that belong to the HTTP API itself (``n``, ``max_tokens``, ``priority``) are
 declared here.
 
-This module has no ``from __future__ import annotations`` and spells unions with
-``Optional``/``Union`` so that pydantic can evaluate the annotations on Python 3.9.
+This module has no ``from __future__ import annotations``: pydantic evaluates the annotations
+at class creation. It spells unions with ``Optional``/``Union``, written when Python 3.9 was
+supported (``X | None`` fails there at run time); from 3.10, kvserve's floor, both spellings
+work.
 """
 
 from typing import Annotated, Any, Literal, Optional, Union
