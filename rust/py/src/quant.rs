@@ -20,7 +20,7 @@ pub fn dequantize(py: Python<'_>, type_name: &str, data: &[u8], n: usize) -> PyR
     new_logits(py, out, 1, n)
 }
 
-/// The kernel family in use: "scalar", "avx2", "avx512" or "avx512vnni".
+/// The kernel family in use: "scalar", "neon" (aarch64), "avx2", "avx512" or "avx512vnni".
 #[pyfunction]
 pub fn simd_level() -> &'static str {
     quant::simd::level().name()

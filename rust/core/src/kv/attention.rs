@@ -176,7 +176,7 @@ pub fn attend_at(
             )));
         }
     }
-    let lvl = lvl.min(simd::detect());
+    let lvl = simd::cap(lvl);
     let seg_off = query.kv_head * ty.row_bytes(hd);
     let stride = store.row_bytes();
 

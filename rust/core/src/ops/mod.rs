@@ -115,7 +115,7 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
 pub(crate) fn geglu_level(gate: &mut [f32], up: &[f32], level: SimdLevel) {
     assert_eq!(gate.len(), up.len(), "geglu: gate and up differ in length");
     #[cfg(target_arch = "x86_64")]
-    if level.min(crate::quant::simd::detect()) >= SimdLevel::Avx2 {
+    if crate::quant::simd::cap(level) >= SimdLevel::Avx2 {
         // SAFETY: AVX2 and FMA were detected on this CPU; both slices hold gate.len() values.
         unsafe { x86::geglu_avx2(gate, up) };
         return;

@@ -4,10 +4,10 @@
 //!
 //! Guarantees: the block layouts are bit-compatible with ggml/GGUF (verified against the `gguf`
 //! Python package in tests); dequantization reproduces ggml's f32 values exactly; every SIMD
-//! kernel computes the same per-block integer sums as the scalar reference; the AVX-512 kernels
-//! (and the prefill tile of `quant::ktile`) also follow its f32 order and return its bits, the
-//! AVX2 ones differ by f32 accumulation order only; a SIMD level the running CPU lacks is never executed, whatever level
-//! the caller passes.
+//! kernel computes the same per-block integer sums as the scalar reference; the AVX-512 and NEON
+//! kernels (and the prefill tile of `quant::ktile`) also follow its f32 order and return its
+//! bits, the AVX2 ones differ by f32 accumulation order only; a SIMD level the running CPU lacks
+//! is never executed, whatever level the caller passes.
 //!
 //! Layouts (256 weights per super-block, split into sub-blocks):
 //! - Q4_K (144 bytes): f16 `d`, f16 `dmin`, 12 bytes of packed 6-bit scales/mins for eight
@@ -243,12 +243,20 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
 // Dot products: scalar references
 // ---------------------------------------------------------------------------------------------
 
+/// The Q4_K/Q5_K min term of one super-block: `sum(m[j] * (bsums[2j] + bsums[2j + 1]))`.
+#[inline(always)]
+pub(super) fn mins_dot_bsums(m: &[u8; 8], bsums: &[i16; QK_K / 16]) -> i32 {
+    (0..8)
+        .map(|j| m[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32))
+        .sum()
+}
+
 /// The canonical order of the K-quant dot products (every AVX-512 kernel follows it, so they
 /// give these bits; the AVX2 kernels differ by f32 rounding): per super-block the exact
 /// integer sums `sumi` (scaled quants times activations) and `summ` (mins times activation
 /// sums), then `acc = fma(sumi, d, acc)` and `accm = fma(summ, dmin, accm)`; the result is
 /// `acc - accm` (Q6_K: no mins, `acc`).
-fn dot_q4_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
+pub(super) fn dot_q4_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
     let (mut acc, mut accm) = (0.0f32, 0.0f32);
     for (blk, ab) in w.chunks_exact(Q4_K_BYTES).zip(a) {
         let d = f16_at(blk, 0) * ab.d;
@@ -268,17 +276,14 @@ fn dot_q4_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
             }
             sumi += s0 * sc[2 * j] as i32 + s1 * sc[2 * j + 1] as i32;
         }
-        let mut summ = 0i32;
-        for j in 0..8 {
-            summ += m[j] as i32 * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32);
-        }
+        let summ = mins_dot_bsums(&m, &ab.bsums);
         acc = (sumi as f32).mul_add(d, acc);
         accm = (summ as f32).mul_add(dmin, accm);
     }
     acc - accm
 }
 
-fn dot_q5_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
+pub(super) fn dot_q5_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
     let (mut acc, mut accm) = (0.0f32, 0.0f32);
     for (blk, ab) in w.chunks_exact(Q5_K_BYTES).zip(a) {
         let d = f16_at(blk, 0) * ab.d;
@@ -301,17 +306,14 @@ fn dot_q5_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
             }
             sumi += s0 * sc[2 * j] as i32 + s1 * sc[2 * j + 1] as i32;
         }
-        let mut summ = 0i32;
-        for j in 0..8 {
-            summ += m[j] as i32 * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32);
-        }
+        let summ = mins_dot_bsums(&m, &ab.bsums);
         acc = (sumi as f32).mul_add(d, acc);
         accm = (summ as f32).mul_add(dmin, accm);
     }
     acc - accm
 }
 
-fn dot_q6_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
+pub(super) fn dot_q6_k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
     let mut sum = 0.0f32;
     for (blk, ab) in w.chunks_exact(Q6_K_BYTES).zip(a) {
         let d = f16_at(blk, 208) * ab.d;
@@ -351,8 +353,12 @@ fn cpu_best() -> SimdLevel {
 
 /// Lowest level of each SIMD kernel of the `vec_dot_q*_k` dispatchers (see `simd::coverage`).
 #[cfg(test)]
-pub(crate) const DOT_KERNELS: [SimdLevel; 3] =
-    [SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Vnni];
+pub(crate) const DOT_KERNELS: [SimdLevel; 4] = [
+    SimdLevel::Neon,
+    SimdLevel::Avx2,
+    SimdLevel::Avx512,
+    SimdLevel::Avx512Vnni,
+];
 
 /// Number of whole blocks present in both operands.
 #[inline(always)]
@@ -368,17 +374,22 @@ pub fn vec_dot_q4_k(w: &[u8], a: &[BlockQ8K], level: SimdLevel) -> f32 {
     let (w, a) = (&w[..n * Q4_K_BYTES], &a[..n]);
     #[cfg(target_arch = "x86_64")]
     {
-        // The level is capped by cpu_best(), so the CPU has every feature the called kernel
-        // enables; kernels only read whole blocks of `w` and `a`, which hold `n` blocks each.
-        match level.min(cpu_best()) {
-            // SAFETY: level <= cpu_best(): AVX-512 F/BW/VL/DQ/VNNI, AVX2, FMA, F16C present.
+        // `simd::cap` keeps the level at most `simd::detect()`, so the CPU has every feature the
+        // called kernel enables; kernels only read whole blocks of `w` and `a` (`n` blocks each).
+        match super::simd::cap(level) {
+            // SAFETY: cap(level) <= detect(): AVX-512 F/BW/VL/DQ/VNNI, AVX2, FMA, F16C present.
             SimdLevel::Avx512Vnni => return unsafe { x86::dot_q4_k_avx512vnni(w, a) },
-            // SAFETY: level <= cpu_best(): AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C present.
+            // SAFETY: cap(level) <= detect(): AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C present.
             SimdLevel::Avx512 => return unsafe { x86::dot_q4_k_avx512(w, a) },
-            // SAFETY: level <= cpu_best(): AVX2, FMA, F16C present.
+            // SAFETY: cap(level) <= detect(): AVX2, FMA, F16C present.
             SimdLevel::Avx2 => return unsafe { x86::dot_q4_k_avx2(w, a) },
-            SimdLevel::Scalar => {}
+            SimdLevel::Scalar | SimdLevel::Neon => {}
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if super::simd::cap(level) == SimdLevel::Neon {
+        // SAFETY: `cap` returns Neon only when NEON was detected on this CPU.
+        return unsafe { super::neon::dot_q4_k(w, a) };
     }
     let _ = level;
     dot_q4_k_scalar(w, a)
@@ -391,16 +402,21 @@ pub fn vec_dot_q5_k(w: &[u8], a: &[BlockQ8K], level: SimdLevel) -> f32 {
     let (w, a) = (&w[..n * Q5_K_BYTES], &a[..n]);
     #[cfg(target_arch = "x86_64")]
     {
-        // As in vec_dot_q4_k: level capped by cpu_best(); kernels read whole blocks only.
-        match level.min(cpu_best()) {
-            // SAFETY: level <= cpu_best(): AVX-512 F/BW/VL/DQ/VNNI, AVX2, FMA, F16C present.
+        // As in vec_dot_q4_k: level capped by `simd::cap`; kernels read whole blocks only.
+        match super::simd::cap(level) {
+            // SAFETY: cap(level) <= detect(): AVX-512 F/BW/VL/DQ/VNNI, AVX2, FMA, F16C present.
             SimdLevel::Avx512Vnni => return unsafe { x86::dot_q5_k_avx512vnni(w, a) },
-            // SAFETY: level <= cpu_best(): AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C present.
+            // SAFETY: cap(level) <= detect(): AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C present.
             SimdLevel::Avx512 => return unsafe { x86::dot_q5_k_avx512(w, a) },
-            // SAFETY: level <= cpu_best(): AVX2, FMA, F16C present.
+            // SAFETY: cap(level) <= detect(): AVX2, FMA, F16C present.
             SimdLevel::Avx2 => return unsafe { x86::dot_q5_k_avx2(w, a) },
-            SimdLevel::Scalar => {}
+            SimdLevel::Scalar | SimdLevel::Neon => {}
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if super::simd::cap(level) == SimdLevel::Neon {
+        // SAFETY: `cap` returns Neon only when NEON was detected on this CPU.
+        return unsafe { super::neon::dot_q5_k(w, a) };
     }
     let _ = level;
     dot_q5_k_scalar(w, a)
@@ -413,16 +429,21 @@ pub fn vec_dot_q6_k(w: &[u8], a: &[BlockQ8K], level: SimdLevel) -> f32 {
     let (w, a) = (&w[..n * Q6_K_BYTES], &a[..n]);
     #[cfg(target_arch = "x86_64")]
     {
-        // As in vec_dot_q4_k: level capped by cpu_best(); kernels read whole blocks only.
-        match level.min(cpu_best()) {
-            // SAFETY: level <= cpu_best(): AVX-512 F/BW/VL/DQ/VNNI, AVX2, FMA, F16C present.
+        // As in vec_dot_q4_k: level capped by `simd::cap`; kernels read whole blocks only.
+        match super::simd::cap(level) {
+            // SAFETY: cap(level) <= detect(): AVX-512 F/BW/VL/DQ/VNNI, AVX2, FMA, F16C present.
             SimdLevel::Avx512Vnni => return unsafe { x86::dot_q6_k_avx512vnni(w, a) },
-            // SAFETY: level <= cpu_best(): AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C present.
+            // SAFETY: cap(level) <= detect(): AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C present.
             SimdLevel::Avx512 => return unsafe { x86::dot_q6_k_avx512(w, a) },
-            // SAFETY: level <= cpu_best(): AVX2, FMA, F16C present.
+            // SAFETY: cap(level) <= detect(): AVX2, FMA, F16C present.
             SimdLevel::Avx2 => return unsafe { x86::dot_q6_k_avx2(w, a) },
-            SimdLevel::Scalar => {}
+            SimdLevel::Scalar | SimdLevel::Neon => {}
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if super::simd::cap(level) == SimdLevel::Neon {
+        // SAFETY: `cap` returns Neon only when NEON was detected on this CPU.
+        return unsafe { super::neon::dot_q6_k(w, a) };
     }
     let _ = level;
     dot_q6_k_scalar(w, a)

@@ -19,10 +19,12 @@
 //! At AVX-512 VNNI every path follows the canonical order of `legacy::vec_dot_scalar` (legacy
 //! weights) or of `kquants::dot_q4_k_scalar` (K-quants), so a token's outputs are bit-identical
 //! whatever path its batch takes (batch invariance); at the AVX2 levels every token goes through
-//! the same per-row kernel.
+//! the same per-row kernel. On aarch64 only the per-row path exists; its NEON kernels follow the
+//! canonical order too (bit-identical to scalar).
 //!
 //! No allocation happens inside the parallel loops.
 
+#[cfg(target_arch = "x86_64")]
 use super::legacy;
 use super::q8::{self, Pack, QuantizedActs};
 use super::simd::{self, SimdLevel};
@@ -91,10 +93,10 @@ fn prefetch(bytes: &[u8]) {
 }
 
 /// Like [`prefetch`] but into L2 only (`prefetcht1`): for kernels that reread a larger set of
-/// activations from L1 for every row.
+/// activations from L1 for every row (the x86-64 tiles).
+#[cfg(target_arch = "x86_64")]
 #[inline]
 fn prefetch_l2(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
     for off in (0..bytes.len()).step_by(64) {
         // SAFETY: as in `prefetch`.
         unsafe {
@@ -103,8 +105,6 @@ fn prefetch_l2(bytes: &[u8]) {
             )
         };
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
 }
 
 /// How many rows ahead the per-row path prefetches (measured on SmolLM2 decode, 2 threads:
@@ -236,7 +236,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 w.rows
             )));
         }
-        let level = level.min(simd::detect());
+        let level = simd::cap(level);
         let (plan, n_tasks) = plan(w.rows, w.ty, n, a.pack, threads, level);
         Ok(MatmulJob {
             w,
@@ -252,7 +252,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
     /// by `quantize_acts_into` for `w`'s type — known before the activations exist (a team
     /// step must know its task count before anyone may read its inputs).
     pub fn planned_tasks(w: &QMatrix<'_>, n_tokens: usize, threads: usize) -> usize {
-        let level = simd::level().min(simd::detect());
+        let level = simd::cap(simd::level());
         let pack = match super::q8::act_kind(w.ty) {
             Some(super::q8::ActKind::Q8) => Pack::for_tokens(n_tokens, simd::level()),
             // Q8_K activations are packed for the wide tile only.
@@ -945,7 +945,7 @@ mod tests {
 
     /// Issue #3: a token's outputs are bit-identical whether it is computed alone or at any
     /// position of a batch (per-row vs tile path, any batch size), at every SIMD level; the
-    /// AVX-512 VNNI kernels also reproduce the scalar canonical order bit for bit.
+    /// AVX-512 VNNI and NEON kernels also reproduce the scalar canonical order bit for bit.
     #[test]
     fn batch_invariant_bit_exact() {
         let mut rng = Rng(11);
@@ -968,7 +968,7 @@ mod tests {
                 for &level in &levels {
                     let mut alone = vec![0f32; rows];
                     matmul_level(&w, &a1, &mut alone, level).unwrap();
-                    if level == SimdLevel::Avx512Vnni {
+                    if matches!(level, SimdLevel::Avx512Vnni | SimdLevel::Neon) {
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&alone), bits(&scalar), "{} {cols}", ty.name());
                     }
@@ -1290,9 +1290,9 @@ mod tests {
     }
 
     /// Lowest level of the K-quant prefill tile (`ktile`), and of the per-row K-quant kernels
-    /// that follow the canonical order bit for bit (the AVX-512 ones).
+    /// that follow the canonical order bit for bit (the AVX-512 and NEON ones).
     const KTILE_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
-    const KQUANT_EXACT_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512];
+    const KQUANT_EXACT_KERNELS: [SimdLevel; 2] = [SimdLevel::Neon, SimdLevel::Avx512];
 
     /// Issue #9: the K-quant prefill tile (wide packed Q8_K activations) against its scalar
     /// twin (`kquants::dot_q*_k_scalar` per row and token) bit for bit, at shapes that leave a

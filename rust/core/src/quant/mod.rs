@@ -3,7 +3,8 @@
 //!
 //! Guarantees: dequantization follows ggml's reference formulas; every SIMD kernel computes
 //! the same integer block dot products as its scalar twin (results differ only by f32 summation
-//! order); SIMD code runs only at a [`SimdLevel`] the CPU was detected to support. AMX is never
+//! order; the AVX-512 VNNI and NEON kernels not even that: they follow the scalar order and return
+//! its bits); SIMD code runs only at a [`SimdLevel`] the CPU was detected to support. AMX is never
 //! used.
 
 pub mod avx2;
@@ -14,6 +15,7 @@ pub mod kquants;
 pub(crate) mod ktile;
 pub mod legacy;
 pub mod matmul;
+pub(crate) mod neon;
 pub mod q8;
 pub mod simd;
 pub mod types;
@@ -153,7 +155,7 @@ impl<'a> QMatrix<'a> {
 }
 
 /// Dot product of one weight row of type `ty` with token `token` of `a`, computed with the
-/// kernels of `level` (which must not exceed `simd::detect()`; it is capped to it).
+/// kernels of `level` (capped at what this CPU runs, see [`simd::cap`]).
 ///
 /// # Panics
 /// If `a` was not quantized for `ty`, `token` is out of range or `w_row` is not one row of
@@ -177,7 +179,7 @@ pub fn vec_dot(
     );
     let rb = ty.row_bytes(a.cols as u64).unwrap_or(u64::MAX);
     assert_eq!(w_row.len() as u64, rb, "weight row has the wrong length");
-    dot_row(ty, w_row, a, token, level.min(simd::detect()))
+    dot_row(ty, w_row, a, token, simd::cap(level))
 }
 
 /// Unchecked-shape dispatcher used by the matmul (shapes validated once there).
@@ -280,7 +282,8 @@ pub(crate) fn dot_row_tokens(
 
 /// Lowest level of each SIMD kernel of the legacy row dot (see `simd::coverage`).
 #[cfg(test)]
-pub(crate) const LEGACY_DOT_KERNELS: [SimdLevel; 2] = [SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+pub(crate) const LEGACY_DOT_KERNELS: [SimdLevel; 3] =
+    [SimdLevel::Neon, SimdLevel::Avx2, SimdLevel::Avx512Vnni];
 
 /// Legacy row dot at `level`; slices are one row / one token of matching length.
 #[inline]
@@ -317,6 +320,13 @@ fn legacy_dot(ty: GgmlType, row: &[u8], qa: &[i8], ds: &[f32], level: SimdLevel)
             }
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if level >= SimdLevel::Neon {
+        // SAFETY: NEON was detected (`level` >= Neon never exceeds `simd::detect()`).
+        return unsafe { neon::legacy_dot(ty, row, qa, ds) };
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = level;
     legacy::vec_dot_scalar(ty, row, qa, ds)
 }
 

@@ -312,7 +312,7 @@ pub(crate) fn quantize_acts_impl(
 
 /// Lowest level of each SIMD kernel of [`quantize_blocks`] (see `simd::coverage`).
 #[cfg(test)]
-pub(crate) const QUANTIZE_BLOCKS_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
+pub(crate) const QUANTIZE_BLOCKS_KERNELS: [SimdLevel; 2] = [SimdLevel::Neon, SimdLevel::Avx2];
 
 /// Quantizes consecutive blocks of `x` into `qs`, `d`, `s` with the kernels of `level`.
 /// `ds` receives `(da, sa)` per block.
@@ -324,6 +324,18 @@ pub(crate) fn quantize_blocks(x: &[f32], qs: &mut [i8], ds: &mut [f32], level: S
             // SAFETY: AVX2 was detected (level never exceeds detection); both blocks hold 32.
             (ds[2 * i], ds[2 * i + 1]) =
                 unsafe { x86::quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if level >= SimdLevel::Neon {
+        for ((xb, qb), p) in x
+            .chunks_exact(QK)
+            .zip(qs.chunks_exact_mut(QK))
+            .zip(ds.chunks_exact_mut(2))
+        {
+            // SAFETY: NEON was detected (`level` >= Neon never exceeds detection).
+            (p[0], p[1]) = unsafe { super::neon::quantize_block(xb, qb) };
         }
         return;
     }

@@ -1,6 +1,11 @@
-//! Runtime CPU-feature detection, done once. `KVSERVE_SIMD=scalar|avx2|avx512|avx512vnni` forces
-//! a level (capped at what the CPU supports) for tests and comparisons; any other value is an
-//! error ([`env_level`]) naming the valid ones. AMX is never used.
+//! Runtime CPU-feature detection, done once. `KVSERVE_SIMD=scalar|neon|avx2|avx512|avx512vnni`
+//! forces a level (capped at what the CPU supports) for tests and comparisons; any other value is
+//! an error ([`env_level`]) naming the valid ones. AMX is never used.
+//!
+//! Levels form one chain per architecture: x86-64 has scalar < avx2 < avx512 < avx512vnni,
+//! aarch64 has scalar < neon (NEON is part of the aarch64 baseline; it is still detected, not
+//! assumed). A level of the other architecture is never run: capped, an x86 level asked for on
+//! aarch64 gives neon and `neon` asked for on x86-64 gives scalar ([`cap`]).
 
 use std::sync::OnceLock;
 
@@ -10,6 +15,9 @@ use crate::error::{invalid, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SimdLevel {
     Scalar,
+    /// aarch64 Advanced SIMD (128-bit). Ordered below the x86 levels so that capping an x86
+    /// level at an aarch64 CPU's best gives it; x86 code never runs at it.
+    Neon,
     /// AVX2 + FMA + F16C.
     Avx2,
     /// AVX-512 F/BW/VL/DQ (plus AVX2 level).
@@ -22,6 +30,7 @@ impl SimdLevel {
     pub fn name(self) -> &'static str {
         match self {
             SimdLevel::Scalar => "scalar",
+            SimdLevel::Neon => "neon",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
             SimdLevel::Avx512Vnni => "avx512vnni",
@@ -29,8 +38,9 @@ impl SimdLevel {
     }
 
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 4] = [
+    pub const ALL: [SimdLevel; 5] = [
         SimdLevel::Scalar,
+        SimdLevel::Neon,
         SimdLevel::Avx2,
         SimdLevel::Avx512,
         SimdLevel::Avx512Vnni,
@@ -43,10 +53,24 @@ impl SimdLevel {
         SimdLevel::ALL.into_iter().find(|l| l.name() == s)
     }
 
+    /// Whether this level belongs to the architecture the code was built for (scalar always).
+    pub fn native(self) -> bool {
+        match self {
+            SimdLevel::Scalar => true,
+            SimdLevel::Neon => cfg!(target_arch = "aarch64"),
+            SimdLevel::Avx2 | SimdLevel::Avx512 | SimdLevel::Avx512Vnni => {
+                cfg!(target_arch = "x86_64")
+            }
+        }
+    }
+
     /// Every level this CPU can run, lowest first (for tests comparing kernels).
     pub fn available() -> Vec<SimdLevel> {
         let best = detect();
-        SimdLevel::ALL.into_iter().filter(|l| *l <= best).collect()
+        SimdLevel::ALL
+            .into_iter()
+            .filter(|l| l.native() && *l <= best)
+            .collect()
     }
 }
 
@@ -78,6 +102,10 @@ pub fn detect() -> SimdLevel {
 }
 
 fn detect_uncached() -> SimdLevel {
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        return SimdLevel::Neon;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 = is_x86_feature_detected!("avx2")
@@ -102,6 +130,18 @@ fn detect_uncached() -> SimdLevel {
     SimdLevel::Scalar
 }
 
+/// `level` capped at this CPU: the highest level of this architecture's chain that is at most
+/// `level` and at most [`detect`]. (The x86 levels are above `Neon`, so on aarch64 they cap to
+/// it; `Neon` on x86-64 caps to scalar.)
+pub fn cap(level: SimdLevel) -> SimdLevel {
+    let capped = level.min(detect());
+    if capped.native() {
+        capped
+    } else {
+        SimdLevel::Scalar
+    }
+}
+
 /// The level used by the dispatching kernels: detected once, lowered by `KVSERVE_SIMD`.
 ///
 /// An invalid `KVSERVE_SIMD` cannot be returned as an error from here (kernels call this);
@@ -112,7 +152,7 @@ pub fn level() -> SimdLevel {
     *LEVEL.get_or_init(|| {
         let best = detect();
         match env_level() {
-            Ok(Some(forced)) => forced.min(best),
+            Ok(Some(forced)) => cap(forced),
             Ok(None) => best,
             Err(e) => {
                 eprintln!("kvserve: warning: {e}; using {}", best.name());
@@ -142,7 +182,7 @@ pub(crate) mod coverage {
         starts
             .iter()
             .copied()
-            .filter(|&l| l != SimdLevel::Scalar && l <= best)
+            .filter(|&l| l != SimdLevel::Scalar && l.native() && l <= best)
             .collect()
     }
 
@@ -162,7 +202,11 @@ pub(crate) mod coverage {
             best.name()
         );
         let _ = std::io::stderr().lock().write_all(line.as_bytes());
-        let top = starts.iter().copied().filter(|&l| l <= best).max();
+        let top = starts
+            .iter()
+            .copied()
+            .filter(|&l| l.native() && l <= best)
+            .max();
         if let Some(top) = top.filter(|&l| l != SimdLevel::Scalar) {
             assert!(
                 tested.contains(&top),
@@ -191,13 +235,13 @@ mod tests {
         }
         assert_eq!(parse_env_level(None), Ok(None));
         assert_eq!(parse_env_level(Some(OsStr::new(" "))), Ok(None));
-        for bad in ["avx", "sse4", "vnni", "none", "avx512 vnni"] {
+        for bad in ["avx", "sse4", "vnni", "none", "avx512 vnni", "sve"] {
             let e = parse_env_level(Some(OsStr::new(bad)))
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(&format!("{bad:?}")), "{e}");
             assert!(
-                e.contains("valid values: scalar, avx2, avx512, avx512vnni"),
+                e.contains("valid values: scalar, neon, avx2, avx512, avx512vnni"),
                 "{e}"
             );
         }
@@ -230,6 +274,37 @@ mod tests {
         };
         assert_eq!(detect(), want, "detected level differs from /proc/cpuinfo");
         let line = format!("simd coverage: this CPU's best level: {}\n", want.name());
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    }
+
+    /// Capping keeps every level inside this architecture's chain and never above the CPU.
+    #[test]
+    fn cap_stays_on_this_architecture() {
+        let best = detect();
+        assert!(best.native(), "{best:?}");
+        for l in SimdLevel::ALL {
+            let c = cap(l);
+            assert!(c.native() && c <= best && c <= l, "{l:?} -> {c:?}");
+            if l.native() {
+                assert_eq!(c, l.min(best), "{l:?}");
+            }
+        }
+        assert!(SimdLevel::available().iter().all(|l| l.native()));
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(cap(SimdLevel::Neon), SimdLevel::Scalar);
+        #[cfg(target_arch = "aarch64")]
+        for l in [SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Vnni] {
+            assert_eq!(cap(l), SimdLevel::Neon, "{l:?}");
+        }
+    }
+
+    /// On aarch64 the kernel tests take NEON as this CPU's best level (it is part of the
+    /// aarch64 baseline; a CPU or emulator without it would leave its kernels untested).
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn detected_level_is_neon_on_aarch64() {
+        assert_eq!(detect(), SimdLevel::Neon);
+        let line = "simd coverage: this CPU's best level: neon\n";
         let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     }
 }
