@@ -79,7 +79,11 @@ def _cpuinfo_level() -> str | None:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        line = next((ln for ln in text.splitlines() if ln.startswith("Features")), "")
+        return "neon" if "asimd" in line.partition(":")[2].split() else "scalar"
+    if machine not in ("x86_64", "amd64"):
         return "scalar"
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     flags = set(line.partition(":")[2].split())

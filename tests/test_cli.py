@@ -390,7 +390,7 @@ def test_invalid_kvserve_simd_is_one_line_error(model_path: Path) -> None:
     )
     assert assert_one_line_error(proc) == (
         "kvserve: error: KVSERVE_SIMD='avx9' is not a SIMD level; "
-        "valid values: scalar, avx2, avx512, avx512vnni"
+        "valid values: scalar, neon, avx2, avx512, avx512vnni"
     )
 
 

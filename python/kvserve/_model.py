@@ -60,8 +60,10 @@ __all__ = [
 
 StrPath = Union[str, "os.PathLike[str]"]
 
-# The values KVSERVE_SIMD accepts (the engine's SIMD levels, lowest first).
-SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vnni")
+# The values KVSERVE_SIMD accepts (the engine's SIMD levels, lowest first). A machine runs
+# scalar and its own architecture's levels (x86-64: avx2, avx512, avx512vnni; aarch64: neon);
+# the engine caps any other to them.
+SIMD_LEVELS = ("scalar", "neon", "avx2", "avx512", "avx512vnni")
 
 FINISH_STOP = "stop"  # end-of-generation token or stop string
 FINISH_LENGTH = "length"  # max_tokens reached
