@@ -8,7 +8,8 @@
 #   scripts/test_aarch64.sh model::tests     # other cargo test filters instead (any number)
 #   scripts/test_aarch64.sh --all            # the whole kvserve-core unit test suite
 #
-# Needs (Debian/Ubuntu package names; --install runs `apt-get install -y` for them, as root):
+# Needs (Debian/Ubuntu package names; --install runs `apt-get install -y` for them, with sudo
+# when not root):
 #   gcc-aarch64-linux-gnu        the linker (aarch64-linux-gnu-gcc)
 #   libc6-dev-arm64-cross        the aarch64 glibc to link against and run with
 #   qemu-user                    qemu-aarch64, which runs the test binary
@@ -52,7 +53,10 @@ die() {
 }
 
 if [ "$install" = 1 ]; then
-    apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+    sudo_=""
+    if [ "$(id -u)" != 0 ]; then sudo_="sudo"; fi # a CI runner's user, not root
+    $sudo_ apt-get update -qq
+    $sudo_ apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 fi
 command -v aarch64-linux-gnu-gcc >/dev/null ||
     die "aarch64-linux-gnu-gcc not found: apt-get install gcc-aarch64-linux-gnu (or pass --install)"
