@@ -103,9 +103,7 @@ class PromptKeys:
                     body.get("parallel_tool_calls"),
                 )
                 shown = None if plan is None else plan.render_tools
-            return list(
-                self.model.tokenize_chat(messages, special_in_content=special, tools=shown)
-            )
+            return list(self.model.tokenize_chat(messages, special_in_content=special, tools=shown))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: the first one's prefix decides
