@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -82,7 +83,10 @@ NUMBERS = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "List some numbers as JSON."}]
-GEMMA = Path.home() / ".cache/kvserve/models/gemma-3-270m-q4_k_m.gguf"
+# Gemma 3 270M: $KVSERVE_TEST_GEMMA, else where `kvserve pull gemma3-270m-q4_k_m` puts it.
+GEMMA = os.environ.get(
+    "KVSERVE_TEST_GEMMA", str(Path.home() / ".cache/kvserve/models/gemma-3-270m-q4_k_m.gguf")
+)
 
 
 def _vocab(model: Model) -> tuple[list[bytes], list[int]]:
@@ -217,7 +221,7 @@ def decode(path: str, n: int, threads: int | None, rounds: int) -> tuple[str, di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=default_model())
-    ap.add_argument("--gemma", default=str(GEMMA))
+    ap.add_argument("--gemma", default=GEMMA)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=3)
