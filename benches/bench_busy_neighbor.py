@@ -289,7 +289,7 @@ def main() -> int:
         q, b = med(res["quiet"]), med(res["busy"])
         # Each busy run sits next to a quiet one in time: the ratio within a pair cancels the
         # host's slow swings, which the ratio of the two medians does not.
-        pairs = med([y / x for x, y in zip(res["quiet"], res["busy"])])
+        pairs = med([y / x for x, y in zip(res["quiet"], res["busy"], strict=True)])
         redo = f"{per_1k(res['redo_quiet'])} / {per_1k(res['redo_busy'])}"
         lines.append(
             f"| {label} | {med(res['pp']):.1f} | {q:.1f} | {b:.1f} | {b / q:.2f}x | "

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ async def stream(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> tu
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 stamps.append(time.monotonic())
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    gaps = [b - a for a, b in pairwise(stamps)]
     return (max(gaps) if gaps else 0.0), stamps[-1] - t0
 
 
@@ -164,7 +165,7 @@ async def run_once(
             names = ["big", "stops+bias", "n"]
             tasks = [
                 asyncio.ensure_future(hostile(client, url, name, body, done, log, args.rate))
-                for name, body in zip(names, hostile_bodies(args))
+                for name, body in zip(names, hostile_bodies(args), strict=True)
                 if name in args.kinds
             ]
             await asyncio.sleep(0.2)  # the first hostile requests are in flight

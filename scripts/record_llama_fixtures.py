@@ -287,27 +287,33 @@ def compare_runs(ref: list[dict], other: list[dict], n_top: int = 5) -> dict:
     the first divergence) the largest |logprob difference| of ``ref``'s top ``n_top`` tokens
     (where ``other`` recorded them; both record the top 10)."""
     prefixes, diffs, gaps = [], [], []
-    for a, b in zip(ref, other):
+    for a, b in zip(ref, other, strict=True):
         assert a["name"] == b["name"]
         d = next(
-            (i for i, (x, y) in enumerate(zip(a["greedy_tokens"], b["greedy_tokens"])) if x != y),
+            (
+                i
+                for i, (x, y) in enumerate(
+                    zip(a["greedy_tokens"], b["greedy_tokens"], strict=False)
+                )
+                if x != y
+            ),
             None,
         )
         prefixes.append(len(a["greedy_tokens"]) if d is None else d)
         last = len(a["greedy_tokens"]) - 1 if d is None else d
         for i in range(last + 1):
             sa, sb = a["steps"][i], b["steps"][i]
-            theirs = dict(zip(sb["top_ids"], sb["top_logprobs"]))
+            theirs = dict(zip(sb["top_ids"], sb["top_logprobs"], strict=True))
             ds = [
                 abs(lp - theirs[t])
-                for t, lp in zip(sa["top_ids"][:n_top], sa["top_logprobs"][:n_top])
+                for t, lp in zip(sa["top_ids"][:n_top], sa["top_logprobs"][:n_top], strict=True)
                 if t in theirs
             ]
             diffs.append(max(ds))
         if d is not None:
             step = a["steps"][d]
             theirs_tok = b["greedy_tokens"][d]
-            mine = dict(zip(step["top_ids"], step["top_logprobs"]))
+            mine = dict(zip(step["top_ids"], step["top_logprobs"], strict=True))
             gaps.append(
                 round(step["top_logprobs"][0] - mine[theirs_tok], 6) if theirs_tok in mine else None
             )

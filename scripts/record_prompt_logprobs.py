@@ -98,14 +98,14 @@ def compare(ref: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str,
     """How far ``other`` is from ``ref`` over every prompt position: the token
     log-probabilities, and ``ref``'s top-5 tokens' where ``other`` has them in its top 5."""
     tok, top = [], []
-    for a, b in zip(ref, other):
+    for a, b in zip(ref, other, strict=True):
         assert a["prompt_tokens"] == b["prompt_tokens"]
         for i in range(1, len(a["prompt_tokens"])):
             tok.append(abs(a["token_logprobs"][i] - b["token_logprobs"][i]))
-            theirs = dict(zip(b["top"][i]["ids"], b["top"][i]["logprobs"]))
+            theirs = dict(zip(b["top"][i]["ids"], b["top"][i]["logprobs"], strict=True))
             ds = [
                 abs(lp - theirs[t])
-                for t, lp in zip(a["top"][i]["ids"], a["top"][i]["logprobs"])
+                for t, lp in zip(a["top"][i]["ids"], a["top"][i]["logprobs"], strict=True)
                 if t in theirs
             ]
             top.append(max(ds))

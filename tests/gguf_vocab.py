@@ -21,7 +21,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 class Vocab:

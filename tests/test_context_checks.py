@@ -151,7 +151,7 @@ def test_a_panic_closes_the_context_and_gives_its_blocks_back(
     after = ctx.stats()
     assert after["blocks_referenced"] == base["blocks_referenced"]
     assert after["blocks_cached"] > base["blocks_cached"]
-    for g, b in zip(after["groups"], base["groups"]):
+    for g, b in zip(after["groups"], base["groups"], strict=True):
         assert g["blocks_referenced"] == b["blocks_referenced"], g
         assert (g["tokens_stored"], g["blocks_held"]) == (0, 0)
     assert (ctx.n_cells, after["sequences"], after["blocks_held"]) == (0, 0, 0)

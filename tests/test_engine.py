@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -307,7 +308,7 @@ def test_a_pool_too_small_for_everyone_preempts_and_every_request_completes(
     want = [sequential(oracle, p, n_tok) for p in ps]
     lengths = [len(oracle.tokenize(p, add_special=True, parse_special=True)) for p in ps]
     # Every request needs two 16-token blocks at its end: 16 of them need 32 blocks.
-    assert all(n < 16 < n + len(w.tokens) for n, w in zip(lengths, want))
+    assert all(n < 16 < n + len(w.tokens) for n, w in zip(lengths, want, strict=True))
     per_block = int(oracle.new_context(16).stats()["bytes_per_block"])
     small = Model.load(model_path, threads=2)  # a fresh model: the pool is made at our size
     with Engine(small, parallel=16, ctx_size=64, kv_memory=9 * per_block) as eng:
@@ -578,7 +579,7 @@ def close_logprobs(a: GenerateResult, b: GenerateResult) -> None:
     """Same tokens and pieces; log-probabilities equal up to the batch's float rounding."""
     assert a.logprobs is not None and b.logprobs is not None
     assert [(e.token, e.piece) for e in a.logprobs] == [(e.token, e.piece) for e in b.logprobs]
-    for x, y in zip(a.logprobs, b.logprobs):
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
         assert abs(x.logprob - y.logprob) < 1e-4
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
@@ -612,10 +613,12 @@ def test_every_option_gives_the_same_tokens_alone_and_in_a_batch(
         {"repeat_penalty": 1.4, "logit_bias": {28: -math.inf}, "frequency_penalty": 0.5},
         {"temperature": 0.7, "seed": 1, "typical_p": 0.8},
     ]
-    other_want = [oracle.generate(q, 10, **kw) for q, kw in zip(others, other_kw)]
+    other_want = [oracle.generate(q, 10, **kw) for q, kw in zip(others, other_kw, strict=True)]
 
     async def main() -> list[GenerateResult]:
-        jobs = [engine.agenerate(q, max_tokens=10, **kw) for q, kw in zip(others, other_kw)]
+        jobs = [
+            engine.agenerate(q, max_tokens=10, **kw) for q, kw in zip(others, other_kw, strict=True)
+        ]
         jobs.insert(1, engine.agenerate(p, max_tokens=12, **ALL_OPTIONS))
         return await asyncio.gather(*jobs)
 
@@ -642,12 +645,12 @@ def test_logprobs_match_an_independent_decode(engine: Engine, oracle: Model) -> 
         logits = ctx.decode(ids, list(range(len(ids))), [0] * len(ids), [True] * len(ids))
         view = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(len(ids), -1)
         k = len(ids) - len(res.tokens)
-        for step, (entry, tok) in enumerate(zip(res.logprobs, res.tokens)):
+        for step, (entry, tok) in enumerate(zip(res.logprobs, res.tokens, strict=True)):
             lsm = ref_log_softmax(view[k - 1 + step])
             assert entry.token == tok and entry.piece == oracle.token_to_piece(tok)
             assert abs(entry.logprob - lsm[tok]) < 1e-4, step
             assert len(entry.top) == n
-            assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:]))
+            assert all(a[1] >= b[1] for a, b in pairwise(entry.top))
             for t, lp in entry.top:
                 assert abs(lp - lsm[t]) < 1e-4
             assert entry.top[0][0] == int(np.argmax(lsm))

@@ -137,7 +137,7 @@ def test_generation_goes_past_the_limit_and_matches_the_reference(
     shifts = [i for i in range(1, len(views)) if len(views[i]) <= len(views[i - 1])]
     assert len(shifts) >= 3  # several shifts, so rows after the 2nd and 3rd are checked too
     worst = 0.0
-    for i, (view, row) in enumerate(zip(views, rows)):
+    for i, (view, row) in enumerate(zip(views, rows, strict=True)):
         want = ref.forward(weights, spec, view, kv_f16=True)[-1]
         d = float(np.abs(row - want).max() / np.abs(want).max())
         worst = max(worst, d)
@@ -176,7 +176,7 @@ def test_smollm2_shift_matches_a_context_shifted_by_hand(served: Model, oracle: 
         want.append(last_row(ctx.decode([tok], [n], [0], [True])))
         n += 1
     assert len(rows) == len(want)
-    for i, (got, w) in enumerate(zip(rows, want)):
+    for i, (got, w) in enumerate(zip(rows, want, strict=True)):
         d = float(np.abs(got - w).max() / np.abs(w).max())
         assert d < 1e-3, f"row {i}: max rel diff {d:.3g}"
         assert int(got.argmax()) == r.tokens[i]

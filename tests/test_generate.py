@@ -244,7 +244,7 @@ def test_sampled_tokens_lie_in_the_top_p_and_top_k_sets(model: Model) -> None:
     assert len(res.tokens) == n
     _, seen = decode_steps(model, prompt_tokens, n, forced=res.tokens)
     outside_mass = 0.0
-    for step, (tok, row) in enumerate(zip(res.tokens, seen)):
+    for step, (tok, row) in enumerate(zip(res.tokens, seen, strict=True)):
         keep = _nucleus(row, t, p)
         assert tok in keep, f"step {step}: token {tok} outside the top-p set {sorted(keep)}"
         probs = np.exp(log_softmax(row / t))
@@ -254,7 +254,7 @@ def test_sampled_tokens_lie_in_the_top_p_and_top_k_sets(model: Model) -> None:
 
     res = model.generate(prompt, n, temperature=t, top_k=k, seed=12)
     _, seen = decode_steps(model, prompt_tokens, n, forced=res.tokens)
-    for step, (tok, row) in enumerate(zip(res.tokens, seen)):
+    for step, (tok, row) in enumerate(zip(res.tokens, seen, strict=True)):
         assert row[tok] >= np.sort(row)[-k], f"step {step}: token {tok} outside the top {k}"
 
 
@@ -364,7 +364,7 @@ def test_q8_0_kv_cache_follows_f16_up_to_near_ties(model: Model) -> None:
         g = golden(name)
         f16, seen = decode_steps(model, g["prompt_tokens"], 16)
         q8, _ = decode_steps(model, g["prompt_tokens"], 16, kv_type="q8_0")
-        d = next((i for i, (a, b) in enumerate(zip(f16, q8)) if a != b), None)
+        d = next((i for i, (a, b) in enumerate(zip(f16, q8, strict=False)) if a != b), None)
         if d is None:
             continue
         lp = log_softmax(seen[d])
@@ -486,7 +486,7 @@ def test_seeded_sampling_with_every_option_makes_the_reference_draws(
     _, seen = decode_steps(model, prompt_tokens, len(res.tokens), forced=res.tokens)
     rng = np.random.default_rng(7)
     history = list(prompt_tokens)
-    for step, (tok, row) in enumerate(zip(res.tokens, seen)):
+    for step, (tok, row) in enumerate(zip(res.tokens, seen, strict=True)):
         p = ref_distribution(row, history, **options)
         assert ref_draw(p, rng) == tok, f"step {step}"
         history.append(tok)
@@ -506,7 +506,7 @@ def test_logprobs_are_the_models_own_log_softmax(model: Model, vocab: Vocab) -> 
         res = model.generate(PROMPT, 8, logprobs=5, **kw)  # type: ignore[arg-type]
         assert res.logprobs is not None and len(res.logprobs) == len(res.tokens) > 0
         _, seen = decode_steps(model, prompt_tokens, len(res.tokens), forced=res.tokens)
-        for entry, tok, row in zip(res.logprobs, res.tokens, seen):
+        for entry, tok, row in zip(res.logprobs, res.tokens, seen, strict=True):
             lsm = ref_log_softmax(row)
             assert (entry.token, entry.piece) == (tok, vocab.piece(tok))
             assert abs(entry.logprob - lsm[tok]) < 1e-4

@@ -152,7 +152,7 @@ def _greedy(g: Golden, core, prompt: dict) -> GreedyRun:
 
 
 def _first_divergence(ours: list[int], ref: list[int]) -> int | None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         if a != b:
             return i
     return None
@@ -160,7 +160,7 @@ def _first_divergence(ours: list[int], ref: list[int]) -> int | None:
 
 def _llama_logprob(step: dict, token: int) -> float | None:
     """llama.cpp's logprob of ``token`` at a step, if it is in the recorded top-10."""
-    for t, lp in zip(step["top_ids"], step["top_logprobs"]):
+    for t, lp in zip(step["top_ids"], step["top_logprobs"], strict=True):
         if t == token:
             return lp
     return None

@@ -220,7 +220,7 @@ def test_results_do_not_depend_on_the_rest_of_the_batch(core: _core.Model) -> No
         got.append(np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab)[0].copy())
         mtoks.append(int(got[-1].argmax()))
     assert mtoks == toks
-    for a, b in zip(got, rows):
+    for a, b in zip(got, rows, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -601,7 +601,7 @@ def test_staged_blocks_are_bounded_and_given_back(model_path: Path, redis: Redis
             return [t.result() for t in tasks]
 
         got = asyncio.run(run())
-        for ids, (tokens, _) in zip(prompts, got):
+        for ids, (tokens, _) in zip(prompts, got, strict=True):
             assert tokens == _greedy(plain, ids, n=4)[0]
         st = b.stats()
         assert peak <= budget and st["kv_remote_staged_bytes"] == 0

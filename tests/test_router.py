@@ -200,7 +200,7 @@ def test_random_states_match_the_reference() -> None:
         held: dict[str, set[int]] = {}
         load: dict[str, int] = {}
         sizes = rng.sample(range(0, 12), len(names))  # distinct numbers of other blocks
-        for n, extra in zip(names, sizes):
+        for n, extra in zip(names, sizes, strict=True):
             depth = rng.randint(0, 5)
             held[n] = set(range(1, depth + 1)) | {
                 1000 * (1 + names.index(n)) + j for j in range(extra)

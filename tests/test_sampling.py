@@ -4,6 +4,7 @@ filters against tests/sampling_reference.py, a loop-by-loop reference of the who
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -85,7 +86,7 @@ def test_greedy_does_not_modify_readonly_input() -> None:
 def test_softmax_matches_reference(rng: np.random.Generator) -> None:
     x = rng.normal(size=(4, 300)) * 10
     got = softmax(x)
-    for row, g in zip(x, got):
+    for row, g in zip(x, got, strict=True):
         np.testing.assert_allclose(g, ref_softmax(row), rtol=1e-12)
     # -inf gets exactly zero probability.
     y = np.array([1.0, -np.inf, 0.5])
@@ -96,7 +97,7 @@ def test_softmax_matches_reference(rng: np.random.Generator) -> None:
 def test_top_k_mask_matches_reference(rng: np.random.Generator, k: int) -> None:
     x = rng.normal(size=(3, 100))
     got = top_k_mask(x, k)
-    for row, g in zip(x, got):
+    for row, g in zip(x, got, strict=True):
         want = ref_top_k(row, k) if 0 < k < 100 else np.ones(100, dtype=bool)
         np.testing.assert_array_equal(g, want)
 
@@ -121,7 +122,7 @@ def test_top_k_keeps_ties_at_boundary() -> None:
 def test_top_p_mask_matches_reference(rng: np.random.Generator, p: float) -> None:
     probs = np.stack([ref_softmax(rng.normal(size=200) * 3) for _ in range(5)])
     got = top_p_mask(probs, p)
-    for row, g in zip(probs, got):
+    for row, g in zip(probs, got, strict=True):
         np.testing.assert_array_equal(g, ref_top_p(row, p))
 
 
@@ -267,7 +268,7 @@ def test_penalties_match_a_loop_over_the_window(
     x = rng.normal(size=(3, 40)) * 4
     history = rng.integers(0, 40, size=300).tolist()
     got = apply_penalties(x, history, last_n=last_n, **penalties)
-    for row, g in zip(x, got):
+    for row, g in zip(x, got, strict=True):
         want = ref_adjust(row, history, penalty_last_n=last_n, **penalties)
         np.testing.assert_allclose(g, want, rtol=1e-14, atol=0)
         if last_n != 0:
@@ -304,7 +305,7 @@ def test_typical_p_matches_reference(rng: np.random.Generator, scale: float, p: 
     probs = softmax(rows)
     masks = typical_mask(probs, p)
     sizes = []
-    for row, pr, mask in zip(rows, probs, masks):
+    for row, pr, mask in zip(rows, probs, masks, strict=True):
         want = ref_typical(pr, p)
         assert set(np.flatnonzero(mask).tolist()) == want
         sizes.append(len(want))
@@ -418,7 +419,7 @@ def check_token_logprobs(row: np.ndarray, n: int) -> None:
         want_ids = sorted(range(len(row)), key=lambda i: -lsm[i])[:n]
         assert [t for t, _ in top] == want_ids
         np.testing.assert_allclose([lp for _, lp in top], lsm[want_ids], atol=1e-9)
-        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+        assert all(a[1] >= b[1] for a, b in pairwise(top))
 
 
 def test_token_logprobs_ties_and_small_vocabularies() -> None:

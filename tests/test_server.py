@@ -381,7 +381,7 @@ def test_gemma3_reuses_a_long_shared_prefix_past_its_window(
                doc + "\nQuestion: how many mills are there?\nAnswer:"]  # fmt: skip
     model = Model(gemma_path, threads=1)
     ids = [model.tokenize(p, add_special=True, parse_special=True) for p in prompts]
-    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    common = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
     assert common > 700
     srv = Server(
         ["--model", str(gemma_path), "--threads", "2", "--parallel", "2", "--ctx-size", "2048"],
@@ -395,7 +395,7 @@ def test_gemma3_reuses_a_long_shared_prefix_past_its_window(
         ]
     finally:
         srv.stop()
-    for p, r in zip(prompts, got):
+    for p, r in zip(prompts, got, strict=True):
         fresh = Model(gemma_path, threads=1)  # its own K/V memory: nothing cached
         assert r.choices[0].text == fresh.generate(p, max_tokens=8).text
     usage = got[1].usage
@@ -499,7 +499,7 @@ def test_a_second_turn_reuses_the_first(client: openai.OpenAI, model: Model) -> 
         {"role": "user", "content": "Why?"},
     ]
     ids2 = model.tokenize_chat(second)
-    same = (i for i, (a, b) in enumerate(zip(done1, ids2)) if a != b)
+    same = (i for i, (a, b) in enumerate(zip(done1, ids2, strict=False)) if a != b)
     common = next(same, min(len(done1), len(ids2)))  # the longest common prefix
     want = min(common, len(done1) - 1, len(ids2) - 1) // 16 * 16
     assert want >= len(ids1) // 16 * 16  # at least the first prompt's whole blocks
@@ -549,7 +549,7 @@ def _same_logprobs(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_logprobs(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_logprobs(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same_logprobs(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
@@ -565,7 +565,7 @@ def test_chat_logprobs(client: openai.OpenAI, model: Model) -> None:
     )
     content = got.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == len(want.logprobs)
-    for entry, lp in zip(content, want.logprobs):
+    for entry, lp in zip(content, want.logprobs, strict=True):
         assert entry.token == lp.text and entry.bytes == list(lp.piece)
         assert entry.logprob == pytest.approx(lp.logprob, abs=1e-3)
         assert [t.token for t in entry.top_logprobs] == [
@@ -1063,7 +1063,7 @@ def test_32_concurrent_streams(server: Server, model: Model) -> None:
             texts = await asyncio.wait_for(
                 asyncio.gather(*(one(http, p) for p in prompts)), timeout=240
             )
-            return list(zip(prompts, texts))
+            return list(zip(prompts, texts, strict=True))
 
     for prompt, text in asyncio.run(run()):
         assert text == want[prompt]
@@ -1233,7 +1233,7 @@ def test_metrics_follow_the_engine(model_path: Path, model: Model) -> None:
 
             def moved(a: dict[str, Any], b: dict[str, Any], name: str, *labels: str) -> float:
                 if labels:
-                    key = tuple(zip(labels[::2], labels[1::2]))
+                    key = tuple(zip(labels[::2], labels[1::2], strict=True))
                     return float(b[name].get(key, 0) - a[name].get(key, 0))
                 return float(b[name] - a[name])
 
@@ -1591,7 +1591,7 @@ def test_chat_session_reuses_the_conversation(sessions_server: Server, model: Mo
     ids1 = model.tokenize_chat(first)
     held = ids1 + model.chat(first, max_tokens=12).tokens
     ids2 = model.tokenize_chat(second)
-    same = (i for i, (a, b) in enumerate(zip(held, ids2)) if a != b)
+    same = (i for i, (a, b) in enumerate(zip(held, ids2, strict=False)) if a != b)
     common = next(same, min(len(held), len(ids2)))  # the longest common prefix
     assert t2["usage"]["prompt_tokens"] == len(ids2)
     reused = min(common, len(ids2) - 1)
@@ -2390,7 +2390,7 @@ def test_a_body_that_trickles_in_is_cut_off(model_path: Path) -> None:
                         sent += 1
                     try:
                         chunk = sock.recv(65536)
-                    except socket.timeout:
+                    except TimeoutError:
                         if sent == 3:  # meanwhile, another client is served at once
                             r = httpx.post(
                                 f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}

@@ -134,7 +134,8 @@ def test_a_chat_session_reuses_the_longest_prefix_it_holds(engine: Engine, oracl
     held = oracle.tokenize_chat(first) + r1.tokens  # what the session holds after turn 1
     rendered = oracle.tokenize_chat(second)
     common = next(
-        (i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered))
+        (i for i, (a, b) in enumerate(zip(held, rendered, strict=False)) if a != b),
+        min(len(held), len(rendered)),
     )
     assert common >= len(oracle.tokenize_chat(first)), "the conversation starts the same"
     assert (r2.prompt_tokens, r2.cached_tokens) == (len(rendered), min(common, len(rendered) - 1))
@@ -239,7 +240,7 @@ def test_sessions_under_a_pool_too_small_for_all_answer_as_alone(
         got = asyncio.run(main())
         wait_for(lambda: e.stats()["running"] == 0)  # the last turn's closing step
         st = e.stats()
-    for first, (r1, r2) in zip(firsts, got):
+    for first, (r1, r2) in zip(firsts, got, strict=True):
         assert r1.tokens == oracle.generate(first, max_tokens=8).tokens
         check_continuation(oracle, r1, first, P2)
         assert r2.tokens == oracle.generate(first + r1.text + P2, max_tokens=8).tokens

@@ -217,7 +217,7 @@ def test_outputs_validate_against_their_schemas(engine: Engine) -> None:
     )
     *constrained, mixed = results
     assert mixed.text == alone.text  # sharing the batch changed nothing for it
-    for call, r in zip(calls, constrained):
+    for call, r in zip(calls, constrained, strict=True):
         assert r.finish_reason == "stop", (call, r.text)
         value = json.loads(r.text)
         rf = call["response_format"]

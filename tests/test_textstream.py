@@ -22,7 +22,7 @@ def run(pieces: list[bytes], stop: list[str] | None = None) -> tuple[list[str], 
 
 def split_randomly(data: bytes, rng: random.Random) -> list[bytes]:
     cuts = sorted(rng.sample(range(1, len(data)), k=min(len(data) - 1, len(data) // 3)))
-    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
 TEXT = "Paris — café, naïve 日本語 🙂 done"

@@ -103,7 +103,7 @@ def _call(name: str, args: dict[str, Any], call_id: str = "call_1") -> dict[str,
 
 def _history(calls: list[dict[str, Any]], results: list[str]) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls}]
-    for call, result in zip(calls, results):
+    for call, result in zip(calls, results, strict=True):
         msgs.append({"role": "tool", "tool_call_id": call["id"], "content": result})
     return msgs
 
@@ -259,7 +259,7 @@ def test_the_parser_reads_the_same_calls_whole_and_in_pieces() -> None:
                 pieces = list(text)
             else:
                 cuts = sorted(rng.sample(range(1, len(text)), 6))
-                pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+                pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
             content, calls = _events(plan, pieces)
             if "response" in want:
                 assert (content, calls) == (want["response"], []), pieces

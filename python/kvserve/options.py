@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from typing_extensions import TypedDict
 
@@ -33,7 +33,7 @@ __all__ = [
     "stop_list",
 ]
 
-Stop = Union[str, Sequence[str], None]
+Stop = str | Sequence[str] | None
 
 # Limits on what one request may ask (the engine thread serves every user: what it does per
 # request and per token must stay bounded). Beyond them, resolve() raises a ValueError.

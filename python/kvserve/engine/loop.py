@@ -22,8 +22,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -859,7 +859,7 @@ class EngineLoop:
         n = req.n_prompt_logprobs
         assert entries is not None and n is not None and positions.start == len(entries) - 1
         ids = req.ids
-        for p, row in zip(positions, rows):
+        for p, row in zip(positions, rows, strict=True):
             entries.append(token_logprob(self.model, row, ids[p + 1], n))
 
     def _emit(self, req: Request, row: np.ndarray, greedy: int | None) -> int:

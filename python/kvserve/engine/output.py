@@ -5,7 +5,8 @@ token bounded by the new text, not the stop list), and the rules that end a gene
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +26,7 @@ def argmax_rows(reqs: list[Request], rows: np.ndarray) -> dict[int, int]:
     if not plain:
         return {}
     best = np.argmax(rows[plain] if len(plain) < len(reqs) else rows, axis=-1)
-    return dict(zip(plain, best.tolist()))
+    return dict(zip(plain, best.tolist(), strict=True))
 
 
 def pick(

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from .._model import GenerateResult
 from ..sampling import Sampler, TokenLogprob

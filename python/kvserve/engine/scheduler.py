@@ -91,16 +91,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import count, islice
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 from .requests import Request
 from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy
 
 __all__ = ["Resources", "Scheduler", "Tenant", "WaitQueue"]
 
-Tenant = Optional[str]  # a request's tenant (None: the engine's own namespace, one tenant too)
+Tenant = str | None  # a request's tenant (None: the engine's own namespace, one tenant too)
 
 PlanEntry = tuple[Request, int, int, bool]  # (request, first index, token count, wants logits)
 
@@ -761,7 +761,9 @@ class Scheduler:
         extra = sum(given) - left
         # The k-th token of tenant i starts at v_i + (k - 1) / w_i.
         over = [
-            (-(v + (g - 1) / w), -i, i) for i, ((v, w, _), g) in enumerate(zip(rows, given)) if g
+            (-(v + (g - 1) / w), -i, i)
+            for i, ((v, w, _), g) in enumerate(zip(rows, given, strict=True))
+            if g
         ]
         heapq.heapify(over)
         while extra > 0:  # the highest starts go back
@@ -771,7 +773,11 @@ class Scheduler:
             extra -= 1
             if given[i]:
                 heapq.heappush(over, (-(v + (given[i] - 1) / w), -i, i))
-        under = [(v + g / w, i) for i, ((v, w, d), g) in enumerate(zip(rows, given)) if g < d]
+        under = [
+            (v + g / w, i)
+            for i, ((v, w, d), g) in enumerate(zip(rows, given, strict=True))
+            if g < d
+        ]
         heapq.heapify(under)
         while extra < 0:  # the lowest starts come in
             _, i = heapq.heappop(under)
@@ -780,7 +786,7 @@ class Scheduler:
             extra += 1
             if given[i] < d:
                 heapq.heappush(under, (v + given[i] / w, i))
-        return dict(zip(demand, given))
+        return dict(zip(demand, given, strict=True))
 
     # -- the batch -------------------------------------------------------------------------------
     def plan(self) -> list[PlanEntry]:

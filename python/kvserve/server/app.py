@@ -44,7 +44,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Union, cast
+from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -111,7 +111,7 @@ __all__ = ["create_app", "load_engine"]
 
 log = logging.getLogger("kvserve.server")
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 
 # HTTP field -> engine option (kvserve.options.RequestOptions); a new engine option is one line
 # here and one field in schemas.py. A field whose option the engine does not have is refused

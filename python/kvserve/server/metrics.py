@@ -22,8 +22,7 @@ is 25 values at most, in the priorities' order, and exact for small schemes (0/1
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

@@ -15,12 +15,10 @@ only limits that belong to the HTTP API itself (``n``, ``max_tokens``, ``priorit
 declared here.
 
 This module has no ``from __future__ import annotations``: pydantic evaluates the annotations
-at class creation. It spells unions with ``Optional``/``Union``, written when Python 3.9 was
-supported (``X | None`` fails there at run time); from 3.10, kvserve's floor, both spellings
-work.
+at class creation (``X | None`` works there from Python 3.10, kvserve's floor).
 """
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -85,67 +83,67 @@ class _Sampling(_Body):
     """The fields of every generation route that become engine options (sampling, stop
     rules, scheduling, the cache salt): python/kvserve/server/app.py ``_OPTION_FIELDS``."""
 
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = Field(default=None, ge=0)
-    stop: Union[str, list[str], None] = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
     ignore_eos: bool = False
-    typical_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    repeat_last_n: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None
+    typical_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    logit_bias: dict[str, float] | None = None
     # Context shift (llama.cpp's): None = the server's --context-shift.
-    context_shift: Optional[bool] = None
-    n_keep: Optional[int] = None
+    context_shift: bool | None = None
+    n_keep: int | None = None
     # Scheduling: higher is admitted first and preempted last (FCFS within a priority).
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     # Mixed into the content keys of the request's K/V blocks (vLLM's ``cache_salt``): it
     # reuses cached prefixes only of requests of its tenant with the same salt.
-    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class _Generation(_Sampling):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     # Accepted and echoed back; the server serves one model whatever this names.
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # The conversation this request continues (kvserve.Engine sessions).
-    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
+    session_id: str | None = Field(default=None, pattern=SESSION_ID)
     # Structured output (kvserve.grammar): OpenAI's response_format, llama.cpp's server's
     # grammar (GBNF; Lark too) and json_schema; at most one.
-    response_format: Optional[dict[str, Any]] = None
-    grammar: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = None
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     # Chat: false allows at most one tool call (kvserve.tools); completions: ignored.
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: bool | None = None
     # OpenAI's fields that change nothing here: accepted, ignored.
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    service_tier: Optional[str] = None
-    reasoning_effort: Optional[str] = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_Generation):
     """``POST /v1/completions``. ``prompt``: text, a list of texts, token ids, or a list of
     token-id lists; each prompt gets ``n`` choices (index ``prompt * n + j``)."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     # 0: the prompt alone, allowed with echo only (scoring a text by its prompt logprobs).
-    max_tokens: Optional[int] = Field(default=None, ge=0)
-    logprobs: Optional[int] = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = None
     # The prompt's text before the completion's (and with logprobs its tokens' entries).
     echo: bool = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class _TextPart(_Body):
@@ -167,15 +165,15 @@ class _ToolCall(_Body):
 class ChatMessage(_Body):
     # The roles OpenAI defines (a role is printed by the chat template as markup).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Union[str, list[_TextPart], None] = None
-    name: Optional[str] = None
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
     # An assistant's calls, and the call a tool message answers (kvserve.tools renders them).
-    tool_calls: Optional[list[_ToolCall]] = None
-    tool_call_id: Optional[str] = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
     # What the official client puts on an assistant reply it hands back (model_dump()): kept
     # out of the prompt.
-    refusal: Optional[str] = None
-    annotations: Optional[list[Any]] = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
 
 
 class ChatRequest(_Generation):
@@ -183,11 +181,11 @@ class ChatRequest(_Generation):
 
     messages: list[ChatMessage] = Field(min_length=1)
     # Function tools (checked in depth by kvserve.tools: a 400 naming the bad part).
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # OpenAI's limit
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's limit
 
 
 class TokenizeRequest(_Body):
@@ -212,7 +210,7 @@ class TemplateRequest(_Body):
     (offering ``tools``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class RestoreRequest(_Body):
@@ -220,7 +218,7 @@ class RestoreRequest(_Body):
     (default: ``id``)."""
 
     id: str = Field(pattern=SESSION_ID)
-    session_id: Optional[str] = Field(default=None, pattern=SESSION_ID)
+    session_id: str | None = Field(default=None, pattern=SESSION_ID)
 
 
 # -- the Responses API (POST /v1/responses; python/kvserve/server/responses.py) ---------------
@@ -247,9 +245,9 @@ class _ResponseContentPart(_Body):
     # logprobs, which change nothing).
     type: Literal["input_text", "output_text"]
     text: str
-    annotations: Optional[list[Any]] = None
-    logprobs: Optional[list[Any]] = None
-    prompt_cache_breakpoint: Optional[dict[str, Any]] = None
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
 class ResponseInputMessage(_Body):
@@ -259,10 +257,10 @@ class ResponseInputMessage(_Body):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Union[str, list[_ResponseContentPart]]
-    id: Optional[str] = None
-    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
-    phase: Optional[str] = None
+    content: str | list[_ResponseContentPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -293,8 +291,8 @@ class ResponseFunctionCall(_Body):
     call_id: str = Field(min_length=1)
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: Optional[str] = None
-    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class ResponseFunctionCallOutput(_Body):
@@ -303,9 +301,9 @@ class ResponseFunctionCallOutput(_Body):
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: Union[str, list[_ResponseContentPart]]
-    id: Optional[str] = None
-    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    output: str | list[_ResponseContentPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -323,11 +321,9 @@ def _input_kind(item: Any) -> str:
 
 
 ResponseInputItem = Annotated[
-    Union[
-        Annotated[ResponseInputMessage, Tag("message")],
-        Annotated[ResponseFunctionCall, Tag("function_call")],
-        Annotated[ResponseFunctionCallOutput, Tag("function_call_output")],
-    ],
+    Annotated[ResponseInputMessage, Tag("message")]
+    | Annotated[ResponseFunctionCall, Tag("function_call")]
+    | Annotated[ResponseFunctionCallOutput, Tag("function_call_output")],
     Discriminator(_input_kind),
 ]
 
@@ -337,12 +333,12 @@ class ResponseText(_Body):
     see ``engine_format`` in python/kvserve/server/responses.py) and ``verbosity``
     (ignored)."""
 
-    format: Optional[dict[str, Any]] = None
-    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    format: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponseStreamOptions(_Body):
-    include_obfuscation: Optional[bool] = None  # OpenAI's padding of deltas: nothing here
+    include_obfuscation: bool | None = None  # OpenAI's padding of deltas: nothing here
 
 
 class ResponseRequest(_Sampling):
@@ -351,35 +347,35 @@ class ResponseRequest(_Sampling):
     response only; ``previous_response_id`` continues a stored response's conversation
     (python/kvserve/server/responses.py)."""
 
-    model: Optional[str] = None
+    model: str | None = None
     input: list[ResponseInputItem] = Field(min_length=1)
-    instructions: Optional[str] = None
-    previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
-    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    max_output_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
-    stream_options: Optional[ResponseStreamOptions] = None
+    stream_options: ResponseStreamOptions | None = None
     store: bool = True
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None
-    text: Optional[ResponseText] = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: ResponseText | None = None
     # Function tools, in the Responses API's flat shape (checked in depth by kvserve.tools: a
     # 400 naming the bad part).
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI's fields that change nothing here: accepted, ignored (max_tool_calls counts
     # built-in tools' calls, which this server has none of).
-    max_tool_calls: Optional[int] = None
-    truncation: Optional[Literal["auto", "disabled"]] = None
-    service_tier: Optional[str] = None
-    reasoning: Optional[dict[str, Any]] = None
-    include: Optional[list[str]] = None
-    prompt_cache_key: Optional[str] = None
-    safety_identifier: Optional[str] = None
+    max_tool_calls: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: str | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # Refused unless they change nothing (a 400 naming them): no background mode, no logprobs
     # on this route yet.
-    background: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    background: bool | None = None
+    top_logprobs: int | None = None
 
     @field_validator("input", mode="before")
     @classmethod
