@@ -258,6 +258,20 @@ def test_bench_reports_the_window_group_bounded_by_its_window(gemma_path: Path) 
     assert "KV window 512 (15 layers): " in text and "KV full (3 layers): 44 blocks held" in text
 
 
+def test_bench_depth(model_path: Path) -> None:
+    """``-d``: the timed decode runs after 300 tokens of context (llama-bench's -d), so the
+    sequence holds 300 + 4 tokens (19 blocks of 16) at the end; no prefill with -p 0."""
+    args = ["bench", "--model", str(model_path), "-p", "0", "-n", "4", "-d", "300", "-r", "1"]
+    obj = ok_json(*args, "--json")
+    assert obj["depth"] == 300 and obj["prefill_tok_s"] == 0.0 and obj["decode_tok_s"] > 0
+    (g,) = obj["kv_groups"]
+    assert g["blocks_held"] == -(-304 // 16)
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "decode  (4 tokens after 300 tokens): " in proc.stdout
+    assert "prefill" not in proc.stdout
+
+
 def test_bench_batched_json(model_path: Path) -> None:
     obj = ok_json(
         "bench", "--model", str(model_path), "--batch", "1,3", "-p", "8", "-n", "2", "--json"
@@ -344,6 +358,11 @@ def test_bad_model_file_is_one_line_error(
             ["bench", "--batch", "1,0"],
             "kvserve: error: argument --batch: expected a positive integer, got '0'",
         ),
+        (
+            ["bench", "--batch", "2", "-d", "64"],
+            r"kvserve: error: bench: --depth is for one sequence \(with --batch, -p is the depth\)",
+        ),
+        (["bench", "-p", "0", "-n", "0"], r"kvserve: error: bench: nothing to measure .*"),
         (
             ["complete", "--threads", "0", "x"],
             "kvserve: error: argument -t/--threads: expected a positive integer, got '0'",

@@ -239,7 +239,9 @@ class Logits:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-def bench(model: Model, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict[str, Any]:
+def bench(
+    model: Model, n_prompt: int = 512, n_gen: int = 128, reps: int = 3, depth: int = 0
+) -> dict[str, Any]:
     """``prefill_tok_s``, ``decode_tok_s``, ``threads`` and ``kv_groups``: per K/V layer group
     (``kind``, ``window``, ``layers``, ``blocks_total``, ``blocks_held``, ``bytes_per_block``,
     ``bytes_held``, ``bytes_total``) what the one sequence held after its prompt."""

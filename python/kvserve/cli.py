@@ -193,6 +193,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import _core
 
+    if args.batch and args.depth:
+        raise ValueError("bench: --depth is for one sequence (with --batch, -p is the depth)")
+    if args.batch and args.n_prompt == 0:
+        raise ValueError("bench: --batch needs -p >= 1")
+    if args.n_prompt == 0 and args.n_gen == 0:
+        raise ValueError("bench: nothing to measure (-p 0 and -n 0)")
     model = _load(args)
     threads = model.core.threads
     if args.batch:
@@ -207,16 +213,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     f"decode {r['decode_tok_s']:8.1f} tok/s\n"
                 )
         return 0
-    result = _core.bench(model.core, args.n_prompt, args.n_gen, args.reps)
+    result = _core.bench(model.core, args.n_prompt, args.n_gen, args.reps, args.depth)
     if args.json:
         _print_json(result)
     else:
-        _write(
-            f"model: {model.path.name}  threads: {threads}  simd: {_core.simd_level()}\n"
-            f"prefill ({args.n_prompt} tokens): {result['prefill_tok_s']:.1f} tok/s\n"
-            f"decode  ({args.n_gen} tokens): {result['decode_tok_s']:.1f} tok/s\n"
-        )
-        seen = args.n_prompt if args.n_prompt > 0 else args.n_gen
+        at = f" after {args.depth} tokens" if args.depth else ""
+        _write(f"model: {model.path.name}  threads: {threads}  simd: {_core.simd_level()}\n")
+        if args.n_prompt:
+            _write(f"prefill ({args.n_prompt} tokens{at}): {result['prefill_tok_s']:.1f} tok/s\n")
+        if args.n_gen:
+            _write(f"decode  ({args.n_gen} tokens{at}): {result['decode_tok_s']:.1f} tok/s\n")
+        seen = args.depth + (args.n_prompt if args.n_prompt > 0 else args.n_gen)
         for g in result["kv_groups"]:
             kind = g["kind"] if g["window"] is None else f"window {g['window']}"
             _write(
@@ -695,8 +702,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure prefill and decode speed")
     model_args(p)
-    p.add_argument("-p", "--n-prompt", type=_positive_int, default=512, help="default: 512")
-    p.add_argument("-n", "--n-gen", type=_positive_int, default=128, help="default: 128")
+    p.add_argument(
+        "-p", "--n-prompt", type=_nonneg_int, default=512, help="default: 512 (0: no prefill)"
+    )
+    p.add_argument(
+        "-n", "--n-gen", type=_nonneg_int, default=128, help="default: 128 (0: no decode)"
+    )
+    p.add_argument(
+        "-d",
+        "--depth",
+        type=_nonneg_int,
+        default=0,
+        help="tokens already in the context before each timed run, like llama-bench's -d "
+        "(default: 0); not with --batch",
+    )
     p.add_argument("-r", "--reps", type=_positive_int, default=3, help="timed runs, averaged")
     p.add_argument(
         "--batch",

@@ -102,6 +102,59 @@ fn attend(bencher: Bencher, c: Case) {
     });
 }
 
+/// One decode step's attention of a deep sequence, on one thread: every layer and KV head of
+/// SmolLM2's geometry (30 layers, 3 KV heads of 3 query heads, head_dim 64, F16, blocks of 16)
+/// over `n_kv` cells in shuffled blocks of a pool of every layer's K/V (as the model's cache
+/// is laid out: at 4,096 cells 94 MB, far more than the caches). Counts cells x layers x KV
+/// heads.
+#[divan::bench(args = [512, 4096], max_time = 3)]
+fn decode_step_deep(bencher: Bencher, n_kv: usize) {
+    const LAYERS: usize = 30;
+    let kv_dim = HEAD_DIM * KV_HEADS;
+    let nb = n_kv / BLOCK;
+    let mut rng = Rng(n_kv as u64 + 1);
+    let layout = KvLayout {
+        ty: KvType::F16,
+        n_layers: LAYERS,
+        kv_dim,
+        block_size: BLOCK,
+    };
+    let mut store = KvStorage::new(layout, nb + 8).unwrap();
+    let mut table: Vec<u32> = (0..nb as u32).collect();
+    for i in (1..nb).rev() {
+        table.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let (k, v) = (rng.normals(kv_dim, 1.0), rng.normals(kv_dim, 1.0));
+    for layer in 0..LAYERS {
+        for i in 0..n_kv {
+            store
+                .write(layer, table[i / BLOCK], i % BLOCK, &k, &v)
+                .unwrap();
+        }
+    }
+    let q = rng.normals(GROUP * HEAD_DIM, 1.5);
+    let mut out = vec![0.0; GROUP * HEAD_DIM];
+    let mut scratch = Scratch::default();
+    let level = kvserve_core::quant::simd::level();
+    bencher
+        .counter(ItemsCount::new(n_kv * LAYERS * KV_HEADS))
+        .bench_local(|| {
+            for layer in 0..LAYERS {
+                for kv_head in 0..KV_HEADS {
+                    let query = Query {
+                        layer,
+                        kv_head,
+                        head_dim: HEAD_DIM,
+                        q: &q,
+                        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+                        mask: Mask::All,
+                    };
+                    attend_at(level, &store, &table, n_kv, &query, &mut out, &mut scratch).unwrap();
+                }
+            }
+        });
+}
+
 /// A pool of `n` blocks, all cached (keyed, unreferenced): allocate (evicts the LRU block),
 /// key and release one block.
 #[divan::bench(args = [1024, 8192, 65536], max_time = 1)]

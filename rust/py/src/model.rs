@@ -978,24 +978,27 @@ impl Context {
     }
 }
 
-/// llama-bench-style throughput: {"prefill_tok_s": pp, "decode_tok_s": tg}.
+/// llama-bench-style throughput: {"prefill_tok_s": pp, "decode_tok_s": tg}, each after
+/// `depth` tokens already in the context (llama-bench's `-d`).
 #[pyfunction]
-#[pyo3(signature = (model, n_prompt=512, n_gen=128, reps=3))]
+#[pyo3(signature = (model, n_prompt=512, n_gen=128, reps=3, depth=0))]
 pub fn bench<'py>(
     py: Python<'py>,
     model: &Model,
     n_prompt: usize,
     n_gen: usize,
     reps: usize,
+    depth: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let m = Arc::clone(&model.inner);
     let r = py
-        .detach(move || core_model::bench(&m, n_prompt, n_gen, reps))
+        .detach(move || core_model::bench(&m, n_prompt, n_gen, depth, reps))
         .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("prefill_tok_s", r.prefill_tok_s)?;
     d.set_item("decode_tok_s", r.decode_tok_s)?;
     d.set_item("threads", model.inner.threads())?;
+    d.set_item("depth", depth)?;
     // Per K/V layer group: what the benchmark's sequence held after its prompt.
     let groups = PyList::empty(py);
     for u in &r.groups {

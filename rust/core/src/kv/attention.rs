@@ -100,6 +100,48 @@ pub struct Scratch {
     scores: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
+    part: Vec<f32>,
+}
+
+/// Cells per chunk (rounded down to whole blocks, at least one block). Attention over a
+/// sequence is computed chunk by chunk: a chunk is a run of consecutive *visible* blocks (blocks
+/// with at least one cell the query sees), each chunk's softmax state is kept apart, and the
+/// states are folded in chunk order ([`merge_chunks`]), whether one task computes every chunk
+/// ([`attend`]) or the team computes them in parallel ([`attend_chunk`], then
+/// [`merge_chunks`]). Both give the same bits, so a sequence's output never depends on how its
+/// attention was split (the batch, the team's size, the step's plan), nor on blocks it cannot
+/// see (a window group's pruned blocks, the cells of later tokens in a prompt batch).
+pub const CHUNK_CELLS: usize = 256;
+
+/// Visible blocks per chunk for blocks of `block_size` cells.
+pub fn chunk_blocks(block_size: usize) -> usize {
+    (CHUNK_CELLS / block_size.max(1)).max(1)
+}
+
+/// The table indices of the blocks (of the `n_kv` cells) that hold a cell visible under
+/// `mask`, in order, into `out` (cleared first). Chunk `c` is
+/// `out[c * chunk_blocks(bs)..][..chunk_blocks(bs)]`.
+pub fn visible_blocks(n_kv: usize, block_size: usize, mask: &Mask, out: &mut Vec<usize>) {
+    out.clear();
+    let bs = block_size.max(1);
+    for bi in 0..n_kv.div_ceil(bs) {
+        let base = bi * bs;
+        if (base..n_kv.min(base + bs)).any(|i| mask.visible(i)) {
+            out.push(bi);
+        }
+    }
+}
+
+/// How many chunks `n_visible` visible blocks make (at least 1).
+pub fn n_chunks(n_visible: usize, block_size: usize) -> usize {
+    n_visible.div_ceil(chunk_blocks(block_size)).max(1)
+}
+
+/// Values of one chunk's softmax state for a group of `g` heads of `head_dim` values: the
+/// unnormalized output (`g * head_dim`: `sum_j exp(s_j - max) v_j` per head), then the
+/// running max (`g`) and the sum of exponentials (`g`) per head.
+pub fn partial_len(g: usize, head_dim: usize) -> usize {
+    g * (head_dim + 2)
 }
 
 /// Attention of `query` over cells `0..n_kv` of the sequence whose blocks are `table`; writes
@@ -125,78 +167,302 @@ pub fn attend_at(
     out: &mut [f32],
     scratch: &mut Scratch,
 ) -> Result<()> {
-    let ty = store.kv_type();
-    let hd = query.head_dim;
-    ty.check_dim(hd, "head_dim")?;
-    let kv_dim = store.kv_dim();
-    if !kv_dim.is_multiple_of(hd) || query.kv_head >= kv_dim / hd {
-        return Err(invalid(format!(
-            "attention: kv_head {} with head_dim {hd} outside kv_dim {kv_dim}",
-            query.kv_head
-        )));
-    }
-    if query.layer >= store.n_layers() {
-        return Err(invalid(format!(
-            "attention: layer {} out of range ({} layers)",
-            query.layer,
-            store.n_layers()
-        )));
-    }
-    let q = query.q;
-    if q.is_empty() || !q.len().is_multiple_of(hd) || out.len() != q.len() {
-        return Err(invalid(format!(
-            "attention: q has {} values and out {}, expected the same multiple of head_dim {hd}",
-            q.len(),
-            out.len()
-        )));
-    }
-    let g = q.len() / hd;
-    let bs = store.block_size();
-    let nb = n_kv.div_ceil(bs);
-    if nb > table.len() {
-        return Err(invalid(format!(
-            "attention: {n_kv} cells need {nb} blocks, the table has {}",
-            table.len()
-        )));
-    }
-    if let Some(&b) = table[..nb]
-        .iter()
-        .find(|&&b| b as usize >= store.n_blocks())
-    {
-        return Err(invalid(format!(
-            "attention: block id {b} out of range ({} blocks)",
-            store.n_blocks()
-        )));
-    }
-    if let Mask::Causal { positions, .. } | Mask::Window { positions, .. } = query.mask {
-        if positions.len() < n_kv {
-            return Err(invalid(format!(
-                "attention: {} positions for {n_kv} cells",
-                positions.len()
-            )));
+    let chunk = chunk_blocks(store.block_size());
+    attend_chunked(lvl, store, table, n_kv, query, out, scratch, chunk)
+}
+
+/// [`attend_at`] with `chunk` visible blocks per chunk (tests take small chunks).
+#[allow(clippy::too_many_arguments)]
+fn attend_chunked(
+    lvl: SimdLevel,
+    store: &KvStorage,
+    table: &[u32],
+    n_kv: usize,
+    query: &Query,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+    chunk: usize,
+) -> Result<()> {
+    let geo = Geometry::check(store, table, n_kv, query, out.len())?;
+    let (g, hd, bs) = (geo.g, query.head_dim, store.block_size());
+    let Scratch {
+        scores,
+        max,
+        sum,
+        part,
+    } = scratch;
+    max.clear();
+    max.resize(g, f32::NEG_INFINITY);
+    sum.clear();
+    sum.resize(g, 0.0);
+    out.fill(0.0);
+    part.resize(partial_len(g, hd), 0.0);
+    // Visible blocks, `chunk` at a time (the same runs as `visible_blocks`).
+    let mask = query.mask;
+    let mut run = Vec::with_capacity(chunk);
+    for bi in 0..geo.nb {
+        let base = bi * bs;
+        if !(base..n_kv.min(base + bs)).any(|i| mask.visible(i)) {
+            continue;
+        }
+        run.push(bi);
+        if run.len() == chunk {
+            run_blocks(lvl, &geo, store, table, &run, n_kv, query, part, scores);
+            fold_chunk(g, hd, part, max, sum, out);
+            run.clear();
         }
     }
-    let lvl = simd::cap(lvl);
-    let seg_off = query.kv_head * ty.row_bytes(hd);
-    let stride = store.row_bytes();
+    if !run.is_empty() {
+        run_blocks(lvl, &geo, store, table, &run, n_kv, query, part, scores);
+        fold_chunk(g, hd, part, max, sum, out);
+    }
+    finish(hd, sum, out);
+    Ok(())
+}
 
-    scratch.scores.resize(g * bs, 0.0);
-    scratch.max.clear();
-    scratch.max.resize(g, f32::NEG_INFINITY);
-    scratch.sum.clear();
-    scratch.sum.resize(g, 0.0);
+/// The softmax state ([`partial_len`] values in `part`) of `query` over the table entries
+/// `blocks` (one chunk of [`visible_blocks`]) of cells `0..n_kv`; [`merge_chunks`] of every
+/// chunk's state, in order, gives [`attend`]'s output bit for bit.
+pub fn attend_chunk(
+    store: &KvStorage,
+    table: &[u32],
+    n_kv: usize,
+    blocks: &[usize],
+    query: &Query,
+    part: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    chunk_state(
+        simd::level(),
+        store,
+        table,
+        n_kv,
+        blocks,
+        query,
+        part,
+        scratch,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn chunk_state(
+    lvl: SimdLevel,
+    store: &KvStorage,
+    table: &[u32],
+    n_kv: usize,
+    blocks: &[usize],
+    query: &Query,
+    part: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let geo = Geometry::check(store, table, n_kv, query, query.q.len())?;
+    if part.len() != partial_len(geo.g, query.head_dim) {
+        return Err(invalid(format!(
+            "attention: a chunk state holds {} values, got {}",
+            partial_len(geo.g, query.head_dim),
+            part.len()
+        )));
+    }
+    if let Some(&b) = blocks.iter().find(|&&b| b >= geo.nb) {
+        return Err(invalid(format!(
+            "attention: chunk block {b} outside the {} blocks of {n_kv} cells",
+            geo.nb
+        )));
+    }
+    run_blocks(
+        lvl,
+        &geo,
+        store,
+        table,
+        blocks,
+        n_kv,
+        query,
+        part,
+        &mut scratch.scores,
+    );
+    Ok(())
+}
+
+/// Folds chunk states (each [`partial_len`]`(g, head_dim)` values, in chunk order) into the
+/// normalized output of `g` heads (`out`: `g * head_dim` values): the same arithmetic, in the
+/// same order, as [`attend`] uses on its own chunks.
+pub fn merge_chunks<'p>(
+    g: usize,
+    head_dim: usize,
+    parts: impl IntoIterator<Item = &'p [f32]>,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    assert_eq!(
+        out.len(),
+        g * head_dim,
+        "merge_chunks: out holds g * head_dim values"
+    );
+    let Scratch { max, sum, .. } = scratch;
+    max.clear();
+    max.resize(g, f32::NEG_INFINITY);
+    sum.clear();
+    sum.resize(g, 0.0);
     out.fill(0.0);
-    let mask = query.mask;
+    for part in parts {
+        fold_chunk(g, head_dim, part, max, sum, out);
+    }
+    finish(head_dim, sum, out);
+}
 
-    for (bi, &blk) in table[..nb].iter().enumerate() {
+/// `(max, sum, out) <- (max, sum, out) (+) part` per head: both sides rescaled to the larger
+/// max. A chunk with no visible cell (max `-inf`) changes nothing; the first chunk with one is
+/// copied exactly (its factor is `exp(0) = 1`, the empty state's `exp(-inf) = 0`).
+fn fold_chunk(
+    g: usize,
+    hd: usize,
+    part: &[f32],
+    max: &mut [f32],
+    sum: &mut [f32],
+    out: &mut [f32],
+) {
+    let (po, rest) = part.split_at(g * hd);
+    let (pm, ps) = rest.split_at(g);
+    for h in 0..g {
+        if pm[h] == f32::NEG_INFINITY {
+            continue;
+        }
+        let m = max[h].max(pm[h]);
+        let (a, b) = ((max[h] - m).exp(), (pm[h] - m).exp());
+        sum[h] = sum[h] * a + ps[h] * b;
+        max[h] = m;
+        for (o, &p) in out[h * hd..(h + 1) * hd]
+            .iter_mut()
+            .zip(&po[h * hd..(h + 1) * hd])
+        {
+            *o = *o * a + p * b;
+        }
+    }
+}
+
+/// Divides each head's output by its sum (a head with no visible cell: all zeros).
+fn finish(hd: usize, sum: &[f32], out: &mut [f32]) {
+    for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+        let s = sum[h];
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        for x in o {
+            *x *= inv;
+        }
+    }
+}
+
+/// What [`Geometry::check`] derived from a valid call.
+struct Geometry {
+    /// Query heads of the group.
+    g: usize,
+    /// Blocks that hold the `n_kv` cells.
+    nb: usize,
+    /// Offset of the KV head's segment in a row, and the row stride.
+    seg_off: usize,
+    stride: usize,
+}
+
+impl Geometry {
+    fn check(
+        store: &KvStorage,
+        table: &[u32],
+        n_kv: usize,
+        query: &Query,
+        out_len: usize,
+    ) -> Result<Geometry> {
+        let ty = store.kv_type();
+        let hd = query.head_dim;
+        ty.check_dim(hd, "head_dim")?;
+        let kv_dim = store.kv_dim();
+        if !kv_dim.is_multiple_of(hd) || query.kv_head >= kv_dim / hd {
+            return Err(invalid(format!(
+                "attention: kv_head {} with head_dim {hd} outside kv_dim {kv_dim}",
+                query.kv_head
+            )));
+        }
+        if query.layer >= store.n_layers() {
+            return Err(invalid(format!(
+                "attention: layer {} out of range ({} layers)",
+                query.layer,
+                store.n_layers()
+            )));
+        }
+        let q = query.q;
+        if q.is_empty() || !q.len().is_multiple_of(hd) || out_len != q.len() {
+            return Err(invalid(format!(
+                "attention: q has {} values and out {out_len}, expected the same multiple of \
+                 head_dim {hd}",
+                q.len(),
+            )));
+        }
+        let bs = store.block_size();
+        let nb = n_kv.div_ceil(bs);
+        if nb > table.len() {
+            return Err(invalid(format!(
+                "attention: {n_kv} cells need {nb} blocks, the table has {}",
+                table.len()
+            )));
+        }
+        if let Some(&b) = table[..nb]
+            .iter()
+            .find(|&&b| b as usize >= store.n_blocks())
+        {
+            return Err(invalid(format!(
+                "attention: block id {b} out of range ({} blocks)",
+                store.n_blocks()
+            )));
+        }
+        if let Mask::Causal { positions, .. } | Mask::Window { positions, .. } = query.mask {
+            if positions.len() < n_kv {
+                return Err(invalid(format!(
+                    "attention: {} positions for {n_kv} cells",
+                    positions.len()
+                )));
+            }
+        }
+        Ok(Geometry {
+            g: q.len() / hd,
+            nb,
+            seg_off: query.kv_head * ty.row_bytes(hd),
+            stride: store.row_bytes(),
+        })
+    }
+}
+
+/// The softmax state of `query` over table entries `blocks` (of the `n_kv` cells; each below
+/// `geo.nb`) into `part` ([`partial_len`] values), starting from the empty state.
+#[allow(clippy::too_many_arguments)]
+fn run_blocks(
+    lvl: SimdLevel,
+    geo: &Geometry,
+    store: &KvStorage,
+    table: &[u32],
+    blocks: &[usize],
+    n_kv: usize,
+    query: &Query,
+    part: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let lvl = simd::cap(lvl);
+    let ty = store.kv_type();
+    let (g, hd, bs) = (geo.g, query.head_dim, store.block_size());
+    let (out, rest) = part.split_at_mut(g * hd);
+    let (max, sum) = rest.split_at_mut(g);
+    out.fill(0.0);
+    max.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
+    scores.resize(g * bs, 0.0);
+    let (q, mask) = (query.q, query.mask);
+    for &bi in blocks {
+        let blk = table[bi];
         let base = bi * bs;
         let n = bs.min(n_kv - base);
         if !(0..n).any(|j| mask.visible(base + j)) {
             continue;
         }
-        let scores = &mut scratch.scores[..g * n];
-        let krows = &store.rows(query.layer, blk as usize, false)[seg_off..];
-        block_scores(lvl, ty, q, hd, krows, stride, n, query.scale, scores);
+        let scores = &mut scores[..g * n];
+        let krows = &store.rows(query.layer, blk as usize, false)[geo.seg_off..];
+        block_scores(lvl, ty, q, hd, krows, geo.stride, n, query.scale, scores);
         for j in 0..n {
             if !mask.visible(base + j) {
                 for h in 0..g {
@@ -207,7 +473,7 @@ pub fn attend_at(
         for h in 0..g {
             let row = &mut scores[h * n..(h + 1) * n];
             let block_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let old = scratch.max[h];
+            let old = max[h];
             let new = old.max(block_max);
             if new == f32::NEG_INFINITY {
                 row.fill(0.0);
@@ -215,25 +481,17 @@ pub fn attend_at(
             }
             let c = (old - new).exp();
             if c != 1.0 {
-                scratch.sum[h] *= c;
+                sum[h] *= c;
                 for o in &mut out[h * hd..(h + 1) * hd] {
                     *o *= c;
                 }
             }
-            scratch.sum[h] += exp_shift_sum(lvl, row, new);
-            scratch.max[h] = new;
+            sum[h] += exp_shift_sum(lvl, row, new);
+            max[h] = new;
         }
-        let vrows = &store.rows(query.layer, blk as usize, true)[seg_off..];
-        block_accumulate(lvl, ty, scores, hd, vrows, stride, n, out);
+        let vrows = &store.rows(query.layer, blk as usize, true)[geo.seg_off..];
+        block_accumulate(lvl, ty, scores, hd, vrows, geo.stride, n, out);
     }
-    for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-        let s = scratch.sum[h];
-        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-        for x in o {
-            *x *= inv;
-        }
-    }
-    Ok(())
 }
 
 /// `x = exp(x - m)` for every element of `row` (`m` finite, at least every finite `x`; `-inf`
@@ -1291,6 +1549,156 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Chunked attention: over 13 blocks in chunks of 1, 3 and 4 visible blocks (a partial
+    /// last chunk; masks that hide whole blocks), at every SIMD level: (a) the output matches
+    /// the f64 reference; (b) each chunk's state computed apart ([`chunk_state`] over its run
+    /// of [`visible_blocks`], as the team's tasks do) and folded by [`merge_chunks`] gives the
+    /// same bits as [`attend_chunked`] computing every chunk itself; (c) dropping the blocks
+    /// the query cannot see from the front of the table (a window group's pruning) changes no
+    /// bit; (d) a sequence within one chunk gives the bits of one chunk of every block.
+    #[test]
+    fn chunks_computed_apart_merge_to_the_same_bits() {
+        let mut rng = Rng(77);
+        for (ty, hd, bs) in [
+            (KvType::F16, 64, 16),
+            (KvType::Q8_0, 64, 16),
+            (KvType::F32, 24, 5),
+            (KvType::F16, 256, 16),
+        ] {
+            let n_kv_heads = 2;
+            let layout = KvLayout {
+                ty,
+                n_layers: 1,
+                kv_dim: hd * n_kv_heads,
+                block_size: bs,
+            };
+            let mut s = KvStorage::new(layout, 24).unwrap();
+            let n_kv = 12 * bs + 5;
+            let table = rng.table(24, 13);
+            fill(&mut s, &table, n_kv, &mut rng);
+            let positions: Vec<i32> = (0..n_kv as i32).collect();
+            let g = 3;
+            let q = rng.normals(g * hd, 1.0);
+            let masks = [
+                Mask::Causal {
+                    positions: &positions,
+                    qpos: n_kv as i32 - 1,
+                },
+                // Hides the first blocks entirely (and the end: beyond the query).
+                Mask::Window {
+                    positions: &positions,
+                    qpos: n_kv as i32 - 2 * bs as i32,
+                    window: 5 * bs as i32 + 2,
+                },
+                // Only the first half: later blocks are hidden.
+                Mask::Causal {
+                    positions: &positions,
+                    qpos: (n_kv / 2) as i32,
+                },
+            ];
+            for mask in masks {
+                let query = Query {
+                    layer: 0,
+                    kv_head: 1,
+                    head_dim: hd,
+                    q: &q,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    mask,
+                };
+                let want = reference(&s, &table, n_kv, &query);
+                let mut vis = Vec::new();
+                visible_blocks(n_kv, bs, &mask, &mut vis);
+                let mut scratch = Scratch::default();
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                for lvl in SimdLevel::available() {
+                    for per in [1usize, 3, 4] {
+                        let mut out = vec![f32::NAN; g * hd];
+                        attend_chunked(lvl, &s, &table, n_kv, &query, &mut out, &mut scratch, per)
+                            .unwrap();
+                        let e = max_err(&out, &want);
+                        assert!(e < 2e-5, "{ty:?} {lvl:?} per={per}: error {e}");
+                        let parts: Vec<Vec<f32>> = vis
+                            .chunks(per)
+                            .map(|run| {
+                                let mut p = vec![f32::NAN; partial_len(g, hd)];
+                                let mut sc = Scratch::default();
+                                chunk_state(lvl, &s, &table, n_kv, run, &query, &mut p, &mut sc)
+                                    .unwrap();
+                                p
+                            })
+                            .collect();
+                        let mut merged = vec![f32::NAN; g * hd];
+                        let it = parts.iter().map(|p| &p[..]);
+                        merge_chunks(g, hd, it, &mut merged, &mut scratch);
+                        assert_eq!(
+                            bits(&merged),
+                            bits(&out),
+                            "{ty:?} {lvl:?} per={per}: merged chunk states differ from attend"
+                        );
+                        // The hidden blocks before the first visible one, dropped.
+                        let drop = vis[0];
+                        if drop > 0 {
+                            let (t2, p2) = (&table[drop..], &positions[drop * bs..]);
+                            let mask2 = match mask {
+                                Mask::Window { qpos, window, .. } => Mask::Window {
+                                    positions: p2,
+                                    qpos,
+                                    window,
+                                },
+                                _ => unreachable!("only the window mask hides the front"),
+                            };
+                            let q2 = Query {
+                                mask: mask2,
+                                ..query
+                            };
+                            let mut pruned = vec![f32::NAN; g * hd];
+                            let n2 = n_kv - drop * bs;
+                            attend_chunked(lvl, &s, t2, n2, &q2, &mut pruned, &mut scratch, per)
+                                .unwrap();
+                            assert_eq!(bits(&pruned), bits(&out), "{ty:?} {lvl:?} per={per}");
+                        }
+                    }
+                    // One chunk of every block is the default chunking for a short sequence.
+                    let short = 3 * bs;
+                    let (mut a, mut b) = (vec![0.0; g * hd], vec![0.0; g * hd]);
+                    attend_at(lvl, &s, &table, short, &query, &mut a, &mut scratch).unwrap();
+                    attend_chunked(lvl, &s, &table, short, &query, &mut b, &mut scratch, 13)
+                        .unwrap();
+                    assert_eq!(bits(&a), bits(&b));
+                }
+            }
+        }
+        // Chunk counts: at least one, whole blocks per chunk.
+        let per = chunk_blocks(16);
+        assert_eq!(per * 16, CHUNK_CELLS);
+        assert_eq!(n_chunks(0, 16), 1);
+        assert_eq!(n_chunks(per, 16), 1);
+        assert_eq!(n_chunks(per + 1, 16), 2);
+        assert_eq!(chunk_blocks(CHUNK_CELLS * 2), 1);
+        // A wrong-sized chunk state, or a block outside the cells, is an error, not a panic.
+        let layout = KvLayout {
+            ty: KvType::F16,
+            n_layers: 1,
+            kv_dim: 64,
+            block_size: 16,
+        };
+        let s = KvStorage::new(layout, 2).unwrap();
+        let q = vec![0.5; 64];
+        let query = Query {
+            layer: 0,
+            kv_head: 0,
+            head_dim: 64,
+            q: &q,
+            scale: 0.125,
+            mask: Mask::All,
+        };
+        let mut sc = Scratch::default();
+        assert!(attend_chunk(&s, &[0], 16, &[0], &query, &mut [0.0; 10], &mut sc).is_err());
+        let mut p = vec![0.0; partial_len(1, 64)];
+        assert!(attend_chunk(&s, &[0, 1], 16, &[1], &query, &mut p, &mut sc).is_err());
+        assert!(attend_chunk(&s, &[0, 1], 32, &[1], &query, &mut p, &mut sc).is_ok());
     }
 
     /// The AVX-512 exponential of the softmax against its scalar twin (`f32::exp`): a few

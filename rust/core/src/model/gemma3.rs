@@ -11,7 +11,8 @@
 
 use super::config::{Config, LayerKind};
 use super::llama::{
-    group_kv, matrix, project, store_and_attend, vector, PassBuffers, PassViews, WeightRef,
+    group_kv, matrix, project, store_and_attend, vector, AttnSplit, PassBuffers, PassViews,
+    WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -129,6 +130,9 @@ pub(crate) fn forward(
         acts,
     } = bufs.views();
     let kv = group_kv(io);
+    let (plans, part_len) = AttnSplit::plan(model, &kv, batch);
+    let mut part_buf = vec![0.0f32; part_len];
+    let split = AttnSplit::new(plans, &mut part_buf);
     let eps = c.rms_eps;
 
     // Safety pattern as in `llama::forward`: each step is a set of tasks; a task writes only the
@@ -193,6 +197,7 @@ pub(crate) fn forward(
                     li,
                     batch,
                     [&q, &k, &v, &attn],
+                    &split,
                     c.attn_scale,
                     &mut scratch,
                 )

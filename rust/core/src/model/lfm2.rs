@@ -18,7 +18,7 @@
 use super::config::Config;
 use super::llama::{
     group_kv, matrix, output_head, project, residual_swiglu_ffn, store_and_attend, vector,
-    FfnBuffers, PassBuffers, PassViews, WeightRef,
+    AttnSplit, FfnBuffers, PassBuffers, PassViews, WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -232,6 +232,9 @@ pub(crate) fn forward(
     let states = SharedSlice::new(states);
     let ckpts = SharedSlice::new(ckpts);
     let kv = group_kv(io);
+    let (plans, part_len) = AttnSplit::plan(model, &kv, batch);
+    let mut part_buf = vec![0.0f32; part_len];
+    let split = AttnSplit::new(plans, &mut part_buf);
 
     let scale = c.attn_scale;
 
@@ -298,6 +301,7 @@ pub(crate) fn forward(
                             li,
                             batch,
                             [&q, &k, &v, &attn],
+                            &split,
                             scale,
                             &mut scratch,
                         )

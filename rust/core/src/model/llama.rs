@@ -506,6 +506,8 @@ pub(super) struct GroupKv<'a> {
     pub storage: SharedSlice<'a, KvStorage>,
     pub cells: &'a [(BlockId, u16)],
     pub views: &'a HashMap<SeqId, SeqView>,
+    /// The storage's block size (read before the pass: the storage is written during it).
+    pub block_size: usize,
 }
 
 /// The [`GroupKv`] of every layer group of `io`.
@@ -517,13 +519,107 @@ pub(super) fn group_kv<'a>(io: &'a mut [KvIo<'_>]) -> Vec<GroupKv<'a>> {
                 cells,
                 views,
             } = g;
+            let block_size = storage.block_size();
             GroupKv {
                 storage: SharedSlice::new(std::slice::from_mut(storage)),
                 cells,
                 views,
+                block_size,
             }
         })
         .collect()
+}
+
+/// Below this many (token, KV head) tasks per team member, a step's attention is split by
+/// chunks of cells too ([`attention::CHUNK_CELLS`]): one sequence's attention at depth then
+/// spreads over the whole team instead of one member per KV head.
+const SPLIT_TASKS_PER_MEMBER: usize = 4;
+
+/// How one layer group's attention is split in a pass (the same for each of its layers: they
+/// share the mask).
+pub(super) struct SplitPlan {
+    /// Per token, the index of its first chunk (a prefix sum, `n + 1` entries); each chunk has
+    /// one softmax state per KV head.
+    first: Vec<usize>,
+    /// Per token, the table indices of its visible blocks (`attention::visible_blocks`).
+    blocks: Vec<Vec<usize>>,
+    /// Visible blocks per chunk.
+    per: usize,
+}
+
+/// The split plans of a pass (per layer group; `None`: one task per token and KV head) and
+/// the chunk states' buffer.
+pub(super) struct AttnSplit<'a> {
+    plans: Vec<Option<SplitPlan>>,
+    part: SharedSlice<'a, f32>,
+}
+
+impl<'a> AttnSplit<'a> {
+    /// The plans of `batch`'s pass over `kv`, and the values the chunk-state buffer needs.
+    pub(super) fn plan(
+        model: &Model,
+        kv: &[GroupKv<'_>],
+        batch: &Batch,
+    ) -> (Vec<Option<SplitPlan>>, usize) {
+        let c = &model.config;
+        let plans: Vec<Option<SplitPlan>> = (0..kv.len())
+            .map(|gi| split_plan(model, gi, &kv[gi], batch))
+            .collect();
+        let len = plans
+            .iter()
+            .flatten()
+            .map(|p| p.first[p.first.len() - 1] * c.n_head * (c.head_dim + 2))
+            .max()
+            .unwrap_or(0);
+        (plans, len)
+    }
+
+    pub(super) fn new(plans: Vec<Option<SplitPlan>>, part: &'a mut [f32]) -> AttnSplit<'a> {
+        AttnSplit {
+            plans,
+            part: SharedSlice::new(part),
+        }
+    }
+}
+
+/// The attention mask of token `t` of `batch` in a layer of kind `kind` (its sequence's
+/// `positions` in the layer's group).
+fn token_mask<'p>(kind: LayerKind, positions: &'p [i32], qpos: i32) -> Mask<'p> {
+    match kind {
+        LayerKind::Window(n) => Mask::Window {
+            positions,
+            qpos,
+            window: n.min(i32::MAX as usize) as i32,
+        },
+        LayerKind::Full | LayerKind::Recurrent => Mask::Causal { positions, qpos },
+    }
+}
+
+/// The split plan of layer group `gi` for `batch`, or `None` when every token is one task per
+/// KV head (enough tasks, or no token with more than one chunk).
+fn split_plan(model: &Model, gi: usize, kv: &GroupKv<'_>, batch: &Batch) -> Option<SplitPlan> {
+    let c = &model.config;
+    let n = batch.len();
+    if n * c.n_head_kv >= SPLIT_TASKS_PER_MEMBER * model.team.threads() {
+        return None;
+    }
+    let kind = (0..c.n_layer)
+        .filter(|&li| model.kv_slot(li).0 == gi)
+        .map(|li| c.layer_kinds[li])
+        .find(|k| *k != LayerKind::Recurrent)?;
+    let per = attention::chunk_blocks(kv.block_size);
+    let mut first = Vec::with_capacity(n + 1);
+    first.push(0);
+    let mut blocks = Vec::with_capacity(n);
+    for t in 0..n {
+        let view = &kv.views[&batch.seq_ids[t]];
+        let mask = token_mask(kind, &view.positions, batch.positions[t]);
+        let mut vis = Vec::new();
+        attention::visible_blocks(view.positions.len(), kv.block_size, &mask, &mut vis);
+        first.push(first[t] + attention::n_chunks(vis.len(), kv.block_size));
+        blocks.push(vis);
+    }
+    (first[n] > n).then_some(SplitPlan { first, blocks, per })
 }
 
 /// Steps 4 and 5 of a layer, shared by every architecture: one task stores the batch's keys and
@@ -532,28 +628,37 @@ pub(super) fn group_kv<'a>(io: &'a mut [KvIo<'_>]) -> Vec<GroupKv<'a>> {
 /// once, over the token's own sequence only, with the layer's mask (causal, or causal within
 /// the layer's window). `qkva` = [q, k, v, attn output].
 ///
+/// A small batch whose sequences are deep (fewer tasks than [`SPLIT_TASKS_PER_MEMBER`] per
+/// member, some token with more than one chunk of cells) is split further: one task per
+/// (token, chunk, KV head) writes its chunk's softmax state into `part` (at least
+/// [`attn_part_len`] values), then one task per (token, KV head) folds the token's chunk states
+/// in chunk order. Both ways give the same bits (`attention::merge_chunks`).
+///
 /// # Safety
 /// Every member calls this at the same step; nobody writes q, k, v during the call, and the
-/// attention output's rows are written only here.
+/// attention output's rows and `part` are written only here.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn store_and_attend(
+pub(super) unsafe fn store_and_attend<'a>(
     w: &Worker<'_>,
     model: &Model,
-    kv: &[GroupKv<'_>],
+    kv: &'a [GroupKv<'a>],
     li: usize,
-    batch: &Batch,
-    qkva: [&SharedSlice<f32>; 4],
+    batch: &'a Batch,
+    qkva: [&'a SharedSlice<'a, f32>; 4],
+    split: &AttnSplit<'_>,
     scale: f32,
     scratch: &mut attention::Scratch,
 ) {
     let [q, k, v, attn] = qkva;
     let c = &model.config;
     let (gi, kl) = model.kv_slot(li);
+    let group_kv = &kv[gi];
     let GroupKv {
         storage,
         cells,
         views,
-    } = &kv[gi];
+        ..
+    } = group_kv;
     let (qd, hd) = (c.q_dim(), c.head_dim);
     let group = c.n_head / c.n_head_kv;
     let n = batch.len();
@@ -561,44 +666,78 @@ pub(super) unsafe fn store_and_attend(
         // SAFETY: only this task touches the storage in this step; k and v are read-only.
         unsafe { PagedCache::write(&mut storage.slice_mut(0..1)[0], kl, cells, k.all(), v.all()) };
     });
-    let window = match c.layer_kinds[li] {
-        LayerKind::Window(n) => Some(n.min(i32::MAX as usize) as i32),
-        LayerKind::Full | LayerKind::Recurrent => None,
-    };
-    w.for_tasks(n * c.n_head_kv, |job| {
-        // SAFETY: the storage and q are read-only in this step (taken inside the task: a late
-        // member must not hold them while a later step writes them).
-        let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+    let kind = c.layer_kinds[li];
+    // The query of token t's KV head kvh (q is read-only in this step), its output columns.
+    let cols_of = |t: usize, kvh: usize| t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
+    let query = |q_r: &'a [f32], t: usize, kvh: usize| -> (&'a SeqView, Query<'a>) {
         let view = &views[&batch.seq_ids[t]];
-        let cols = t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
         let (positions, qpos) = (&view.positions[..], batch.positions[t]);
         let query = Query {
             layer: kl,
             kv_head: kvh,
             head_dim: hd,
-            q: &q_r[cols.clone()],
+            q: &q_r[cols_of(t, kvh)],
             scale,
-            mask: match window {
-                None => Mask::Causal { positions, qpos },
-                Some(window) => Mask::Window {
-                    positions,
-                    qpos,
-                    window,
-                },
-            },
+            mask: token_mask(kind, positions, qpos),
         };
-        // SAFETY: this (token, head group) slice of attn belongs to this task only.
-        let out = unsafe { attn.slice_mut(cols) };
-        attention::attend(
+        (view, query)
+    };
+    let Some(plan) = &split.plans[gi] else {
+        w.for_tasks(n * c.n_head_kv, |job| {
+            // SAFETY: the storage and q are read-only in this step (taken inside the task: a
+            // late member must not hold them while a later step writes them).
+            let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
+            let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+            let (view, query) = query(q_r, t, kvh);
+            // SAFETY: this (token, head group) slice of attn belongs to this task only.
+            let out = unsafe { attn.slice_mut(cols_of(t, kvh)) };
+            attention::attend(
+                store,
+                &view.blocks,
+                view.positions.len(),
+                &query,
+                out,
+                scratch,
+            )
+            .expect("query shapes were validated at load");
+        });
+        return;
+    };
+    // Chunk state of (token t, chunk ch, KV head kvh): index (first[t] + ch) * n_head_kv + kvh.
+    let (first, part) = (&plan.first, &split.part);
+    let plen = attention::partial_len(group, hd);
+    w.for_tasks(first[n] * c.n_head_kv, |job| {
+        // SAFETY: as above.
+        let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
+        let (state, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+        let t = first.partition_point(|&f| f <= state) - 1;
+        let (view, query) = query(q_r, t, kvh);
+        let vis = &plan.blocks[t];
+        let ch = state - first[t];
+        let blocks = &vis[(ch * plan.per).min(vis.len())..((ch + 1) * plan.per).min(vis.len())];
+        // SAFETY: chunk state `job` of part belongs to this task only.
+        let out = unsafe { part.slice_mut(job * plen..(job + 1) * plen) };
+        attention::attend_chunk(
             store,
             &view.blocks,
             view.positions.len(),
+            blocks,
             &query,
             out,
             scratch,
         )
         .expect("query shapes were validated at load");
+    });
+    w.for_tasks(n * c.n_head_kv, |job| {
+        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
+        // SAFETY: the chunk states were written by the step above and are read-only now; this
+        // (token, head group) slice of attn belongs to this task only.
+        let (states, out) = unsafe { (part.all(), attn.slice_mut(cols_of(t, kvh))) };
+        let parts = (first[t]..first[t + 1]).map(|ch| {
+            let i = ch * c.n_head_kv + kvh;
+            &states[i * plen..(i + 1) * plen]
+        });
+        attention::merge_chunks(group, hd, parts, out, scratch);
     });
 }
 
@@ -755,6 +894,9 @@ pub(crate) fn forward(
         acts,
     } = bufs.views();
     let kv = group_kv(io);
+    let (plans, part_len) = AttnSplit::plan(model, &kv, batch);
+    let mut part_buf = vec![0.0f32; part_len];
+    let split = AttnSplit::new(plans, &mut part_buf);
 
     let scale = c.attn_scale;
 
@@ -840,6 +982,7 @@ pub(crate) fn forward(
                     li,
                     batch,
                     [&q, &k, &v, &attn],
+                    &split,
                     scale,
                     &mut scratch,
                 )

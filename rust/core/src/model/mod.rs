@@ -1110,8 +1110,9 @@ fn kv_part_for_tokens(data: &[u8], floats: usize, n: usize) -> Result<&[u8]> {
 }
 
 /// Throughput measured like llama-bench: `pp` is one batch of `n_prompt` tokens, `tg` is
-/// `n_gen` single-token steps from an empty context; each after one warm-up run, averaged over
-/// `reps` runs (llama-bench reports the mean too).
+/// `n_gen` single-token steps, each after `depth` tokens already in the context (llama-bench's
+/// `-d`; 0: an empty context); each after one warm-up run, averaged over `reps` runs
+/// (llama-bench reports the mean too).
 #[derive(Debug, Clone)]
 pub struct BenchResult {
     pub prefill_tok_s: f64,
@@ -1153,6 +1154,7 @@ pub fn bench(
     model: &Arc<Model>,
     n_prompt: usize,
     n_gen: usize,
+    depth: usize,
     reps: usize,
 ) -> Result<BenchResult> {
     let n_vocab = model.n_vocab() as u64;
@@ -1163,24 +1165,39 @@ pub fn bench(
         rng ^= rng << 17;
         (rng % n_vocab) as u32
     };
-    // The prompt is one batch (llama-bench's pp is one n_batch = n_prompt batch).
+    // The prompt is one batch (llama-bench's pp is one n_batch = n_prompt batch); the depth is
+    // filled in batches of up to 512 tokens, untimed.
+    const FILL_BATCH: usize = 512;
     let mut ctx = Context::with_options(
         Arc::clone(model),
         &KvOptions {
-            n_ctx: (n_prompt + n_gen).max(1) + 8,
-            n_batch: n_prompt.max(1),
+            n_ctx: (depth + n_prompt + n_gen).max(1) + 8,
+            n_batch: n_prompt.max(depth.min(FILL_BATCH)).max(1),
             ..KvOptions::default()
         },
     )?;
+    // Each run starts from a fresh context holding `depth` tokens (refilled, not trimmed: a
+    // window group or a recurrent state cannot be rolled back to the depth).
+    let reset = |ctx: &mut Context, tok: &mut dyn FnMut() -> u32| -> Result<()> {
+        ctx.clear();
+        let mut p = 0;
+        while p < depth {
+            let n = (depth - p).min(FILL_BATCH);
+            let tokens: Vec<u32> = (0..n).map(|_| tok()).collect();
+            ctx.decode(&Batch::prompt(&tokens, p as i32, 0))?;
+            p += n;
+        }
+        Ok(())
+    };
     let reps = reps.max(1);
     let (mut pp, mut tg) = (0.0f64, 0.0f64);
     let mut groups = Vec::new();
     if n_prompt > 0 {
         for r in 0..=reps {
-            ctx.clear();
+            reset(&mut ctx, &mut tok)?;
             let tokens: Vec<u32> = (0..n_prompt).map(|_| tok()).collect();
             let t0 = Instant::now();
-            ctx.decode(&Batch::prompt(&tokens, 0, 0))?;
+            ctx.decode(&Batch::prompt(&tokens, depth as i32, 0))?;
             if r > 0 {
                 pp += t0.elapsed().as_secs_f64() / reps as f64;
             }
@@ -1189,10 +1206,10 @@ pub fn bench(
     }
     if n_gen > 0 {
         for r in 0..=reps {
-            ctx.clear();
+            reset(&mut ctx, &mut tok)?;
             let t0 = Instant::now();
             for i in 0..n_gen {
-                ctx.decode(&Batch::prompt(&[tok()], i as i32, 0))?;
+                ctx.decode(&Batch::prompt(&[tok()], (depth + i) as i32, 0))?;
             }
             if r > 0 {
                 tg += t0.elapsed().as_secs_f64() / reps as f64;
@@ -1392,6 +1409,74 @@ mod tests {
                 "projection {call}: the stalled task was never redone"
             );
             pos += len;
+        }
+    }
+
+    /// Attention split across the team by chunks of cells (a one-sequence decode step deeper
+    /// than one chunk: `llama::split_plan`) gives the bits of the unsplit path (a large batch:
+    /// one task per token and KV head, each folding its chunks itself): decoding tokens one by
+    /// one after a 600-token prompt (3 chunks) reproduces, bit for bit, the logits of the same
+    /// tokens in one 606-token batch; two sequences decoded together (still split) too.
+    #[test]
+    fn split_attention_at_depth_gives_the_unsplit_bits() {
+        let path = std::env::var("KVSERVE_TEST_MODEL")
+            .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
+        let m = Arc::new(Model::load(&path, Some(2)).unwrap());
+        let n_vocab = m.n_vocab();
+        let mut rng = crate::test_rng::Rng(5);
+        let toks: Vec<u32> = (0..606).map(|_| rng.below(1000) as u32 + 100).collect();
+        let (deep, steps) = (600usize, 6usize);
+        assert!(crate::kv::attention::n_chunks(deep, 16) >= 3);
+        let o = KvOptions {
+            n_ctx: 2048,
+            n_seq_max: 2,
+            n_batch: 1024,
+            ..KvOptions::default()
+        };
+        let mut one = Context::with_options(Arc::clone(&m), &o).unwrap();
+        let all = Batch {
+            logits: (0..toks.len()).map(|i| i >= deep).collect(),
+            ..Batch::prompt(&toks, 0, 0)
+        };
+        let want = one.decode(&all).unwrap();
+        let mut ctx = Context::with_options(Arc::clone(&m), &o).unwrap();
+        let mut prompt = Batch::prompt(&toks[..deep], 0, 0);
+        let mut second = Batch::prompt(&toks[..deep], 0, 1);
+        prompt.tokens.append(&mut second.tokens);
+        prompt.positions.append(&mut second.positions);
+        prompt.seq_ids.append(&mut second.seq_ids);
+        prompt.logits.append(&mut second.logits);
+        ctx.decode(&prompt).unwrap();
+        let mut lag = deep; // sequence 1's next position: it decodes every other step
+        for i in 0..steps {
+            let p = deep + i;
+            let got = if i % 2 == 0 {
+                ctx.decode(&Batch::prompt(&toks[p..p + 1], p as i32, 0))
+                    .unwrap()
+            } else {
+                let both = Batch {
+                    tokens: vec![toks[lag], toks[p]],
+                    positions: vec![lag as i32, p as i32],
+                    seq_ids: vec![1, 0],
+                    logits: vec![true, true],
+                };
+                let l = ctx.decode(&both).unwrap();
+                let r = lag - deep;
+                assert!(
+                    l.data[..n_vocab] == want.data[r * n_vocab..(r + 1) * n_vocab],
+                    "sequence 1 at {lag}: logits differ from the one-batch pass"
+                );
+                lag += 1;
+                Logits {
+                    data: l.data[n_vocab..].to_vec(),
+                    n_rows: 1,
+                    n_vocab,
+                }
+            };
+            assert!(
+                got.data[..] == want.data[i * n_vocab..(i + 1) * n_vocab],
+                "token {p}: logits of the split step differ from the one-batch pass"
+            );
         }
     }
 
