@@ -1014,6 +1014,7 @@ pub fn bench<'py>(
         g.set_item("blocks_total", u.blocks_total)?;
         g.set_item("blocks_held", u.blocks_held)?;
         g.set_item("bytes_per_block", u.bytes_per_block)?;
+        g.set_item("block_size", u.block_size)?;
         g.set_item("bytes_held", u.blocks_held * u.bytes_per_block)?;
         g.set_item("bytes_total", u.blocks_total * u.bytes_per_block)?;
         groups.append(g)?;

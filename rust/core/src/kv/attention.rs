@@ -14,6 +14,15 @@
 //! partial sums of 8 cells' scores are reduced together, and the softmax exponentials of a
 //! block are computed 16 at a time (`exp_shift_sum`).
 //!
+//! The cells are taken in chunks ([`CHUNK_CELLS`]: runs of consecutive blocks that hold a
+//! visible cell). Each chunk's softmax state (unnormalized output, max, sum per head) starts
+//! empty and the states are folded in chunk order ([`merge_chunks`]). One task can fold every
+//! chunk itself ([`attend`]), or the team can compute a deep sequence's chunks in parallel
+//! ([`attend_chunk`]) and one task fold them: the arithmetic and its order are the same, so the
+//! bits are too. The model splits a decode step's attention this way when it has few
+//! sequences (`model::llama::store_and_attend`): one sequence at 4,096 cells is then 16 chunks
+//! per KV head over the whole team, not one task per KV head (3 for SmolLM2, 1 for Gemma 3).
+//!
 //! Measured (release, one AVX-512 core shared with other jobs, so upper bounds): head_dim 64, a
 //! GQA group of 3 heads, block size 16, F16: about 24 ns per cell at n_kv 128 (~3 us per token
 //! and group; 62-65 ns before the head-group kernels, in the same conditions), 35-45 ns at
@@ -27,7 +36,11 @@
 //!   stored (F32/F16/Q8_0-decoded) values; the result is numerically stable for any score range
 //!   (every exponent is `<= 0`). A head with no visible cell gets an all-zero output.
 //! * Cost is O(n_kv * head_dim * group) time, independent of the pool size; memory is one
-//!   `block_size * group` score buffer in [`Scratch`], reused across calls.
+//!   `block_size * group` score buffer and one chunk state in [`Scratch`], reused across calls.
+//! * A deep sequence's K/V is read from memory, not the caches: `cargo bench --bench kv`'s
+//!   `decode_step_deep` (every layer and KV head of SmolLM2 at 4,096 cells, 94 MB, one thread)
+//!   ran at ~55 ns per cell and KV head on the AMD EPYC development host, against ~23 ns for
+//!   one layer's 3 MB; prefetching the next blocks in software measured no better there.
 //! * Kernels: scalar reference plus AVX2 (FMA, F16C `_mm256_cvtph_ps`) and AVX-512
 //!   (`_mm512_cvtph_ps`, int8 widening for Q8_0) twins chosen by [`crate::quant::simd::level`]
 //!   (`KVSERVE_SIMD` override). They differ only in f32 summation order.

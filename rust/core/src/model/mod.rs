@@ -1131,6 +1131,7 @@ pub struct GroupUsage {
     pub blocks_total: usize,
     pub blocks_held: usize,
     pub bytes_per_block: usize,
+    pub block_size: usize,
 }
 
 impl Context {
@@ -1145,6 +1146,7 @@ impl Context {
                 blocks_total: g.cache.shared().pool_stats().total,
                 blocks_held: g.cache.table().stats().held_blocks,
                 bytes_per_block: g.cache.shared().layout().bytes_per_block(),
+                block_size: g.cache.shared().layout().block_size,
             })
             .collect()
     }
