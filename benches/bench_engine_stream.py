@@ -52,8 +52,9 @@ async def engine_tok_s(engine, n: int) -> float:
         if pieces == 0:
             first = last
         pieces += 1
-    result_tokens = n  # decode steps after the first token's
-    return result_tokens / (last - first)
+    if pieces < 2 or last <= first:
+        raise RuntimeError(f"the stream gave {pieces} text pieces: nothing to time")
+    return n / (last - first)  # n decode steps after the first token's
 
 
 def main() -> int:

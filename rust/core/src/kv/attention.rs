@@ -114,6 +114,8 @@ pub struct Scratch {
     max: Vec<f32>,
     sum: Vec<f32>,
     part: Vec<f32>,
+    /// The visible blocks of the chunk being computed.
+    run: Vec<usize>,
 }
 
 /// Cells per chunk (rounded down to whole blocks, at least one block). Attention over a
@@ -203,6 +205,7 @@ fn attend_chunked(
         max,
         sum,
         part,
+        run,
     } = scratch;
     max.clear();
     max.resize(g, f32::NEG_INFINITY);
@@ -212,7 +215,7 @@ fn attend_chunked(
     part.resize(partial_len(g, hd), 0.0);
     // Visible blocks, `chunk` at a time (the same runs as `visible_blocks`).
     let mask = query.mask;
-    let mut run = Vec::with_capacity(chunk);
+    run.clear();
     for bi in 0..geo.nb {
         let base = bi * bs;
         if !(base..n_kv.min(base + bs)).any(|i| mask.visible(i)) {
@@ -220,13 +223,13 @@ fn attend_chunked(
         }
         run.push(bi);
         if run.len() == chunk {
-            run_blocks(lvl, &geo, store, table, &run, n_kv, query, part, scores);
+            run_blocks(lvl, &geo, store, table, run, n_kv, query, part, scores);
             fold_chunk(g, hd, part, max, sum, out);
             run.clear();
         }
     }
     if !run.is_empty() {
-        run_blocks(lvl, &geo, store, table, &run, n_kv, query, part, scores);
+        run_blocks(lvl, &geo, store, table, run, n_kv, query, part, scores);
         fold_chunk(g, hd, part, max, sum, out);
     }
     finish(hd, sum, out);
