@@ -81,6 +81,7 @@ fn attend(bencher: Bencher, c: Case) {
     let query = Query {
         layer: 0,
         kv_head: 1,
+        kv_heads: 1,
         head_dim: HEAD_DIM,
         q: &q,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
@@ -132,25 +133,25 @@ fn decode_step_deep(bencher: Bencher, n_kv: usize) {
                 .unwrap();
         }
     }
-    let q = rng.normals(GROUP * HEAD_DIM, 1.5);
-    let mut out = vec![0.0; GROUP * HEAD_DIM];
+    // Every KV head in one query, as the model asks (one pass over each block's rows).
+    let q = rng.normals(KV_HEADS * GROUP * HEAD_DIM, 1.5);
+    let mut out = vec![0.0; KV_HEADS * GROUP * HEAD_DIM];
     let mut scratch = Scratch::default();
     let level = kvserve_core::quant::simd::level();
     bencher
         .counter(ItemsCount::new(n_kv * LAYERS * KV_HEADS))
         .bench_local(|| {
             for layer in 0..LAYERS {
-                for kv_head in 0..KV_HEADS {
-                    let query = Query {
-                        layer,
-                        kv_head,
-                        head_dim: HEAD_DIM,
-                        q: &q,
-                        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-                        mask: Mask::All,
-                    };
-                    attend_at(level, &store, &table, n_kv, &query, &mut out, &mut scratch).unwrap();
-                }
+                let query = Query {
+                    layer,
+                    kv_head: 0,
+                    kv_heads: KV_HEADS,
+                    head_dim: HEAD_DIM,
+                    q: &q,
+                    scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+                    mask: Mask::All,
+                };
+                attend_at(level, &store, &table, n_kv, &query, &mut out, &mut scratch).unwrap();
             }
         });
 }

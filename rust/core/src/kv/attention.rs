@@ -37,10 +37,15 @@
 //!   (every exponent is `<= 0`). A head with no visible cell gets an all-zero output.
 //! * Cost is O(n_kv * head_dim * group) time, independent of the pool size; memory is one
 //!   `block_size * group` score buffer and one chunk state in [`Scratch`], reused across calls.
-//! * A deep sequence's K/V is read from memory, not the caches: `cargo bench --bench kv`'s
-//!   `decode_step_deep` (every layer and KV head of SmolLM2 at 4,096 cells, 94 MB, one thread)
-//!   ran at ~55 ns per cell and KV head on the AMD EPYC development host, against ~23 ns for
-//!   one layer's 3 MB; prefetching the next blocks in software measured no better there.
+//! * A deep sequence's K/V is read from memory, not the caches. A block's rows hold every KV
+//!   head side by side, so one query takes all of a token's KV heads ([`Query::kv_heads`]):
+//!   each block is read in one pass, heads in turn, while the next visible block is prefetched
+//!   into L2. `cargo bench --bench kv`'s `decode_step_deep` (every layer and KV head of
+//!   SmolLM2 at 4,096 cells, 94 MB, one thread) went from 24-26 ms (one KV head per query,
+//!   ~55-70 ns per cell and KV head) to 15-20 ms on the AMD EPYC development host; without
+//!   the prefetch it is ~20 ms, prefetching into L1 or two blocks ahead is no better. A
+//!   pattern-only probe (the same reads, no arithmetic) takes ~19 ms one head at a time and
+//!   ~7-8 ms a whole block at a time, against ~5.5 ms for one sequential sweep.
 //! * Kernels: scalar reference plus AVX2 (FMA, F16C `_mm256_cvtph_ps`) and AVX-512
 //!   (`_mm512_cvtph_ps`, int8 widening for Q8_0) twins chosen by [`crate::quant::simd::level`]
 //!   (`KVSERVE_SIMD` override). They differ only in f32 summation order.
@@ -93,14 +98,19 @@ impl Mask<'_> {
     }
 }
 
-/// One query token's attention for one GQA group.
+/// One query token's attention for the GQA groups of `kv_heads` consecutive KV heads from
+/// `kv_head` (each group: `q.len() / (kv_heads * head_dim)` query heads).
 #[derive(Clone, Copy)]
 pub struct Query<'a> {
     pub layer: usize,
-    /// KV head shared by the group's query heads.
+    /// First KV head, shared by the first group's query heads.
     pub kv_head: usize,
+    /// KV heads taken together (at least 1): each block's keys and values of all of them are
+    /// read in one pass over the block, whose rows hold them side by side.
+    pub kv_heads: usize,
     pub head_dim: usize,
-    /// `group * head_dim` values: the group's query rows, already rotated.
+    /// `kv_heads * group * head_dim` values: the groups' query rows, already rotated, in head
+    /// order.
     pub q: &'a [f32],
     /// Score scale, usually `1/sqrt(head_dim)`.
     pub scale: f32,
@@ -369,8 +379,10 @@ fn finish(hd: usize, sum: &[f32], out: &mut [f32]) {
 
 /// What [`Geometry::check`] derived from a valid call.
 struct Geometry {
-    /// Query heads of the group.
+    /// Query heads of the call (every group).
     g: usize,
+    /// Query heads per KV head.
+    group: usize,
     /// Blocks that hold the `n_kv` cells.
     nb: usize,
     /// Offset of the KV head's segment in a row, and the row stride.
@@ -390,10 +402,12 @@ impl Geometry {
         let hd = query.head_dim;
         ty.check_dim(hd, "head_dim")?;
         let kv_dim = store.kv_dim();
-        if !kv_dim.is_multiple_of(hd) || query.kv_head >= kv_dim / hd {
+        let nh = query.kv_heads;
+        if nh == 0 || !kv_dim.is_multiple_of(hd) || query.kv_head + nh > kv_dim / hd {
             return Err(invalid(format!(
-                "attention: kv_head {} with head_dim {hd} outside kv_dim {kv_dim}",
-                query.kv_head
+                "attention: kv_heads {}..{} with head_dim {hd} outside kv_dim {kv_dim}",
+                query.kv_head,
+                query.kv_head + nh
             )));
         }
         if query.layer >= store.n_layers() {
@@ -404,10 +418,10 @@ impl Geometry {
             )));
         }
         let q = query.q;
-        if q.is_empty() || !q.len().is_multiple_of(hd) || out_len != q.len() {
+        if q.is_empty() || !q.len().is_multiple_of(hd * nh) || out_len != q.len() {
             return Err(invalid(format!(
                 "attention: q has {} values and out {out_len}, expected the same multiple of \
-                 head_dim {hd}",
+                 head_dim {hd} times {nh} KV heads",
                 q.len(),
             )));
         }
@@ -438,6 +452,7 @@ impl Geometry {
         }
         Ok(Geometry {
             g: q.len() / hd,
+            group: q.len() / hd / nh,
             nb,
             seg_off: query.kv_head * ty.row_bytes(hd),
             stride: store.row_bytes(),
@@ -446,7 +461,11 @@ impl Geometry {
 }
 
 /// The softmax state of `query` over table entries `blocks` (of the `n_kv` cells; each below
-/// `geo.nb`) into `part` ([`partial_len`] values), starting from the empty state.
+/// `geo.nb`) into `part` ([`partial_len`] values), starting from the empty state. Block by
+/// block, every KV head of the query in turn: the block's rows hold the heads side by side, so
+/// one head's pass loads the lines the next ones read, and the next visible block is
+/// prefetched (into L2) while this one is computed. A head's arithmetic is the same whichever
+/// heads it is taken with.
 #[allow(clippy::too_many_arguments)]
 fn run_blocks(
     lvl: SimdLevel,
@@ -461,53 +480,95 @@ fn run_blocks(
 ) {
     let lvl = simd::cap(lvl);
     let ty = store.kv_type();
-    let (g, hd, bs) = (geo.g, query.head_dim, store.block_size());
-    let (out, rest) = part.split_at_mut(g * hd);
-    let (max, sum) = rest.split_at_mut(g);
+    let (gt, g, hd, bs) = (geo.g, geo.group, query.head_dim, store.block_size());
+    let seg = ty.row_bytes(hd);
+    let (out, rest) = part.split_at_mut(gt * hd);
+    let (max, sum) = rest.split_at_mut(gt);
     out.fill(0.0);
     max.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     scores.resize(g * bs, 0.0);
     let (q, mask) = (query.q, query.mask);
-    for &bi in blocks {
-        let blk = table[bi];
+    for (i, &bi) in blocks.iter().enumerate() {
+        let blk = table[bi] as usize;
         let base = bi * bs;
         let n = bs.min(n_kv - base);
         if !(0..n).any(|j| mask.visible(base + j)) {
             continue;
         }
-        let scores = &mut scores[..g * n];
-        let krows = &store.rows(query.layer, blk as usize, false)[geo.seg_off..];
-        block_scores(lvl, ty, q, hd, krows, geo.stride, n, query.scale, scores);
-        for j in 0..n {
-            if !mask.visible(base + j) {
-                for h in 0..g {
-                    scores[h * n + j] = f32::NEG_INFINITY;
+        if let Some(&next) = blocks.get(i + 1) {
+            prefetch_block(store, query.layer, table[next] as usize);
+        }
+        let (krows, vrows) = (
+            store.rows(query.layer, blk, false),
+            store.rows(query.layer, blk, true),
+        );
+        for kh in 0..query.kv_heads {
+            let off = geo.seg_off + kh * seg;
+            let heads = kh * g..(kh + 1) * g;
+            let scores = &mut scores[..g * n];
+            let qh = &q[heads.start * hd..heads.end * hd];
+            block_scores(
+                lvl,
+                ty,
+                qh,
+                hd,
+                &krows[off..],
+                geo.stride,
+                n,
+                query.scale,
+                scores,
+            );
+            for j in 0..n {
+                if !mask.visible(base + j) {
+                    for h in 0..g {
+                        scores[h * n + j] = f32::NEG_INFINITY;
+                    }
                 }
             }
-        }
-        for h in 0..g {
-            let row = &mut scores[h * n..(h + 1) * n];
-            let block_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let old = max[h];
-            let new = old.max(block_max);
-            if new == f32::NEG_INFINITY {
-                row.fill(0.0);
-                continue;
-            }
-            let c = (old - new).exp();
-            if c != 1.0 {
-                sum[h] *= c;
-                for o in &mut out[h * hd..(h + 1) * hd] {
-                    *o *= c;
+            let out = &mut out[heads.start * hd..heads.end * hd];
+            let (max, sum) = (&mut max[heads.clone()], &mut sum[heads]);
+            for h in 0..g {
+                let row = &mut scores[h * n..(h + 1) * n];
+                let block_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let old = max[h];
+                let new = old.max(block_max);
+                if new == f32::NEG_INFINITY {
+                    row.fill(0.0);
+                    continue;
                 }
+                let c = (old - new).exp();
+                if c != 1.0 {
+                    sum[h] *= c;
+                    for o in &mut out[h * hd..(h + 1) * hd] {
+                        *o *= c;
+                    }
+                }
+                sum[h] += exp_shift_sum(lvl, row, new);
+                max[h] = new;
             }
-            sum[h] += exp_shift_sum(lvl, row, new);
-            max[h] = new;
+            block_accumulate(lvl, ty, scores, hd, &vrows[off..], geo.stride, n, out);
         }
-        let vrows = &store.rows(query.layer, blk as usize, true)[geo.seg_off..];
-        block_accumulate(lvl, ty, scores, hd, vrows, geo.stride, n, out);
     }
+}
+
+/// Asks for block `blk`'s keys and values of `layer` to be brought into L2: a hint only (it
+/// changes no result and never faults); a no-op off x86-64.
+#[inline]
+fn prefetch_block(store: &KvStorage, layer: usize, blk: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for rows in [store.rows(layer, blk, false), store.rows(layer, blk, true)] {
+        for off in (0..rows.len()).step_by(64) {
+            // SAFETY: SSE is part of x86-64's baseline; a prefetch reads nothing
+            // architecturally and cannot fault, and the address lies inside `rows`.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                _mm_prefetch::<_MM_HINT_T1>(rows.as_ptr().add(off).cast());
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (store, layer, blk);
 }
 
 /// `x = exp(x - m)` for every element of `row` (`m` finite, at least every finite `x`; `-inf`
@@ -1539,6 +1600,7 @@ mod tests {
                     let query = Query {
                         layer: 1,
                         kv_head: n_kv_heads - 1,
+                        kv_heads: 1,
                         head_dim: hd,
                         q: &q,
                         scale: 1.0 / (hd as f32).sqrt(),
@@ -1618,6 +1680,7 @@ mod tests {
                 let query = Query {
                     layer: 0,
                     kv_head: 1,
+                    kv_heads: 1,
                     head_dim: hd,
                     q: &q,
                     scale: 1.0 / (hd as f32).sqrt(),
@@ -1705,6 +1768,7 @@ mod tests {
         let query = Query {
             layer: 0,
             kv_head: 0,
+            kv_heads: 1,
             head_dim: 64,
             q: &q,
             scale: 0.125,
@@ -1720,6 +1784,130 @@ mod tests {
     /// The AVX-512 exponential of the softmax against its scalar twin (`f32::exp`): a few
     /// ulps over the range scores take, exactly 0 for `-inf` and below the normal range, and
     /// the sums within f32 rounding; row lengths with a masked tail.
+    /// Several KV heads in one query give, head for head, the bits of one query per KV head,
+    /// at every level, with every mask and chunk size; and their chunk states merge to the
+    /// same bits.
+    #[test]
+    fn kv_heads_together_give_each_heads_bits() {
+        let mut rng = Rng(11);
+        // (type, head_dim, n_kv_heads, block_size, group): SmolLM2's 3 x 64 with groups of 3.
+        let cases = [
+            (KvType::F16, 64, 3, 16, 3),
+            (KvType::Q8_0, 64, 3, 16, 3),
+            (KvType::F32, 24, 4, 5, 2),
+            (KvType::F16, 80, 2, 7, 5),
+        ];
+        for (ty, hd, n_kv_heads, bs, g) in cases {
+            let layout = KvLayout {
+                ty,
+                n_layers: 2,
+                kv_dim: hd * n_kv_heads,
+                block_size: bs,
+            };
+            let mut s = KvStorage::new(layout, 40).unwrap();
+            let n_kv = 9 * bs + 4;
+            let table = rng.table(40, 10);
+            fill(&mut s, &table, n_kv, &mut rng);
+            let positions: Vec<i32> = (0..n_kv as i32)
+                .map(|p| if p == 6 { -1 } else { p })
+                .collect();
+            let q = rng.normals(n_kv_heads * g * hd, 1.0);
+            let masks = [
+                Mask::All,
+                Mask::Causal {
+                    positions: &positions,
+                    qpos: (n_kv / 2) as i32,
+                },
+                Mask::Window {
+                    positions: &positions,
+                    qpos: n_kv as i32 - 1,
+                    window: 3 * bs as i32 + 1,
+                },
+            ];
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            // Head ranges: all heads, and a middle range where there are enough.
+            let ranges = [(0, n_kv_heads), (1, n_kv_heads - 1)];
+            for mask in masks {
+                for (kh0, nh) in ranges {
+                    let qs = &q[kh0 * g * hd..(kh0 + nh) * g * hd];
+                    let together = Query {
+                        layer: 1,
+                        kv_head: kh0,
+                        kv_heads: nh,
+                        head_dim: hd,
+                        q: qs,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        mask,
+                    };
+                    let mut scratch = Scratch::default();
+                    let mut vis = Vec::new();
+                    visible_blocks(n_kv, bs, &mask, &mut vis);
+                    for lvl in SimdLevel::available() {
+                        for per in [2usize, 64] {
+                            let mut out = vec![f32::NAN; nh * g * hd];
+                            attend_chunked(
+                                lvl,
+                                &s,
+                                &table,
+                                n_kv,
+                                &together,
+                                &mut out,
+                                &mut scratch,
+                                per,
+                            )
+                            .unwrap();
+                            for kh in 0..nh {
+                                let cols = kh * g * hd..(kh + 1) * g * hd;
+                                let alone = Query {
+                                    kv_head: kh0 + kh,
+                                    kv_heads: 1,
+                                    q: &qs[cols.clone()],
+                                    ..together
+                                };
+                                let mut one = vec![f32::NAN; g * hd];
+                                attend_chunked(
+                                    lvl,
+                                    &s,
+                                    &table,
+                                    n_kv,
+                                    &alone,
+                                    &mut one,
+                                    &mut scratch,
+                                    per,
+                                )
+                                .unwrap();
+                                assert_eq!(
+                                    bits(&out[cols]),
+                                    bits(&one),
+                                    "{ty:?} {lvl:?} per={per} kv head {}",
+                                    kh0 + kh
+                                );
+                                let e = max_err(&one, &reference(&s, &table, n_kv, &alone));
+                                assert!(e < 2e-5, "{ty:?} {lvl:?}: error {e}");
+                            }
+                            let parts: Vec<Vec<f32>> = vis
+                                .chunks(per)
+                                .map(|run| {
+                                    let mut p = vec![f32::NAN; partial_len(nh * g, hd)];
+                                    let mut sc = Scratch::default();
+                                    chunk_state(
+                                        lvl, &s, &table, n_kv, run, &together, &mut p, &mut sc,
+                                    )
+                                    .unwrap();
+                                    p
+                                })
+                                .collect();
+                            let mut merged = vec![f32::NAN; nh * g * hd];
+                            let it = parts.iter().map(|p| &p[..]);
+                            merge_chunks(nh * g, hd, it, &mut merged, &mut scratch);
+                            assert_eq!(bits(&merged), bits(&out), "{ty:?} {lvl:?} per={per}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn exp_shift_sum_matches_scalar() {
         let mut rng = Rng(9);
@@ -1791,6 +1979,7 @@ mod tests {
         let query = Query {
             layer: 0,
             kv_head: 0,
+            kv_heads: 1,
             head_dim: 32,
             q: &q,
             scale: 0.2,
@@ -1844,6 +2033,7 @@ mod tests {
             let query = Query {
                 layer: 0,
                 kv_head: 0,
+                kv_heads: 1,
                 head_dim: hd,
                 q: &q,
                 scale: 0.125,
@@ -1884,6 +2074,7 @@ mod tests {
         let ok = Query {
             layer: 0,
             kv_head: 1,
+            kv_heads: 1,
             head_dim: 32,
             q: &q,
             scale: 1.0,
@@ -1894,11 +2085,28 @@ mod tests {
         assert!(attend(&s, &[0, 2], 8, &ok, &mut out, &mut sc).is_err());
         let bad_head = Query { kv_head: 2, ..ok };
         assert!(attend(&s, &[0], 4, &bad_head, &mut out, &mut sc).is_err());
+        // Two KV heads from head 1 of 2; no KV head; q not a multiple of the two heads' rows.
+        let past_end = Query { kv_heads: 2, ..ok };
+        assert!(attend(&s, &[0], 4, &past_end, &mut out, &mut sc).is_err());
+        let no_head = Query { kv_heads: 0, ..ok };
+        assert!(attend(&s, &[0], 4, &no_head, &mut out, &mut sc).is_err());
+        let (q3, mut out3) = (vec![0.0; 96], vec![0.0; 96]);
+        let odd = Query {
+            kv_head: 0,
+            kv_heads: 2,
+            q: &q3,
+            ..ok
+        };
+        assert!(attend(&s, &[0], 4, &odd, &mut out3, &mut sc).is_err());
+        let (q4, mut out4) = (vec![0.0; 128], vec![0.0; 128]);
+        let two = Query { q: &q4, ..odd };
+        assert!(attend(&s, &[0], 4, &two, &mut out4, &mut sc).is_ok());
         let bad_layer = Query { layer: 1, ..ok };
         assert!(attend(&s, &[0], 4, &bad_layer, &mut out, &mut sc).is_err());
         let bad_hd = Query {
             head_dim: 16,
             kv_head: 0,
+            kv_heads: 1,
             ..ok
         };
         assert!(attend(&s, &[0], 4, &bad_hd, &mut out, &mut sc).is_err());

@@ -530,16 +530,16 @@ pub(super) fn group_kv<'a>(io: &'a mut [KvIo<'_>]) -> Vec<GroupKv<'a>> {
         .collect()
 }
 
-/// Below this many (token, KV head) tasks per team member, a step's attention is split by
-/// chunks of cells too ([`attention::CHUNK_CELLS`]): one sequence's attention at depth then
-/// spreads over the whole team instead of one member per KV head.
+/// Below this many tokens per team member, a step's attention is split by chunks of cells
+/// too ([`attention::CHUNK_CELLS`]): one sequence's attention at depth then spreads over the
+/// whole team instead of one member per token.
 const SPLIT_TASKS_PER_MEMBER: usize = 4;
 
 /// How one layer group's attention is split in a pass (the same for each of its layers: they
 /// share the mask).
 pub(super) struct SplitPlan {
     /// Per token, the index of its first chunk (a prefix sum, `n + 1` entries); each chunk has
-    /// one softmax state per KV head.
+    /// one softmax state of every head.
     first: Vec<usize>,
     /// Per token, the table indices of its visible blocks (`attention::visible_blocks`).
     blocks: Vec<Vec<usize>>,
@@ -547,7 +547,7 @@ pub(super) struct SplitPlan {
     per: usize,
 }
 
-/// The split plans of a pass (per layer group; `None`: one task per token and KV head) and
+/// The split plans of a pass (per layer group; `None`: one task per token) and
 /// the chunk states' buffer.
 pub(super) struct AttnSplit<'a> {
     plans: Vec<Option<SplitPlan>>,
@@ -595,12 +595,12 @@ fn token_mask<'p>(kind: LayerKind, positions: &'p [i32], qpos: i32) -> Mask<'p> 
     }
 }
 
-/// The split plan of layer group `gi` for `batch`, or `None` when every token is one task per
-/// KV head (enough tasks, or no token with more than one chunk).
+/// The split plan of layer group `gi` for `batch`, or `None` when every token is one task
+/// (enough tokens, or no token with more than one chunk).
 fn split_plan(model: &Model, gi: usize, kv: &GroupKv<'_>, batch: &Batch) -> Option<SplitPlan> {
     let c = &model.config;
     let n = batch.len();
-    if n * c.n_head_kv >= SPLIT_TASKS_PER_MEMBER * model.team.threads() {
+    if n >= SPLIT_TASKS_PER_MEMBER * model.team.threads() {
         return None;
     }
     let kind = (0..c.n_layer)
@@ -624,15 +624,15 @@ fn split_plan(model: &Model, gi: usize, kv: &GroupKv<'_>, batch: &Batch) -> Opti
 
 /// Steps 4 and 5 of a layer, shared by every architecture: one task stores the batch's keys and
 /// values of layer `li` at its planned cells in the layer's group; then attention runs as one
-/// task per (token, KV head): the query heads of a GQA group read each cached key and value
-/// once, over the token's own sequence only, with the layer's mask (causal, or causal within
-/// the layer's window). `qkva` = [q, k, v, attn output].
+/// task per token: its query heads read each cached key and value once (a block's rows, every
+/// KV head side by side, in one pass), over the token's own sequence only, with the layer's
+/// mask (causal, or causal within the layer's window). `qkva` = [q, k, v, attn output].
 ///
-/// A small batch whose sequences are deep (fewer tasks than [`SPLIT_TASKS_PER_MEMBER`] per
+/// A small batch whose sequences are deep (fewer tokens than [`SPLIT_TASKS_PER_MEMBER`] per
 /// member, some token with more than one chunk of cells) is split further: one task per
-/// (token, chunk, KV head) writes its chunk's softmax state into `part` (at least
-/// [`attn_part_len`] values), then one task per (token, KV head) folds the token's chunk states
-/// in chunk order. Both ways give the same bits (`attention::merge_chunks`).
+/// (token, chunk) writes its chunk's softmax state into `part` (at least
+/// [`AttnSplit::plan`]'s values), then one task per token folds the token's chunk states in
+/// chunk order. Both ways give the same bits (`attention::merge_chunks`).
 ///
 /// # Safety
 /// Every member calls this at the same step; nobody writes q, k, v during the call, and the
@@ -660,37 +660,35 @@ pub(super) unsafe fn store_and_attend<'a>(
         ..
     } = group_kv;
     let (qd, hd) = (c.q_dim(), c.head_dim);
-    let group = c.n_head / c.n_head_kv;
     let n = batch.len();
     w.single(|| {
         // SAFETY: only this task touches the storage in this step; k and v are read-only.
         unsafe { PagedCache::write(&mut storage.slice_mut(0..1)[0], kl, cells, k.all(), v.all()) };
     });
     let kind = c.layer_kinds[li];
-    // The query of token t's KV head kvh (q is read-only in this step), its output columns.
-    let cols_of = |t: usize, kvh: usize| t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd;
-    let query = |q_r: &'a [f32], t: usize, kvh: usize| -> (&'a SeqView, Query<'a>) {
+    // The query of token t (every head; q is read-only in this step).
+    let query = |q_r: &'a [f32], t: usize| -> (&'a SeqView, Query<'a>) {
         let view = &views[&batch.seq_ids[t]];
         let (positions, qpos) = (&view.positions[..], batch.positions[t]);
         let query = Query {
             layer: kl,
-            kv_head: kvh,
+            kv_head: 0,
+            kv_heads: c.n_head_kv,
             head_dim: hd,
-            q: &q_r[cols_of(t, kvh)],
+            q: &q_r[t * qd..(t + 1) * qd],
             scale,
             mask: token_mask(kind, positions, qpos),
         };
         (view, query)
     };
     let Some(plan) = &split.plans[gi] else {
-        w.for_tasks(n * c.n_head_kv, |job| {
+        w.for_tasks(n, |t| {
             // SAFETY: the storage and q are read-only in this step (taken inside the task: a
             // late member must not hold them while a later step writes them).
             let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-            let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
-            let (view, query) = query(q_r, t, kvh);
-            // SAFETY: this (token, head group) slice of attn belongs to this task only.
-            let out = unsafe { attn.slice_mut(cols_of(t, kvh)) };
+            let (view, query) = query(q_r, t);
+            // SAFETY: token t's row of attn belongs to this task only.
+            let out = unsafe { attn.slice_mut(t * qd..(t + 1) * qd) };
             attention::attend(
                 store,
                 &view.blocks,
@@ -703,17 +701,16 @@ pub(super) unsafe fn store_and_attend<'a>(
         });
         return;
     };
-    // Chunk state of (token t, chunk ch, KV head kvh): index (first[t] + ch) * n_head_kv + kvh.
+    // Chunk state `job` (token t's chunk job - first[t]) holds every head's softmax state.
     let (first, part) = (&plan.first, &split.part);
-    let plen = attention::partial_len(group, hd);
-    w.for_tasks(first[n] * c.n_head_kv, |job| {
+    let plen = attention::partial_len(c.n_head, hd);
+    w.for_tasks(first[n], |job| {
         // SAFETY: as above.
         let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-        let (state, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
-        let t = first.partition_point(|&f| f <= state) - 1;
-        let (view, query) = query(q_r, t, kvh);
+        let t = first.partition_point(|&f| f <= job) - 1;
+        let (view, query) = query(q_r, t);
         let vis = &plan.blocks[t];
-        let ch = state - first[t];
+        let ch = job - first[t];
         let blocks = &vis[(ch * plan.per).min(vis.len())..((ch + 1) * plan.per).min(vis.len())];
         // SAFETY: chunk state `job` of part belongs to this task only.
         let out = unsafe { part.slice_mut(job * plen..(job + 1) * plen) };
@@ -728,16 +725,12 @@ pub(super) unsafe fn store_and_attend<'a>(
         )
         .expect("query shapes were validated at load");
     });
-    w.for_tasks(n * c.n_head_kv, |job| {
-        let (t, kvh) = (job / c.n_head_kv, job % c.n_head_kv);
-        // SAFETY: the chunk states were written by the step above and are read-only now; this
-        // (token, head group) slice of attn belongs to this task only.
-        let (states, out) = unsafe { (part.all(), attn.slice_mut(cols_of(t, kvh))) };
-        let parts = (first[t]..first[t + 1]).map(|ch| {
-            let i = ch * c.n_head_kv + kvh;
-            &states[i * plen..(i + 1) * plen]
-        });
-        attention::merge_chunks(group, hd, parts, out, scratch);
+    w.for_tasks(n, |t| {
+        // SAFETY: the chunk states were written by the step above and are read-only now;
+        // token t's row of attn belongs to this task only.
+        let (states, out) = unsafe { (part.all(), attn.slice_mut(t * qd..(t + 1) * qd)) };
+        let parts = (first[t]..first[t + 1]).map(|ch| &states[ch * plen..(ch + 1) * plen]);
+        attention::merge_chunks(c.n_head, hd, parts, out, scratch);
     });
 }
 
