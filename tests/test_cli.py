@@ -25,12 +25,13 @@ PROMPT = "The capital of France is"
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for ``python -m kvserve``: the kvserve package this test process imports,
-    no KVSERVE_DEBUG / KVSERVE_SIMD from the caller, plus ``extra``."""
+    no KVSERVE_DEBUG / KVSERVE_SIMD / KVSERVE_REPACK from the caller, plus ``extra``."""
     env = dict(os.environ)
     pkg_root = str(Path(kvserve.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
     env.pop("KVSERVE_DEBUG", None)
     env.pop("KVSERVE_SIMD", None)
+    env.pop("KVSERVE_REPACK", None)
     env.update(extra)
     return env
 
@@ -270,6 +271,39 @@ def test_bench_depth(model_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "decode  (4 tokens after 300 tokens): " in proc.stdout
     assert "prefill" not in proc.stdout
+
+
+def test_decode_copies_of_the_weights(model_path: Path) -> None:
+    """The 4-bit matrices' one-token decode copies (rust/core/src/quant/x16.rs): the bench
+    reports their bytes (on an AVX-512 VNNI CPU every SmolLM2 layer matrix, Q4_1 at 20 bytes per
+    32 weights; none elsewhere), ``KVSERVE_REPACK=0`` makes none and leaves the greedy tokens as
+    they were, and any other value is a clear error."""
+    level = subprocess.run(
+        [sys.executable, "-c", "import kvserve._core as c; print(c.simd_level())"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        check=True,
+    ).stdout.strip()
+    d, kv, ff, layers = 576, 192, 1536, 30
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * ff
+    want = layers * per_layer // 32 * 20 if level == "avx512vnni" else 0
+    args = ["bench", "--model", str(model_path), "-p", "0", "-n", "2", "-r", "1", "--json"]
+    assert ok_json(*args)["repacked_bytes"] == want
+    off = run_cli(*args, env=cli_env(KVSERVE_REPACK="0"))
+    assert off.returncode == 0, off.stderr
+    assert json.loads(off.stdout)["repacked_bytes"] == 0
+    text = run_cli(*args[:-1])
+    assert ("weights repacked for decode: " in text.stdout) == (want > 0), text.stdout
+    complete = ["complete", "--model", str(model_path), "--max-tokens", "8", "--json"]
+    prompt = "The capital of France is"
+    on = ok_json(*complete, prompt)["tokens"]
+    off = run_cli(*complete, prompt, env=cli_env(KVSERVE_REPACK="0"))
+    assert off.returncode == 0, off.stderr
+    assert json.loads(off.stdout)["tokens"] == on
+    bad = run_cli(*args, env=cli_env(KVSERVE_REPACK="yes"))
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert 'KVSERVE_REPACK="yes" is not valid' in bad.stderr, bad.stderr
 
 
 def test_bench_batched_json(model_path: Path) -> None:

@@ -42,6 +42,8 @@ class Model:
     @property
     def threads(self) -> int: ...
     @property
+    def repacked_bytes(self) -> int: ...
+    @property
     def identity(self) -> str:
         """The weights' 128-bit identity as 32 hex digits (part of prefix keys and sessions)."""
     def tokenize(

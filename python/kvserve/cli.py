@@ -214,6 +214,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 )
         return 0
     result = _core.bench(model.core, args.n_prompt, args.n_gen, args.reps, args.depth)
+    result["repacked_bytes"] = model.core.repacked_bytes
     if args.json:
         _print_json(result)
     else:
@@ -231,6 +232,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"{seen} tokens = {g['bytes_held'] / 2**20:.1f} MiB of "
                 f"{g['bytes_total'] / 2**20:.1f} MiB allocated\n"
             )
+        if result["repacked_bytes"]:
+            _write(f"weights repacked for decode: {result['repacked_bytes'] / 2**20:.1f} MiB\n")
     return 0
 
 

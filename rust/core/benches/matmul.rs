@@ -85,6 +85,28 @@ fn matmul_q_threads<const T: usize>(bencher: Bencher, c: Case) {
         .bench_local(|| pool.install(|| matmul_q(&w, &a, divan::black_box(&mut out))));
 }
 
+/// One token (decode of one sequence) on a pool of `T` threads, from the GGUF rows (`X = 0`)
+/// or from the interleaved decode copy (`X = 1`, `quant::x16`); counts multiply-adds.
+#[divan::bench(args = [(1536, 576), (576, 1536), (192, 576)], consts = [0, 1], max_time = 2)]
+fn one_token_q4_1<const X: usize>(bencher: Bencher, (rows, cols): (usize, usize)) {
+    let mut rng = Rng(5);
+    let data = random_weights(Q4_1, rows, cols, &mut rng);
+    let x16 = kvserve_core::quant::x16::repack(Q4_1, rows, cols, &data).unwrap();
+    let mut w = QMatrix::new(Q4_1, rows, cols, &data).unwrap();
+    if X == 1 {
+        w = w.with_x16(&x16).unwrap();
+    }
+    let x: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+    let mut a = QuantizedActs::new();
+    quantize_acts_into(&mut a, &x, 1, cols, Q4_1).unwrap();
+    let mut out = vec![0f32; rows];
+    let pool = pool(2);
+    pool.install(|| matmul_q(&w, &a, &mut out));
+    bencher
+        .counter(ItemsCount::new(rows * cols))
+        .bench_local(|| pool.install(|| matmul_q(&w, &a, divan::black_box(&mut out))));
+}
+
 /// Quantizing `n` activation rows for a weight type (one thread; done before each matmul).
 #[divan::bench(args = [1, 4, 32, 512], max_time = 1)]
 fn quantize_acts(bencher: Bencher, n: usize) {

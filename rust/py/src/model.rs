@@ -104,6 +104,12 @@ impl Model {
         self.inner.threads()
     }
 
+    /// Bytes of the weights' one-token decode copies, beyond the GGUF mapping.
+    #[getter]
+    fn repacked_bytes(&self) -> usize {
+        self.inner.repacked_bytes()
+    }
+
     #[getter]
     fn bos(&self) -> Option<u32> {
         self.inner.tokenizer.bos()

@@ -45,6 +45,16 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// The matrices the forward pass multiplies by (the output head, not the embedding table).
+    pub(super) fn matmul_weights_mut(&mut self) -> Vec<&mut WeightRef> {
+        let mut v = vec![&mut self.output];
+        for l in &mut self.layers {
+            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo]);
+            v.extend([&mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+        }
+        v
+    }
+
     pub fn load(g: &GgufFile, c: &Config) -> Result<Weights> {
         let d = c.n_embd;
         let token_embd = matrix(g, "token_embd.weight", d, c.n_vocab)?;

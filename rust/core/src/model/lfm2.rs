@@ -66,6 +66,21 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// The matrices the forward pass multiplies by (the output head, not the embedding table).
+    pub(super) fn matmul_weights_mut(&mut self) -> Vec<&mut WeightRef> {
+        let mut v = vec![&mut self.output];
+        for l in &mut self.layers {
+            match &mut l.mixer {
+                Mixer::Attention { wq, wk, wv, wo, .. } => v.extend([wq, wk, wv, wo]),
+                Mixer::ShortConv {
+                    in_proj, out_proj, ..
+                } => v.extend([in_proj, out_proj]),
+            }
+            v.extend([&mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+        }
+        v
+    }
+
     pub fn load(g: &GgufFile, c: &Config) -> Result<Weights> {
         let sc = c
             .shortconv

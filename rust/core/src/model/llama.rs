@@ -12,6 +12,7 @@ use crate::error::{model_err, Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::kv::attention::{self, Mask, Query};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::kv::storage::KvStorage;
 use crate::kv::{BlockId, PagedCache, SeqId, SeqView};
@@ -20,13 +21,33 @@ use crate::quant::{self, GgmlType, MatmulJob, QMatrix, QuantizedActs};
 use crate::shared::SharedSlice;
 use crate::threads::Worker;
 
-/// A weight matrix: where it lives in the mapping and its shape (rows = output features).
+/// A weight matrix: where it lives in the mapping and its shape (rows = output features), and
+/// its copy in the one-token decode layout when the model made one ([`quant::x16`]).
 #[derive(Debug, Clone)]
 pub struct WeightRef {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub info: TensorInfo,
+    pub x16: Option<Arc<[u8]>>,
+}
+
+impl WeightRef {
+    /// Makes the decode copy when the type has one and the kernel can run here.
+    pub(super) fn repack(&mut self, g: &GgufFile) {
+        if self.x16.is_none()
+            && quant::x16::supports(self.ty)
+            && quant::simd::level() >= quant::simd::SimdLevel::Avx512Vnni
+        {
+            self.x16 = quant::x16::repack(self.ty, self.rows, self.cols, g.tensor_data(&self.info))
+                .map(Arc::from);
+        }
+    }
+
+    /// Bytes of the decode copy.
+    pub(super) fn repacked_bytes(&self) -> usize {
+        self.x16.as_ref().map_or(0, |x| x.len())
+    }
 }
 
 pub struct Layer {
@@ -80,6 +101,7 @@ pub(super) fn matrix(g: &GgufFile, name: &str, cols: usize, rows: usize) -> Resu
         rows,
         cols,
         info: t.clone(),
+        x16: None,
     })
 }
 
@@ -107,6 +129,16 @@ pub(super) fn opt_vector(g: &GgufFile, name: &str, n: usize) -> Result<Option<Ve
 }
 
 impl Weights {
+    /// The matrices the forward pass multiplies by (the output head, not the embedding table).
+    pub(super) fn matmul_weights_mut(&mut self) -> Vec<&mut WeightRef> {
+        let mut v = vec![&mut self.output];
+        for l in &mut self.layers {
+            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo]);
+            v.extend([&mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+        }
+        v
+    }
+
     pub fn load(g: &GgufFile, c: &mut Config) -> Result<Weights> {
         let d = c.n_embd;
         let token_embd = matrix(g, "token_embd.weight", d, c.n_vocab)?;
@@ -178,12 +210,13 @@ impl Weights {
 }
 
 impl Model {
-    pub(crate) fn mat(&self, w: &WeightRef) -> QMatrix<'_> {
+    pub(crate) fn mat<'a>(&'a self, w: &'a WeightRef) -> QMatrix<'a> {
         QMatrix {
             ty: w.ty,
             rows: w.rows,
             cols: w.cols,
             data: self.gguf.tensor_data(&w.info),
+            x16: w.x16.as_deref(),
         }
     }
 }
@@ -476,7 +509,7 @@ pub(super) fn matmuls(
 /// The matmul jobs `dsts[i] = W_i a` of one step, checked against the planned task counts.
 fn build_jobs<'a, 'o>(
     model: &'a Model,
-    ws: &[&WeightRef],
+    ws: &[&'a WeightRef],
     a: &'a Acts,
     dsts: &[&'a SharedSlice<'o, f32>],
     threads: usize,

@@ -34,6 +34,30 @@ enum Weights {
     Lfm2(lfm2::Weights),
 }
 
+impl Weights {
+    fn matmul_weights_mut(&mut self) -> Vec<&mut llama::WeightRef> {
+        match self {
+            Weights::Llama(w) => w.matmul_weights_mut(),
+            Weights::Gemma3(w) => w.matmul_weights_mut(),
+            Weights::Lfm2(w) => w.matmul_weights_mut(),
+        }
+    }
+}
+
+/// Whether the model copies its 4-bit legacy matrices into the one-token decode layout
+/// ([`crate::quant::x16`]): `KVSERVE_REPACK` unset, blank or `1`; `0` keeps only the GGUF
+/// mapping (less memory, slower decode of one sequence). Any other value is an error.
+fn repack_enabled() -> Result<bool> {
+    match std::env::var("KVSERVE_REPACK").as_deref().map(str::trim) {
+        Err(_) | Ok("") | Ok("1") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(other) => Err(crate::Error::InvalidInput(format!(
+            "KVSERVE_REPACK={other:?} is not valid; use 1 (repack weights for decode, the \
+             default) or 0 (keep only the GGUF layout)"
+        ))),
+    }
+}
+
 /// The recurrent part of a hybrid model's sequence state (see [`Context::seq_state_read`]).
 const REC_MAGIC: &[u8; 4] = b"KVRS";
 const REC_VERSION: u32 = 1;
@@ -58,6 +82,8 @@ pub struct Model {
     team: crate::threads::Team,
     /// Stable identity of the weights, part of every prefix-cache block key.
     id: Key,
+    /// Bytes of the weights' decode copies (`quant::x16`), on top of the GGUF mapping.
+    repacked_bytes: usize,
     /// The K/V memory of each K/V format in use, shared by every context of this model.
     kv: Mutex<Vec<Vec<Arc<SharedKv>>>>,
     /// The K/V layer groups ([`Config::layer_groups`] but the recurrent one) and each
@@ -95,17 +121,40 @@ impl Logits {
 impl Model {
     /// Opens and validates a GGUF model. `threads`: compute threads (default: physical cores or
     /// `KVSERVE_THREADS`).
+    /// Memory the weights take beyond the GGUF mapping: the 4-bit legacy matrices' copies in
+    /// the one-token decode layout (`quant::x16`; 0 with `KVSERVE_REPACK=0`, on CPUs without
+    /// AVX-512 VNNI, or for other weight types).
+    pub fn repacked_bytes(&self) -> usize {
+        self.repacked_bytes
+    }
+
     pub fn load(path: impl AsRef<Path>, threads: Option<usize>) -> Result<Model> {
         Model::from_gguf(GgufFile::open(path)?, threads)
     }
 
+    /// The model of `gguf` on `threads` members (default: the physical cores), with the decode
+    /// copies of its weights unless `KVSERVE_REPACK=0` ([`Model::repacked_bytes`]).
     pub fn from_gguf(gguf: GgufFile, threads: Option<usize>) -> Result<Model> {
+        Model::from_gguf_with(gguf, threads, repack_enabled()?)
+    }
+
+    /// [`Model::from_gguf`] with the decode copies made (`repack`) or not, whatever the
+    /// environment says. The logits are the same bits either way.
+    pub fn from_gguf_with(gguf: GgufFile, threads: Option<usize>, repack: bool) -> Result<Model> {
         let mut config = Config::from_gguf(&gguf)?;
         let weights = match config.arch {
             Arch::Gemma3 => Weights::Gemma3(gemma3::Weights::load(&gguf, &config)?),
             Arch::Lfm2 => Weights::Lfm2(lfm2::Weights::load(&gguf, &config)?),
             _ => Weights::Llama(llama::Weights::load(&gguf, &mut config)?),
         };
+        let mut weights = weights;
+        let mut repacked_bytes = 0;
+        if repack {
+            for w in weights.matmul_weights_mut() {
+                w.repack(&gguf);
+                repacked_bytes += w.repacked_bytes();
+            }
+        }
         let tokenizer = Tokenizer::new(vocab_from_gguf(&gguf)?)?;
         if tokenizer.n_vocab() != config.n_vocab {
             return Err(crate::error::model_err(format!(
@@ -128,6 +177,7 @@ impl Model {
             }
         }
         Ok(Model {
+            repacked_bytes,
             groups,
             slots,
             recurrent_layers,
@@ -1419,6 +1469,46 @@ mod tests {
     /// one task per token and KV head, each folding its chunks itself): decoding tokens one by
     /// one after a 600-token prompt (3 chunks) reproduces, bit for bit, the logits of the same
     /// tokens in one 606-token batch; two sequences decoded together (still split) too.
+    /// The weights' decode copies change no logit: a prompt and one-token steps on the model
+    /// with and without them give the same bits; the copies exist exactly where the kernel
+    /// runs (AVX-512 VNNI) and take the 4-bit matrices' bytes.
+    #[test]
+    fn decode_copies_change_no_bits() {
+        let path = std::env::var("KVSERVE_TEST_MODEL")
+            .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
+        let with =
+            Arc::new(Model::from_gguf_with(GgufFile::open(&path).unwrap(), Some(2), true).unwrap());
+        let without = Arc::new(
+            Model::from_gguf_with(GgufFile::open(&path).unwrap(), Some(2), false).unwrap(),
+        );
+        assert_eq!(without.repacked_bytes(), 0);
+        let vnni = crate::quant::simd::level() >= crate::quant::simd::SimdLevel::Avx512Vnni;
+        // SmolLM2 Q4_1: every layer matrix is Q4_1 (the Q8_0 output head is not copied).
+        let c = &with.config;
+        let per_layer =
+            2 * c.n_embd * c.q_dim() + 2 * c.n_embd * c.kv_dim() + 3 * c.n_embd * c.n_ff;
+        let q4_1 = c.n_layer * per_layer / 32 * 20;
+        assert_eq!(with.repacked_bytes(), if vnni { q4_1 } else { 0 });
+        let mut rng = crate::test_rng::Rng(9);
+        let toks: Vec<u32> = (0..45).map(|_| rng.below(1000) as u32 + 100).collect();
+        let o = KvOptions {
+            n_ctx: 256,
+            ..KvOptions::default()
+        };
+        let mut a = Context::with_options(Arc::clone(&with), &o).unwrap();
+        let mut b = Context::with_options(Arc::clone(&without), &o).unwrap();
+        let prompt = Batch::prompt(&toks[..40], 0, 0);
+        assert!(a.decode(&prompt).unwrap().data == b.decode(&prompt).unwrap().data);
+        for p in 40..45 {
+            let step = Batch::prompt(&toks[p..p + 1], p as i32, 0);
+            let (la, lb) = (a.decode(&step).unwrap(), b.decode(&step).unwrap());
+            assert!(
+                la.data == lb.data,
+                "token {p}: the decode copies changed the logits"
+            );
+        }
+    }
+
     #[test]
     fn split_attention_at_depth_gives_the_unsplit_bits() {
         let path = std::env::var("KVSERVE_TEST_MODEL")

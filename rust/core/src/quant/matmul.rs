@@ -131,6 +131,11 @@ enum Plan {
     /// most 8) tokens of the narrow packed activations (either width).
     #[cfg(target_arch = "x86_64")]
     Narrow { chunk: usize },
+    /// One token: rows split into chunks of `chunk` (a multiple of 16); each full group of 16
+    /// rows from the interleaved copy (`x16::dot16`), the rows past the last full group one
+    /// by one.
+    #[cfg(target_arch = "x86_64")]
+    Rows16 { chunk: usize },
     /// Tiles of `row_chunk` rows x `group_chunk` 16-token groups (packed VNNI activations).
     #[cfg(target_arch = "x86_64")]
     Tiled {
@@ -158,6 +163,7 @@ fn plan(
     ty: super::GgmlType,
     n: usize,
     pack: Pack,
+    x16: bool,
     threads: usize,
     level: SimdLevel,
 ) -> (Plan, usize) {
@@ -167,6 +173,10 @@ fn plan(
     }
     #[cfg(target_arch = "x86_64")]
     {
+        if level >= SimdLevel::Avx512Vnni && n == 1 && x16 {
+            let chunk = rows.div_ceil(target).next_multiple_of(super::x16::ROWS);
+            return (Plan::Rows16 { chunk }, rows.div_ceil(chunk));
+        }
         let narrow = matches!(pack, Pack::Narrow4 | Pack::Narrow8);
         if level >= SimdLevel::Avx512Vnni && narrow && legacy::is_legacy(ty) {
             let chunk = rows.div_ceil(target).next_multiple_of(4).max(4);
@@ -193,7 +203,7 @@ fn plan(
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (ty, pack, level);
+    let _ = (ty, pack, x16, level);
     let chunk = rows.div_ceil(target).max(1);
     (Plan::PerRow { chunk }, rows.div_ceil(chunk))
 }
@@ -237,7 +247,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             )));
         }
         let level = simd::cap(level);
-        let (plan, n_tasks) = plan(w.rows, w.ty, n, a.pack, threads, level);
+        let (plan, n_tasks) = plan(w.rows, w.ty, n, a.pack, w.x16.is_some(), threads, level);
         Ok(MatmulJob {
             w,
             a,
@@ -262,7 +272,16 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             },
             _ => Pack::None,
         };
-        plan(w.rows, w.ty, n_tokens, pack, threads, level).1
+        plan(
+            w.rows,
+            w.ty,
+            n_tokens,
+            pack,
+            w.x16.is_some(),
+            threads,
+            level,
+        )
+        .1
     }
 
     pub fn n_tasks(&self) -> usize {
@@ -286,7 +305,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 0..groups,
             ),
             #[cfg(target_arch = "x86_64")]
-            Plan::Narrow { chunk } => (
+            Plan::Narrow { chunk } | Plan::Rows16 { chunk } => (
                 (i * chunk).min(rows)..((i + 1) * chunk).min(rows),
                 0..groups,
             ),
@@ -338,6 +357,12 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 }
             }
             #[cfg(target_arch = "x86_64")]
+            Plan::Rows16 { .. } => {
+                let (r, _) = self.task_tile(i);
+                // SAFETY: forwarded contract; this task owns rows r (one token).
+                unsafe { rows16(w, a, self.out, r.start, r.end, self.level) };
+            }
+            #[cfg(target_arch = "x86_64")]
             Plan::Narrow { .. } => {
                 let (r, _) = self.task_tile(i);
                 let (r0, r1) = (r.start, r.end);
@@ -359,6 +384,55 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
                 };
             }
         }
+    }
+}
+
+/// Rows `r0..r1` (`r0` a multiple of 16) times the one token of `a`: the full groups of 16
+/// rows from `w.x16`, the rest row by row (the same bits either way).
+///
+/// # Safety
+/// Only at level Avx512Vnni with `w.x16` set (the `Rows16` plan); the caller owns rows r0..r1
+/// of `out` exclusively.
+#[cfg(target_arch = "x86_64")]
+unsafe fn rows16(
+    w: &QMatrix,
+    a: &QuantizedActs,
+    out: &SharedSlice<f32>,
+    r0: usize,
+    r1: usize,
+    level: SimdLevel,
+) {
+    use super::x16::{dot16, group_block_bytes, ROWS};
+    let x16 = w.x16.expect("the Rows16 plan has the interleaved copy");
+    let nb = w.cols / 32;
+    let gbb = nb * group_block_bytes(w.ty);
+    let full = (w.rows / ROWS * ROWS).min(r1);
+    // The token's quants and scales (a one-token Q8 activation: `serves` was checked).
+    let (qa, ds) = (&a.qs[..w.cols], &a.ds[..2 * nb]);
+    let mut vals = [0f32; ROWS];
+    let mut r = r0;
+    while r + ROWS <= full {
+        let grp = &x16[r / ROWS * gbb..][..gbb];
+        // SAFETY: the plan is taken at level Avx512Vnni only (never above detection); `grp`
+        // covers the group's nb blocks, qa and ds one token's nb blocks.
+        unsafe {
+            if w.ty == super::GgmlType::Q4_1 {
+                dot16::<true>(grp.as_ptr(), nb, qa.as_ptr(), ds.as_ptr(), &mut vals)
+            } else {
+                dot16::<false>(grp.as_ptr(), nb, qa.as_ptr(), ds.as_ptr(), &mut vals)
+            }
+        };
+        for (k, &v) in vals.iter().enumerate() {
+            // SAFETY: r + k < rows (one token): inside `out`; the caller owns these rows.
+            unsafe { out.write(r + k, v) };
+        }
+        r += ROWS;
+    }
+    let mut v = [0f32; 1];
+    for r in r..r1 {
+        super::dot_row_tokens(w.ty, w.row(r), a, 0, level, &mut v);
+        // SAFETY: as above.
+        unsafe { out.write(r, v[0]) };
     }
 }
 

@@ -19,6 +19,7 @@ pub(crate) mod neon;
 pub mod q8;
 pub mod simd;
 pub mod types;
+pub mod x16;
 
 pub use matmul::{matmul, matmul_q, try_matmul_q, MatmulJob};
 pub use q8::{
@@ -77,13 +78,16 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// A row-major matrix of `rows` rows of `cols` elements of type `ty`, borrowed from `data`.
+/// A row-major matrix of `rows` rows of `cols` elements of type `ty`, borrowed from `data`,
+/// with an optional copy of its first rows in the one-token decode layout ([`x16`]).
 #[derive(Clone, Copy)]
 pub struct QMatrix<'a> {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// [`x16::repack`] of `data` (set by [`QMatrix::with_x16`]).
+    pub x16: Option<&'a [u8]>,
 }
 
 impl<'a> QMatrix<'a> {
@@ -114,6 +118,27 @@ impl<'a> QMatrix<'a> {
             rows,
             cols,
             data,
+            x16: None,
+        })
+    }
+
+    /// The matrix with `x16`, the [`x16::repack`] of its data, for one-token products (checked:
+    /// a supported type and the length of the copy of every full group of rows).
+    pub fn with_x16(self, x16: &'a [u8]) -> Result<Self> {
+        let nb = self.cols / self.ty.block_size();
+        let want = self.rows / x16::ROWS * nb * x16::group_block_bytes(self.ty);
+        if !x16::supports(self.ty) || x16.len() != want || want == 0 {
+            return Err(invalid(format!(
+                "{} matrix {}x{}: a decode copy of {} bytes does not fit it",
+                self.ty.name(),
+                self.rows,
+                self.cols,
+                x16.len()
+            )));
+        }
+        Ok(QMatrix {
+            x16: Some(x16),
+            ..self
         })
     }
 

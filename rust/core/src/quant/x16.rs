@@ -1,0 +1,328 @@
+//! The decode layout of the 4-bit legacy types (Q4_0, Q4_1): 16 rows interleaved, so that one
+//! token's matrix-vector product needs no horizontal reduction.
+//!
+//! The row-major GGUF layout makes a one-token dot product reduce each block's 32 products
+//! across vector lanes before it can scale them (`avx512::dot_row2`: about 9 vector operations
+//! per row and block, which on the development host made a 576-column Q4_1 matrix-vector
+//! product compute-bound at ~8 GB/s per thread with the weights in L2). Here lane `i` of a
+//! 512-bit vector belongs to row `i` of a group of 16: a `vpdpbusd` of 4 quant bytes of each of
+//! the 16 rows against 4 broadcast activation bytes advances 16 exact block sums at once, and
+//! the rows' scales load as 16 contiguous f16 values. About 40 operations per group of 16 rows
+//! and one block, 2.5 per row.
+//!
+//! # Layout
+//!
+//! [`repack`] copies the first `16 * (rows / 16)` rows; the remaining rows stay in the GGUF
+//! layout only. Group `g` (rows `16g..16g + 16`) and block `b` (columns `32b..32b + 32`) take
+//! `16 * type_size` bytes (the same as the 16 rows' blocks) at `(g * nb + b) * 16 * type_size`:
+//!
+//! * 4 chunks of 64 bytes: chunk `k` holds bytes `4k..4k + 4` of each row's 16 quant bytes, row
+//!   by row (byte `j` of a block holds element `j` in its low nibble and `j + 16` in its high
+//!   nibble, as in ggml);
+//! * the 16 rows' `d` (f16, little-endian);
+//! * Q4_1 only: the 16 rows' `m` (f16).
+//!
+//! # Guarantees
+//!
+//! * [`dot16`] returns, per row, the bits of `legacy::vec_dot_scalar` on the GGUF row: the
+//!   canonical order (8 slot accumulators, block `b` into slot `b % 8`, `s = m * sa + (isum *
+//!   (d * da) + s)` as two fused multiply-adds, the fixed final tree), so a token's logits stay
+//!   independent of the batch and of whether its rows were repacked. Tests compare the AVX-512
+//!   kernel, its scalar twin ([`dot16_scalar`]) and the reference bit for bit.
+//! * The copy costs as much memory as the repacked matrices (the model reports it); the GGUF
+//!   mapping stays, for prefill's kernels and the rows of an incomplete group.
+
+use super::{legacy, GgmlType};
+use half::f16;
+
+/// Rows per interleaved group.
+pub const ROWS: usize = 16;
+
+/// Whether [`repack`] takes `ty`.
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1)
+}
+
+/// Bytes of one (group, block).
+pub fn group_block_bytes(ty: GgmlType) -> usize {
+    ROWS * ty.type_size()
+}
+
+/// Offset of the quant bytes in a GGUF block.
+fn quant_offset(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q4_1 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The interleaved copy of the first `16 * (rows / 16)` rows of a `rows x cols` matrix of
+/// type `ty` (`data`: its GGUF bytes, `rows` rows of `cols / 32` blocks), or `None` when `ty`
+/// is not supported or there is no full group. The caller has validated the shape.
+pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
+    if !supports(ty) || rows < ROWS {
+        return None;
+    }
+    let (ts, nb) = (ty.type_size(), cols / legacy::QK);
+    let (rb, gbb, qoff) = (nb * ts, group_block_bytes(ty), quant_offset(ty));
+    assert_eq!(
+        data.len(),
+        rows * rb,
+        "x16::repack: data is not rows x cols"
+    );
+    let groups = rows / ROWS;
+    let mut out = vec![0u8; groups * nb * gbb];
+    for (gb, dst) in out.chunks_exact_mut(gbb).enumerate() {
+        let (g, b) = (gb / nb, gb % nb);
+        for i in 0..ROWS {
+            let blk = &data[(g * ROWS + i) * rb + b * ts..][..ts];
+            for k in 0..4 {
+                dst[k * 64 + 4 * i..][..4].copy_from_slice(&blk[qoff + 4 * k..][..4]);
+            }
+            dst[256 + 2 * i..][..2].copy_from_slice(&blk[..2]);
+            if ty == GgmlType::Q4_1 {
+                dst[256 + 2 * ROWS + 2 * i..][..2].copy_from_slice(&blk[2..4]);
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Scalar twin of [`dot16`]: the dots of the 16 rows of one group (`grp`: its `nb` blocks)
+/// with one token's Q8 activations (`qa`: `32 * nb` quants, `ds`: `nb` pairs `(da, sa)`), in
+/// the canonical order.
+pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; ROWS] {
+    let nb = ds.len() / 2;
+    let gbb = group_block_bytes(ty);
+    assert!(grp.len() >= nb * gbb && qa.len() >= nb * legacy::QK);
+    let half = |p: &[u8]| f16::from_bits(u16::from_le_bytes([p[0], p[1]])).to_f32();
+    let mut out = [0f32; ROWS];
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut acc = [0f32; legacy::SLOTS];
+        for b in 0..nb {
+            let p = &grp[b * gbb..(b + 1) * gbb];
+            let a = &qa[b * legacy::QK..(b + 1) * legacy::QK];
+            let mut isum = 0i32;
+            for k in 0..4 {
+                for j in 0..4 {
+                    let (byte, e) = (p[k * 64 + 4 * i + j], 4 * k + j);
+                    isum +=
+                        (byte & 0x0F) as i32 * a[e] as i32 + (byte >> 4) as i32 * a[16 + e] as i32;
+                }
+            }
+            let d = half(&p[256 + 2 * i..]);
+            let m = if ty == GgmlType::Q4_1 {
+                half(&p[256 + 2 * ROWS + 2 * i..])
+            } else {
+                -8.0 * d
+            };
+            let s = &mut acc[b % legacy::SLOTS];
+            *s = m.mul_add(ds[2 * b + 1], (isum as f32).mul_add(d * ds[2 * b], *s));
+        }
+        *o = legacy::tree_sum(&mut acc);
+    }
+    out
+}
+
+/// AVX-512 VNNI kernel: [`dot16_scalar`] of one group into `out`. `Q41`: the type is Q4_1
+/// (else Q4_0).
+///
+/// # Safety
+/// The features in the attribute are available; `grp` covers `nb` (group, block)s of the type,
+/// `qa` `32 * nb` quants and `ds` `2 * nb` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot16<const Q41: bool>(
+    grp: *const u8,
+    nb: usize,
+    qa: *const i8,
+    ds: *const f32,
+    out: &mut [f32; ROWS],
+) {
+    use std::arch::x86_64::*;
+    let gbb = if Q41 { 320 } else { 288 };
+    let lo4 = _mm512_set1_epi8(0x0F);
+    let mut slots = [_mm512_setzero_ps(); legacy::SLOTS];
+    let mut b0 = 0;
+    // SAFETY: every block index b < nb, so reads stay inside the ranges the caller guarantees;
+    // the loads are unaligned.
+    unsafe {
+        while b0 < nb {
+            // Constant slot indices (s), so the accumulators stay in registers.
+            for (s, slot) in slots.iter_mut().enumerate() {
+                let b = b0 + s;
+                if b >= nb {
+                    break;
+                }
+                let p = grp.add(b * gbb);
+                let a = qa.add(b * legacy::QK);
+                let (mut ilo, mut ihi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for k in 0..4 {
+                    let w = _mm512_loadu_si512(p.add(64 * k).cast());
+                    let lo = _mm512_and_si512(w, lo4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
+                    let alo = _mm512_set1_epi32(a.add(4 * k).cast::<i32>().read_unaligned());
+                    let ahi = _mm512_set1_epi32(a.add(16 + 4 * k).cast::<i32>().read_unaligned());
+                    ilo = _mm512_dpbusd_epi32(ilo, lo, alo);
+                    ihi = _mm512_dpbusd_epi32(ihi, hi, ahi);
+                }
+                let isum = _mm512_add_epi32(ilo, ihi);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(256).cast()));
+                let m = if Q41 {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(p.add(256 + 2 * ROWS).cast()))
+                } else {
+                    _mm512_mul_ps(d, _mm512_set1_ps(-8.0))
+                };
+                let da = _mm512_set1_ps(*ds.add(2 * b));
+                let sa = _mm512_set1_ps(*ds.add(2 * b + 1));
+                let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, da), *slot);
+                *slot = _mm512_fmadd_ps(m, sa, acc);
+            }
+            b0 += legacy::SLOTS;
+        }
+        for h in [4, 2, 1] {
+            for j in 0..h {
+                slots[j] = _mm512_add_ps(slots[j], slots[j + h]);
+            }
+        }
+        _mm512_storeu_ps(out.as_mut_ptr(), slots[0]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::matmul::matmul_q;
+    use crate::quant::q8::{quantize_acts_into, QuantizedActs};
+    use crate::quant::simd::{self, SimdLevel};
+    use crate::quant::QMatrix;
+
+    /// Random GGUF rows of `ty` with nibbles over the whole range and scales of both signs.
+    fn rows_of(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let ts = ty.type_size();
+        let mut data = vec![0u8; rows * cols / 32 * ts];
+        for blk in data.chunks_exact_mut(ts) {
+            for x in blk.iter_mut() {
+                *x = next() as u8;
+            }
+            let d = (next() % 2000) as f32 / 1000.0 - 1.0;
+            blk[..2].copy_from_slice(&f16::from_f32(d * 0.05).to_bits().to_le_bytes());
+            if ty == GgmlType::Q4_1 {
+                let m = (next() % 2000) as f32 / 1000.0 - 1.0;
+                blk[2..4].copy_from_slice(&f16::from_f32(m * 0.2).to_bits().to_le_bytes());
+            }
+        }
+        data
+    }
+
+    /// Every row of every full group, through the scalar twin and (where the CPU has it) the
+    /// AVX-512 kernel, gives the reference's bits on the GGUF row; the rows past the last full
+    /// group are not copied.
+    #[test]
+    fn groups_give_the_reference_bits() {
+        let kernels = simd::coverage::simd_kernels(&[SimdLevel::Avx512Vnni]);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+            // 9 blocks: a partial round of slots; 48 blocks: SmolLM2's down projection.
+            for (rows, cols) in [(16, 32), (37, 288), (32, 1536)] {
+                let data = rows_of(ty, rows, cols, rows as u64 * 31 + cols as u64);
+                let nb = cols / 32;
+                let x16 = repack(ty, rows, cols, &data).expect("a full group");
+                let gbb = group_block_bytes(ty);
+                assert_eq!(x16.len(), rows / ROWS * nb * gbb);
+                let mut s = 7u64;
+                let qa: Vec<i8> = (0..cols)
+                    .map(|_| {
+                        s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        (s >> 56) as i8
+                    })
+                    .collect();
+                let ds: Vec<f32> = (0..nb)
+                    .flat_map(|b| {
+                        let da = 0.01 + b as f32 * 1e-3;
+                        let sum: i32 = qa[b * 32..(b + 1) * 32].iter().map(|&q| q as i32).sum();
+                        [da, da * sum as f32]
+                    })
+                    .collect();
+                let rb = nb * ty.type_size();
+                for g in 0..rows / ROWS {
+                    let grp = &x16[g * nb * gbb..(g + 1) * nb * gbb];
+                    let want: Vec<u32> = (0..ROWS)
+                        .map(|i| {
+                            let row = &data[(g * ROWS + i) * rb..][..rb];
+                            legacy::vec_dot_scalar(ty, row, &qa, &ds).to_bits()
+                        })
+                        .collect();
+                    let scalar = dot16_scalar(ty, grp, &qa, &ds);
+                    assert_eq!(scalar.map(f32::to_bits).to_vec(), want, "{ty:?} scalar");
+                    #[cfg(target_arch = "x86_64")]
+                    if !kernels.is_empty() {
+                        let mut out = [f32::NAN; ROWS];
+                        // SAFETY: AVX-512 VNNI is available (checked); the slices cover nb
+                        // blocks.
+                        unsafe {
+                            let (p, q, d) = (grp.as_ptr(), qa.as_ptr(), ds.as_ptr());
+                            if ty == GgmlType::Q4_1 {
+                                dot16::<true>(p, nb, q, d, &mut out)
+                            } else {
+                                dot16::<false>(p, nb, q, d, &mut out)
+                            }
+                        }
+                        assert_eq!(out.map(f32::to_bits).to_vec(), want, "{ty:?} avx512");
+                    }
+                }
+            }
+        }
+        simd::coverage::report("x16 one-token groups", &[SimdLevel::Avx512Vnni], &kernels);
+        assert!(repack(GgmlType::Q4_1, 15, 32, &rows_of(GgmlType::Q4_1, 15, 32, 1)).is_none());
+        let data = rows_of(GgmlType::Q4_1, 16, 64, 2);
+        let w = QMatrix::new(GgmlType::Q4_1, 16, 64, &data).unwrap();
+        assert!(w.with_x16(&[0; 7]).is_err(), "a copy of the wrong length");
+        let data0 = rows_of(GgmlType::Q4_0, 16, 64, 3);
+        let w0 = QMatrix::new(GgmlType::Q4_0, 16, 64, &data0).unwrap();
+        assert!(w0
+            .with_x16(&repack(GgmlType::Q4_1, 16, 64, &data).unwrap())
+            .is_err());
+        assert!(repack(GgmlType::Q8_0, 16, 32, &vec![0; 16 * 34]).is_none());
+    }
+
+    /// One token through the matmul with the copy (full groups from it, the last rows from the
+    /// GGUF rows, tasks of several groups on 1 to 3 threads) gives the bits of the matmul
+    /// without it, for both types; several tokens ignore the copy.
+    #[test]
+    fn matmul_with_the_copy_gives_the_same_bits() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+            let (rows, cols) = (101, 288);
+            let data = rows_of(ty, rows, cols, 17);
+            let x16 = repack(ty, rows, cols, &data).unwrap();
+            let plain = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let copied = plain.with_x16(&x16).unwrap();
+            for n in [1, 3] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                    .collect();
+                let mut a = QuantizedActs::new();
+                quantize_acts_into(&mut a, &x, n, cols, ty).unwrap();
+                let mut want = vec![0f32; n * rows];
+                matmul_q(&plain, &a, &mut want);
+                for threads in 1..=3 {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let mut got = vec![f32::NAN; n * rows];
+                    pool.install(|| matmul_q(&copied, &a, &mut got));
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{ty:?} n={n} threads={threads}");
+                }
+            }
+        }
+    }
+}
