@@ -1,6 +1,10 @@
 //! Matrix multiplication `out[t * rows + r] = dot(W row r, token t)` on the current rayon pool.
 //!
-//! Three paths:
+//! Four paths:
+//! - one token from the interleaved copy (Q4_0/Q4_1 weights with [`QMatrix::x16`] set,
+//!   AVX-512 VNNI, one token: the decode of one sequence): chunks of whole 16-row groups, each
+//!   group's 16 exact block sums advanced together per `vpdpbusd` (`x16::dot16`), the rows past
+//!   the last full group per row as below;
 //! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
 //!   every token while it is hot in L1 (one token, non-VNNI CPUs, K-quant and float weights;
 //!   legacy weights at the AVX2 levels unpack each block once for up to 4 tokens);
