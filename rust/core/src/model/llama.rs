@@ -33,20 +33,25 @@ pub struct WeightRef {
 }
 
 impl WeightRef {
-    /// Makes the decode copy when the type has one and the kernel can run here.
-    pub(super) fn repack(&mut self, g: &GgufFile) {
-        if self.x16.is_none()
-            && quant::x16::supports(self.ty)
+    /// Bytes the decode copy takes (0: the type has none, or the kernel cannot run here).
+    pub(super) fn decode_copy_bytes(&self) -> usize {
+        if quant::x16::supports(self.ty)
             && quant::simd::level() >= quant::simd::SimdLevel::Avx512Vnni
         {
-            self.x16 = quant::x16::repack(self.ty, self.rows, self.cols, g.tensor_data(&self.info))
-                .map(Arc::from);
+            self.rows / quant::x16::ROWS * (self.cols / 32) * quant::x16::group_block_bytes(self.ty)
+        } else {
+            0
         }
     }
 
-    /// Bytes of the decode copy.
-    pub(super) fn repacked_bytes(&self) -> usize {
-        self.x16.as_ref().map_or(0, |x| x.len())
+    /// Makes the decode copy ([`WeightRef::decode_copy_bytes`] > 0); false when the memory
+    /// for it could not be had.
+    pub(super) fn repack(&mut self, g: &GgufFile) -> bool {
+        if self.x16.is_none() && self.decode_copy_bytes() > 0 {
+            self.x16 = quant::x16::repack(self.ty, self.rows, self.cols, g.tensor_data(&self.info))
+                .map(Arc::from);
+        }
+        self.x16.is_some()
     }
 }
 

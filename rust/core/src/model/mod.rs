@@ -44,6 +44,14 @@ impl Weights {
     }
 }
 
+/// `MemAvailable` of /proc/meminfo in bytes (None where it cannot be read).
+fn available_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
 /// Whether the model copies its 4-bit legacy matrices into the one-token decode layout
 /// ([`crate::quant::x16`]): `KVSERVE_REPACK` unset, blank or `1`; `0` keeps only the GGUF
 /// mapping (less memory, slower decode of one sequence). Any other value is an error.
@@ -133,14 +141,22 @@ impl Model {
     }
 
     /// The model of `gguf` on `threads` members (default: the physical cores), with the decode
-    /// copies of its weights unless `KVSERVE_REPACK=0` ([`Model::repacked_bytes`]).
+    /// copies of its weights ([`Model::repacked_bytes`]) unless `KVSERVE_REPACK=0`: as many as
+    /// fit in half the memory the OS reports available (`MemAvailable`; no bound where there
+    /// is no /proc/meminfo), so a model near the machine's memory still loads, its remaining
+    /// matrices decoding from the GGUF layout.
     pub fn from_gguf(gguf: GgufFile, threads: Option<usize>) -> Result<Model> {
-        Model::from_gguf_with(gguf, threads, repack_enabled()?)
+        let budget = repack_enabled()?.then(|| available_memory().map_or(usize::MAX, |a| a / 2));
+        Model::from_gguf_with(gguf, threads, budget)
     }
 
-    /// [`Model::from_gguf`] with the decode copies made (`repack`) or not, whatever the
-    /// environment says. The logits are the same bits either way.
-    pub fn from_gguf_with(gguf: GgufFile, threads: Option<usize>, repack: bool) -> Result<Model> {
+    /// [`Model::from_gguf`] with decode copies of at most `repack_budget` bytes in all (`None`:
+    /// none), whatever the environment says. The logits are the same bits either way.
+    pub fn from_gguf_with(
+        gguf: GgufFile,
+        threads: Option<usize>,
+        repack_budget: Option<usize>,
+    ) -> Result<Model> {
         let mut config = Config::from_gguf(&gguf)?;
         let weights = match config.arch {
             Arch::Gemma3 => Weights::Gemma3(gemma3::Weights::load(&gguf, &config)?),
@@ -148,11 +164,13 @@ impl Model {
             _ => Weights::Llama(llama::Weights::load(&gguf, &mut config)?),
         };
         let mut weights = weights;
-        let mut repacked_bytes = 0;
-        if repack {
+        let mut repacked_bytes = 0usize;
+        if let Some(budget) = repack_budget {
             for w in weights.matmul_weights_mut() {
-                w.repack(&gguf);
-                repacked_bytes += w.repacked_bytes();
+                let need = w.decode_copy_bytes();
+                if need > 0 && repacked_bytes + need <= budget && w.repack(&gguf) {
+                    repacked_bytes += need;
+                }
             }
         }
         let tokenizer = Tokenizer::new(vocab_from_gguf(&gguf)?)?;
@@ -1476,35 +1494,55 @@ mod tests {
     fn decode_copies_change_no_bits() {
         let path = std::env::var("KVSERVE_TEST_MODEL")
             .expect("KVSERVE_TEST_MODEL is not set: point it at the default model's GGUF");
-        let with =
-            Arc::new(Model::from_gguf_with(GgufFile::open(&path).unwrap(), Some(2), true).unwrap());
-        let without = Arc::new(
-            Model::from_gguf_with(GgufFile::open(&path).unwrap(), Some(2), false).unwrap(),
-        );
-        assert_eq!(without.repacked_bytes(), 0);
+        let load = |budget| {
+            Arc::new(
+                Model::from_gguf_with(GgufFile::open(&path).unwrap(), Some(2), budget).unwrap(),
+            )
+        };
         let vnni = crate::quant::simd::level() >= crate::quant::simd::SimdLevel::Avx512Vnni;
         // SmolLM2 Q4_1: every layer matrix is Q4_1 (the Q8_0 output head is not copied).
-        let c = &with.config;
+        let without = load(None);
+        let c = &without.config;
         let per_layer =
             2 * c.n_embd * c.q_dim() + 2 * c.n_embd * c.kv_dim() + 3 * c.n_embd * c.n_ff;
         let q4_1 = c.n_layer * per_layer / 32 * 20;
+        let with = load(Some(usize::MAX));
+        // A budget for about half of them: some matrices copied, the rest left in place.
+        let half = load(Some(q4_1 / 2));
+        assert_eq!(without.repacked_bytes(), 0);
         assert_eq!(with.repacked_bytes(), if vnni { q4_1 } else { 0 });
+        if vnni {
+            let h = half.repacked_bytes();
+            assert!(
+                h > q4_1 / 4 && h <= q4_1 / 2,
+                "{h} bytes copied for a budget of {}",
+                q4_1 / 2
+            );
+        }
         let mut rng = crate::test_rng::Rng(9);
         let toks: Vec<u32> = (0..45).map(|_| rng.below(1000) as u32 + 100).collect();
         let o = KvOptions {
             n_ctx: 256,
             ..KvOptions::default()
         };
-        let mut a = Context::with_options(Arc::clone(&with), &o).unwrap();
-        let mut b = Context::with_options(Arc::clone(&without), &o).unwrap();
-        let prompt = Batch::prompt(&toks[..40], 0, 0);
-        assert!(a.decode(&prompt).unwrap().data == b.decode(&prompt).unwrap().data);
-        for p in 40..45 {
-            let step = Batch::prompt(&toks[p..p + 1], p as i32, 0);
-            let (la, lb) = (a.decode(&step).unwrap(), b.decode(&step).unwrap());
+        let mut ctxs: Vec<Context> = [&with, &half, &without]
+            .map(|m| Context::with_options(Arc::clone(m), &o).unwrap())
+            .into();
+        let mut step = |batch: &Batch, what: &str| {
+            let got: Vec<Vec<f32>> = ctxs
+                .iter_mut()
+                .map(|c| c.decode(batch).unwrap().data)
+                .collect();
             assert!(
-                la.data == lb.data,
-                "token {p}: the decode copies changed the logits"
+                got[0] == got[2] && got[1] == got[2],
+                "{what}: the decode copies changed the logits"
+            );
+        };
+        step(&Batch::prompt(&toks[..40], 0, 0), "the prompt");
+        for p in 40..45 {
+            step(
+                &Batch::prompt(&toks[p..p + 1], p as i32, 0),
+                &format!("token {p}"),
             );
         }
     }

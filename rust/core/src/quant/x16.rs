@@ -59,7 +59,8 @@ fn quant_offset(ty: GgmlType) -> usize {
 
 /// The interleaved copy of the first `16 * (rows / 16)` rows of a `rows x cols` matrix of
 /// type `ty` (`data`: its GGUF bytes, `rows` rows of `cols / 32` blocks), or `None` when `ty`
-/// is not supported or there is no full group. The caller has validated the shape.
+/// is not supported, there is no full group, or the allocator refuses the memory. The caller
+/// has validated the shape.
 pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
     if !supports(ty) || rows < ROWS {
         return None;
@@ -72,7 +73,9 @@ pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec
         "x16::repack: data is not rows x cols"
     );
     let groups = rows / ROWS;
-    let mut out = vec![0u8; groups * nb * gbb];
+    let mut out = Vec::new();
+    out.try_reserve_exact(groups * nb * gbb).ok()?;
+    out.resize(groups * nb * gbb, 0u8);
     for (gb, dst) in out.chunks_exact_mut(gbb).enumerate() {
         let (g, b) = (gb / nb, gb % nb);
         for i in 0..ROWS {
