@@ -274,9 +274,9 @@ def test_bench_depth(model_path: Path) -> None:
 
 
 def test_decode_copies_of_the_weights(model_path: Path) -> None:
-    """The 4-bit matrices' one-token decode copies (rust/core/src/quant/x16.rs): the bench
-    reports their bytes (on an AVX-512 VNNI CPU every SmolLM2 layer matrix, Q4_1 at 20 bytes per
-    32 weights; none elsewhere), ``KVSERVE_REPACK=0`` makes none and leaves the greedy tokens as
+    """The weight matrices' one-token decode copies (rust/core/src/quant/x16.rs): the bench
+    reports their bytes (on an AVX-512 VNNI CPU every SmolLM2 layer matrix and the output head;
+    none elsewhere), ``KVSERVE_REPACK=0`` makes none and leaves the greedy tokens as
     they were, and any other value is a clear error."""
     level = subprocess.run(
         [sys.executable, "-c", "import kvserve._core as c; print(c.simd_level())"],
@@ -285,9 +285,11 @@ def test_decode_copies_of_the_weights(model_path: Path) -> None:
         env=cli_env(),
         check=True,
     ).stdout.strip()
-    d, kv, ff, layers = 576, 192, 1536, 30
+    d, kv, ff, layers, vocab = 576, 192, 1536, 30, 49152
     per_layer = 2 * d * d + 2 * d * kv + 3 * d * ff
-    want = layers * per_layer // 32 * 20 if level == "avx512vnni" else 0
+    # The Q4_1 layer matrices and the Q8_0 output head (the tied embedding, 34 bytes per 32).
+    full = layers * per_layer // 32 * 20 + vocab * d // 32 * 34
+    want = full if level == "avx512vnni" else 0
     args = ["bench", "--model", str(model_path), "-p", "0", "-n", "2", "-r", "1", "--json"]
     assert ok_json(*args)["repacked_bytes"] == want
     off = run_cli(*args, env=cli_env(KVSERVE_REPACK="0"))

@@ -52,7 +52,7 @@ fn available_memory() -> Option<usize> {
     kb.checked_mul(1024)
 }
 
-/// Whether the model copies its 4-bit legacy matrices into the one-token decode layout
+/// Whether the model copies its Q4_0, Q4_1 and Q8_0 matrices into the one-token decode layout
 /// ([`crate::quant::x16`]): `KVSERVE_REPACK` unset, blank or `1`; `0` keeps only the GGUF
 /// mapping (less memory, slower decode of one sequence). Any other value is an error.
 fn repack_enabled() -> Result<bool> {
@@ -129,7 +129,7 @@ impl Logits {
 impl Model {
     /// Opens and validates a GGUF model. `threads`: compute threads (default: physical cores or
     /// `KVSERVE_THREADS`).
-    /// Memory the weights take beyond the GGUF mapping: the 4-bit legacy matrices' copies in
+    /// Memory the weights take beyond the GGUF mapping: the Q4_0, Q4_1 and Q8_0 matrices' copies in
     /// the one-token decode layout (`quant::x16`; 0 with `KVSERVE_REPACK=0`, on CPUs without
     /// AVX-512 VNNI, or for other weight types).
     pub fn repacked_bytes(&self) -> usize {
@@ -1489,7 +1489,7 @@ mod tests {
     /// tokens in one 606-token batch; two sequences decoded together (still split) too.
     /// The weights' decode copies change no logit: a prompt and one-token steps on the model
     /// with and without them give the same bits; the copies exist exactly where the kernel
-    /// runs (AVX-512 VNNI) and take the 4-bit matrices' bytes.
+    /// runs (AVX-512 VNNI) and take the copied matrices' bytes.
     #[test]
     fn decode_copies_change_no_bits() {
         let path = std::env::var("KVSERVE_TEST_MODEL")
@@ -1500,23 +1500,23 @@ mod tests {
             )
         };
         let vnni = crate::quant::simd::level() >= crate::quant::simd::SimdLevel::Avx512Vnni;
-        // SmolLM2 Q4_1: every layer matrix is Q4_1 (the Q8_0 output head is not copied).
+        // SmolLM2 Q4_1: every layer matrix is Q4_1, the output head (the tied embedding) Q8_0.
         let without = load(None);
         let c = &without.config;
         let per_layer =
             2 * c.n_embd * c.q_dim() + 2 * c.n_embd * c.kv_dim() + 3 * c.n_embd * c.n_ff;
-        let q4_1 = c.n_layer * per_layer / 32 * 20;
+        let all = c.n_layer * per_layer / 32 * 20 + c.n_vocab * c.n_embd / 32 * 34;
         let with = load(Some(usize::MAX));
         // A budget for about half of them: some matrices copied, the rest left in place.
-        let half = load(Some(q4_1 / 2));
+        let half = load(Some(all / 2));
         assert_eq!(without.repacked_bytes(), 0);
-        assert_eq!(with.repacked_bytes(), if vnni { q4_1 } else { 0 });
+        assert_eq!(with.repacked_bytes(), if vnni { all } else { 0 });
         if vnni {
             let h = half.repacked_bytes();
             assert!(
-                h > q4_1 / 4 && h <= q4_1 / 2,
+                h > all / 4 && h <= all / 2,
                 "{h} bytes copied for a budget of {}",
-                q4_1 / 2
+                all / 2
             );
         }
         let mut rng = crate::test_rng::Rng(9);

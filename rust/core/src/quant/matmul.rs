@@ -1,7 +1,7 @@
 //! Matrix multiplication `out[t * rows + r] = dot(W row r, token t)` on the current rayon pool.
 //!
 //! Four paths:
-//! - one token from the interleaved copy (Q4_0/Q4_1 weights with [`QMatrix::x16`] set,
+//! - one token from the interleaved copy (Q4_0/Q4_1/Q8_0 weights with [`QMatrix::x16`] set,
 //!   AVX-512 VNNI, one token: the decode of one sequence): chunks of whole 16-row groups, each
 //!   group's 16 exact block sums advanced together per `vpdpbusd` (`x16::dot16`), the rows past
 //!   the last full group per row as below;
@@ -406,7 +406,7 @@ unsafe fn rows16(
     r1: usize,
     level: SimdLevel,
 ) {
-    use super::x16::{dot16, group_block_bytes, ROWS};
+    use super::x16::{dot16, group_block_bytes, ROWS, T_Q4_0, T_Q4_1, T_Q8_0};
     let x16 = w.x16.expect("the Rows16 plan has the interleaved copy");
     let nb = w.cols / 32;
     let gbb = nb * group_block_bytes(w.ty);
@@ -420,10 +420,11 @@ unsafe fn rows16(
         // SAFETY: the plan is taken at level Avx512Vnni only (never above detection); `grp`
         // covers the group's nb blocks, qa and ds one token's nb blocks.
         unsafe {
-            if w.ty == super::GgmlType::Q4_1 {
-                dot16::<true>(grp.as_ptr(), nb, qa.as_ptr(), ds.as_ptr(), &mut vals)
-            } else {
-                dot16::<false>(grp.as_ptr(), nb, qa.as_ptr(), ds.as_ptr(), &mut vals)
+            let (g, q, d) = (grp.as_ptr(), qa.as_ptr(), ds.as_ptr());
+            match w.ty {
+                super::GgmlType::Q4_0 => dot16::<T_Q4_0>(g, nb, q, d, &mut vals),
+                super::GgmlType::Q4_1 => dot16::<T_Q4_1>(g, nb, q, d, &mut vals),
+                _ => dot16::<T_Q8_0>(g, nb, q, d, &mut vals),
             }
         };
         for (k, &v) in vals.iter().enumerate() {

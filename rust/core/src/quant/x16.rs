@@ -1,4 +1,4 @@
-//! The decode layout of the 4-bit legacy types (Q4_0, Q4_1): 16 rows interleaved, so that one
+//! The decode layout of the legacy types Q4_0, Q4_1 and Q8_0: 16 rows interleaved, so that one
 //! token's matrix-vector product needs no horizontal reduction.
 //!
 //! The row-major GGUF layout makes a one-token dot product reduce each block's 32 products
@@ -8,7 +8,8 @@
 //! 512-bit vector belongs to row `i` of a group of 16: a `vpdpbusd` of 4 quant bytes of each of
 //! the 16 rows against 4 broadcast activation bytes advances 16 exact block sums at once, and
 //! the rows' scales load as 16 contiguous f16 values. About 40 operations per group of 16 rows
-//! and one block, 2.5 per row.
+//! and one block, 2.5 per row (Q8_0: 8 quant loads and dot products instead of 4 and 8 with the
+//! nibble split).
 //!
 //! # Layout
 //!
@@ -16,7 +17,8 @@
 //! layout only. Group `g` (rows `16g..16g + 16`) and block `b` (columns `32b..32b + 32`) take
 //! `16 * type_size` bytes (the same as the 16 rows' blocks) at `(g * nb + b) * 16 * type_size`:
 //!
-//! * 4 chunks of 64 bytes: chunk `k` holds bytes `4k..4k + 4` of each row's 16 quant bytes, row
+//! * `nq` chunks of 64 bytes (4 for the 4-bit types, 8 for Q8_0, whose byte `j` is element
+//!   `j`, signed): chunk `k` holds bytes `4k..4k + 4` of each row's quant bytes, row
 //!   by row (byte `j` of a block holds element `j` in its low nibble and `j + 16` in its high
 //!   nibble, as in ggml);
 //! * the 16 rows' `d` (f16, little-endian);
@@ -40,7 +42,16 @@ pub const ROWS: usize = 16;
 
 /// Whether [`repack`] takes `ty`.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1)
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+}
+
+/// Quant chunks of 64 bytes per (group, block); the scales follow them.
+fn quant_chunks(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q8_0 {
+        8
+    } else {
+        4
+    }
 }
 
 /// Bytes of one (group, block).
@@ -66,7 +77,12 @@ pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec
         return None;
     }
     let (ts, nb) = (ty.type_size(), cols / legacy::QK);
-    let (rb, gbb, qoff) = (nb * ts, group_block_bytes(ty), quant_offset(ty));
+    let (rb, gbb, qoff, nq) = (
+        nb * ts,
+        group_block_bytes(ty),
+        quant_offset(ty),
+        quant_chunks(ty),
+    );
     assert_eq!(
         data.len(),
         rows * rb,
@@ -80,12 +96,12 @@ pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec
         let (g, b) = (gb / nb, gb % nb);
         for i in 0..ROWS {
             let blk = &data[(g * ROWS + i) * rb + b * ts..][..ts];
-            for k in 0..4 {
+            for k in 0..nq {
                 dst[k * 64 + 4 * i..][..4].copy_from_slice(&blk[qoff + 4 * k..][..4]);
             }
-            dst[256 + 2 * i..][..2].copy_from_slice(&blk[..2]);
+            dst[64 * nq + 2 * i..][..2].copy_from_slice(&blk[..2]);
             if ty == GgmlType::Q4_1 {
-                dst[256 + 2 * ROWS + 2 * i..][..2].copy_from_slice(&blk[2..4]);
+                dst[64 * nq + 2 * ROWS + 2 * i..][..2].copy_from_slice(&blk[2..4]);
             }
         }
     }
@@ -97,7 +113,7 @@ pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec
 /// the canonical order.
 pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; ROWS] {
     let nb = ds.len() / 2;
-    let gbb = group_block_bytes(ty);
+    let (gbb, nq) = (group_block_bytes(ty), quant_chunks(ty));
     assert!(grp.len() >= nb * gbb && qa.len() >= nb * legacy::QK);
     let half = |p: &[u8]| f16::from_bits(u16::from_le_bytes([p[0], p[1]])).to_f32();
     let mut out = [0f32; ROWS];
@@ -107,18 +123,22 @@ pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; RO
             let p = &grp[b * gbb..(b + 1) * gbb];
             let a = &qa[b * legacy::QK..(b + 1) * legacy::QK];
             let mut isum = 0i32;
-            for k in 0..4 {
+            for k in 0..nq {
                 for j in 0..4 {
                     let (byte, e) = (p[k * 64 + 4 * i + j], 4 * k + j);
-                    isum +=
-                        (byte & 0x0F) as i32 * a[e] as i32 + (byte >> 4) as i32 * a[16 + e] as i32;
+                    let (lo, hi) = ((byte & 0x0F) as i32, (byte >> 4) as i32);
+                    isum += match ty {
+                        // The canonical order's unsigned weights: q + 128, corrected by m.
+                        GgmlType::Q8_0 => (byte as i8 as i32 + 128) * a[e] as i32,
+                        _ => lo * a[e] as i32 + hi * a[16 + e] as i32,
+                    };
                 }
             }
-            let d = half(&p[256 + 2 * i..]);
-            let m = if ty == GgmlType::Q4_1 {
-                half(&p[256 + 2 * ROWS + 2 * i..])
-            } else {
-                -8.0 * d
+            let d = half(&p[64 * nq + 2 * i..]);
+            let m = match ty {
+                GgmlType::Q4_1 => half(&p[64 * nq + 2 * ROWS + 2 * i..]),
+                GgmlType::Q8_0 => -128.0 * d,
+                _ => -8.0 * d,
             };
             let s = &mut acc[b % legacy::SLOTS];
             *s = m.mul_add(ds[2 * b + 1], (isum as f32).mul_add(d * ds[2 * b], *s));
@@ -128,15 +148,20 @@ pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; RO
     out
 }
 
-/// AVX-512 VNNI kernel: [`dot16_scalar`] of one group into `out`. `Q41`: the type is Q4_1
-/// (else Q4_0).
+/// Type codes of [`dot16`].
+pub(crate) const T_Q4_0: u8 = 0;
+pub(crate) const T_Q4_1: u8 = 1;
+pub(crate) const T_Q8_0: u8 = 8;
+
+/// AVX-512 VNNI kernel: [`dot16_scalar`] of one group into `out`, for the type `T`
+/// ([`T_Q4_0`], [`T_Q4_1`] or [`T_Q8_0`]).
 ///
 /// # Safety
 /// The features in the attribute are available; `grp` covers `nb` (group, block)s of the type,
 /// `qa` `32 * nb` quants and `ds` `2 * nb` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn dot16<const Q41: bool>(
+pub(crate) unsafe fn dot16<const T: u8>(
     grp: *const u8,
     nb: usize,
     qa: *const i8,
@@ -144,8 +169,13 @@ pub(crate) unsafe fn dot16<const Q41: bool>(
     out: &mut [f32; ROWS],
 ) {
     use std::arch::x86_64::*;
-    let gbb = if Q41 { 320 } else { 288 };
+    let (gbb, nq) = match T {
+        T_Q4_0 => (288, 4),
+        T_Q4_1 => (320, 4),
+        _ => (544, 8),
+    };
     let lo4 = _mm512_set1_epi8(0x0F);
+    let flip = _mm512_set1_epi8(-128);
     let mut slots = [_mm512_setzero_ps(); legacy::SLOTS];
     let mut b0 = 0;
     // SAFETY: every block index b < nb, so reads stay inside the ranges the caller guarantees;
@@ -160,22 +190,31 @@ pub(crate) unsafe fn dot16<const Q41: bool>(
                 }
                 let p = grp.add(b * gbb);
                 let a = qa.add(b * legacy::QK);
-                let (mut ilo, mut ihi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                for k in 0..4 {
-                    let w = _mm512_loadu_si512(p.add(64 * k).cast());
-                    let lo = _mm512_and_si512(w, lo4);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
-                    let alo = _mm512_set1_epi32(a.add(4 * k).cast::<i32>().read_unaligned());
-                    let ahi = _mm512_set1_epi32(a.add(16 + 4 * k).cast::<i32>().read_unaligned());
-                    ilo = _mm512_dpbusd_epi32(ilo, lo, alo);
-                    ihi = _mm512_dpbusd_epi32(ihi, hi, ahi);
-                }
-                let isum = _mm512_add_epi32(ilo, ihi);
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(256).cast()));
-                let m = if Q41 {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(p.add(256 + 2 * ROWS).cast()))
+                let act = |k: usize| _mm512_set1_epi32(a.add(4 * k).cast::<i32>().read_unaligned());
+                let (mut i0, mut i1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                if T == T_Q8_0 {
+                    for k in (0..8).step_by(2) {
+                        let w0 = _mm512_xor_si512(_mm512_loadu_si512(p.add(64 * k).cast()), flip);
+                        let w1 =
+                            _mm512_xor_si512(_mm512_loadu_si512(p.add(64 * k + 64).cast()), flip);
+                        i0 = _mm512_dpbusd_epi32(i0, w0, act(k));
+                        i1 = _mm512_dpbusd_epi32(i1, w1, act(k + 1));
+                    }
                 } else {
-                    _mm512_mul_ps(d, _mm512_set1_ps(-8.0))
+                    for k in 0..4 {
+                        let w = _mm512_loadu_si512(p.add(64 * k).cast());
+                        let lo = _mm512_and_si512(w, lo4);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
+                        i0 = _mm512_dpbusd_epi32(i0, lo, act(k));
+                        i1 = _mm512_dpbusd_epi32(i1, hi, act(4 + k));
+                    }
+                }
+                let isum = _mm512_add_epi32(i0, i1);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(64 * nq).cast()));
+                let m = match T {
+                    T_Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(64 * nq + 2 * ROWS).cast())),
+                    T_Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                    _ => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
                 };
                 let da = _mm512_set1_ps(*ds.add(2 * b));
                 let sa = _mm512_set1_ps(*ds.add(2 * b + 1));
@@ -232,7 +271,7 @@ mod tests {
     #[test]
     fn groups_give_the_reference_bits() {
         let kernels = simd::coverage::simd_kernels(&[SimdLevel::Avx512Vnni]);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             // 9 blocks: a partial round of slots; 48 blocks: SmolLM2's down projection.
             for (rows, cols) in [(16, 32), (37, 288), (32, 1536)] {
                 let data = rows_of(ty, rows, cols, rows as u64 * 31 + cols as u64);
@@ -272,10 +311,10 @@ mod tests {
                         // blocks.
                         unsafe {
                             let (p, q, d) = (grp.as_ptr(), qa.as_ptr(), ds.as_ptr());
-                            if ty == GgmlType::Q4_1 {
-                                dot16::<true>(p, nb, q, d, &mut out)
-                            } else {
-                                dot16::<false>(p, nb, q, d, &mut out)
+                            match ty {
+                                GgmlType::Q4_0 => dot16::<T_Q4_0>(p, nb, q, d, &mut out),
+                                GgmlType::Q4_1 => dot16::<T_Q4_1>(p, nb, q, d, &mut out),
+                                _ => dot16::<T_Q8_0>(p, nb, q, d, &mut out),
                             }
                         }
                         assert_eq!(out.map(f32::to_bits).to_vec(), want, "{ty:?} avx512");
@@ -293,7 +332,7 @@ mod tests {
         assert!(w0
             .with_x16(&repack(GgmlType::Q4_1, 16, 64, &data).unwrap())
             .is_err());
-        assert!(repack(GgmlType::Q8_0, 16, 32, &vec![0; 16 * 34]).is_none());
+        assert!(repack(GgmlType::Q5_0, 16, 32, &vec![0; 16 * 22]).is_none());
     }
 
     /// One token through the matmul with the copy (full groups from it, the last rows from the
@@ -301,7 +340,7 @@ mod tests {
     /// without it, for both types; several tokens ignore the copy.
     #[test]
     fn matmul_with_the_copy_gives_the_same_bits() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let (rows, cols) = (101, 288);
             let data = rows_of(ty, rows, cols, 17);
             let x16 = repack(ty, rows, cols, &data).unwrap();
