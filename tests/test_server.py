@@ -44,6 +44,7 @@ from kvserve.cli import main as cli_main
 from kvserve.engine import TenantPolicy
 from kvserve.server import ServerConfig, create_app
 from kvserve.server.app import longest_token
+from kvserve.server.linger import LINGER_S
 from kvserve.server.metrics import priority_label
 from kvserve.testing import live_server as _live
 
@@ -861,7 +862,9 @@ def test_the_default_body_limit_follows_the_context() -> None:
 
 def test_a_multi_megabyte_body_is_refused_unread(inproc: Live) -> None:
     """A body over the default limit is a 413 on its Content-Length: the server answers
-    before the client has sent it (a flood of them costs the engine nothing)."""
+    before the client has sent it (a flood of them costs the engine nothing). The client,
+    still sending, reads the 413 all the same: the server's close lingers, reading and
+    dropping the rest, so no TCP reset discards the answer (`kvserve/server/linger.py`)."""
     size = 3 << 20
 
     def chunks() -> Iterator[bytes]:
@@ -873,11 +876,49 @@ def test_a_multi_megabyte_body_is_refused_unread(inproc: Live) -> None:
         yield b'"}'
 
     headers = {"content-type": "application/json", "content-length": str(size)}
-    try:
-        r = httpx.post(f"{inproc.url}/v1/completions", content=chunks(), headers=headers)
-    except httpx.HTTPError:  # the server may close before the client is done sending
-        return
+    r = httpx.post(f"{inproc.url}/v1/completions", content=chunks(), headers=headers)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_refused_body_ends_in_eof_not_a_reset(server: Server) -> None:
+    """The server answers a 413 while the client is still sending its body, then closes.
+    An immediate close with unread bytes in the server's socket would answer them with a
+    TCP reset, which can destroy the answer before the client reads it (RFC 9112, 9.6); the
+    lingering close shuts the server's side for writing and reads the rest, so the client
+    reads the whole 413 and then a clean end of stream. The client sends far more than the
+    server buffers before it stops reading, so without the lingering close the unread bytes
+    are there at the close and the end is a reset."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    size = 3 << 20
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+        )
+
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                sock.sendall(head.encode() + b'{"prompt": "' + b"x" * (1 << 20))
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        finally:
+            sender.join()
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"body_too_large" in answer
+        # A client that goes on sending holds the lingering socket LINGER_S at most.
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            while time.monotonic() - t0 < LINGER_S + 5:
+                sock.sendall(b"x")
+                time.sleep(0.05)
+        assert time.monotonic() - t0 < LINGER_S + 2
 
 
 def test_body_too_large_is_413(server: Server) -> None:

@@ -480,7 +480,9 @@ def test_a_tool_call_round_trip(base: str) -> None:
         temperature=0,
     )
     answer = final.choices[0]
-    assert answer.finish_reason == "stop" and answer.message.tool_calls is None
+    # The call ids are random and are part of the prompt, so the greedy answer varies from
+    # run to run; about one in thirty runs past 40 tokens ("length").
+    assert answer.finish_reason in ("stop", "length") and answer.message.tool_calls is None
     assert answer.message.content
     # The prompt the server rendered holds the call and the result in the generic format.
     r = httpx.post(f"{base}/apply-template", json={"messages": history, "tools": TOOLS}, timeout=60)

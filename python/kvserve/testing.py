@@ -184,7 +184,16 @@ def live_server(app: object, timeout: float = 30.0) -> Iterator[str]:
 
     import uvicorn
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")  # type: ignore[arg-type]
+    from kvserve.server.linger import LingeringH11Protocol
+
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host="127.0.0.1",
+        port=0,
+        http=LingeringH11Protocol,
+        log_config=None,
+        lifespan="on",
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from ..server import ServerConfig, configure_logging
+from ..server.linger import LingeringH11Protocol
 from .ingress import create_ingress
 from .replica import ReplicaServer
 from .router import Router
@@ -123,6 +124,7 @@ def serve_replicas(
             app,
             host=config.host,
             port=config.port,
+            http=LingeringH11Protocol,
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=int(config.shutdown_grace) + 2,

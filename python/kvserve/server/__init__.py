@@ -19,6 +19,7 @@ from typing import Any
 
 from .app import create_app
 from .config import ServerConfig
+from .linger import LingeringH11Protocol
 
 __all__ = ["ServerConfig", "configure_logging", "create_app", "serve"]
 
@@ -99,6 +100,7 @@ def serve(config: ServerConfig) -> None:
             app,
             host=config.host,
             port=config.port,
+            http=LingeringH11Protocol,
             log_config=None,
             access_log=False,
             lifespan="on",
