@@ -1545,6 +1545,48 @@ mod tests {
                 &format!("token {p}"),
             );
         }
+        drop(ctxs);
+        // Gemma 3 Q4_K_M: its Q5_0 and Q8_0 layer matrices and its tied Q8_0 embedding (the
+        // output head) are copied, whole (every row count is a multiple of 16); the K-quants
+        // are not.
+        let path = std::env::var("KVSERVE_TEST_GEMMA").expect("KVSERVE_TEST_GEMMA is not set");
+        let gguf = GgufFile::open(&path).unwrap();
+        let all: usize = gguf
+            .tensors()
+            .iter()
+            .filter(|t| t.dims.len() == 2 && crate::quant::x16::supports(t.ty))
+            .map(|t| (t.n_rows() * t.dims[0] / 32) as usize * t.ty.type_size())
+            .sum();
+        let load = |budget| {
+            let gguf = GgufFile::open(&path).unwrap();
+            Arc::new(Model::from_gguf_with(gguf, Some(2), budget).unwrap())
+        };
+        let (with, without) = (load(Some(usize::MAX)), load(None));
+        assert_eq!(with.repacked_bytes(), if vnni { all } else { 0 });
+        let n_vocab = with.n_vocab() as u32;
+        let toks: Vec<u32> = (0..45)
+            .map(|_| rng.below(n_vocab as usize) as u32)
+            .collect();
+        let mut ctxs: Vec<Context> = [&with, &without]
+            .map(|m| Context::with_options(Arc::clone(m), &o).unwrap())
+            .into();
+        let mut step = |batch: &Batch, what: &str| {
+            let got: Vec<Vec<f32>> = ctxs
+                .iter_mut()
+                .map(|c| c.decode(batch).unwrap().data)
+                .collect();
+            assert!(
+                got[0] == got[1],
+                "Gemma 3, {what}: the decode copies changed the logits"
+            );
+        };
+        step(&Batch::prompt(&toks[..40], 0, 0), "the prompt");
+        for p in 40..45 {
+            step(
+                &Batch::prompt(&toks[p..p + 1], p as i32, 0),
+                &format!("token {p}"),
+            );
+        }
     }
 
     #[test]

@@ -406,7 +406,7 @@ unsafe fn rows16(
     r1: usize,
     level: SimdLevel,
 ) {
-    use super::x16::{dot16, group_block_bytes, ROWS, T_Q4_0, T_Q4_1, T_Q8_0};
+    use super::x16::{dot16, group_block_bytes, ROWS, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
     let x16 = w.x16.expect("the Rows16 plan has the interleaved copy");
     let nb = w.cols / 32;
     let gbb = nb * group_block_bytes(w.ty);
@@ -424,6 +424,7 @@ unsafe fn rows16(
             match w.ty {
                 super::GgmlType::Q4_0 => dot16::<T_Q4_0>(g, nb, q, d, &mut vals),
                 super::GgmlType::Q4_1 => dot16::<T_Q4_1>(g, nb, q, d, &mut vals),
+                super::GgmlType::Q5_0 => dot16::<T_Q5_0>(g, nb, q, d, &mut vals),
                 _ => dot16::<T_Q8_0>(g, nb, q, d, &mut vals),
             }
         };

@@ -1,5 +1,5 @@
-//! The decode layout of the legacy types Q4_0, Q4_1 and Q8_0: 16 rows interleaved, so that one
-//! token's matrix-vector product needs no horizontal reduction.
+//! The decode layout of the legacy types Q4_0, Q4_1, Q5_0 and Q8_0: 16 rows interleaved, so
+//! that one token's matrix-vector product needs no horizontal reduction.
 //!
 //! The row-major GGUF layout makes a one-token dot product reduce each block's 32 products
 //! across vector lanes before it can scale them (`avx512::dot_row2`: about 9 vector operations
@@ -22,7 +22,11 @@
 //!   by row (byte `j` of a block holds element `j` in its low nibble and `j + 16` in its high
 //!   nibble, as in ggml);
 //! * the 16 rows' `d` (f16, little-endian);
-//! * Q4_1 only: the 16 rows' `m` (f16).
+//! * Q4_1 only: the 16 rows' `m` (f16);
+//! * Q5_0 only: the 16 rows' high bits (4 bytes a row), rearranged so that chunk `k`'s come
+//!   out with one shift: bit `2k + h` of byte `j` is the high bit of element `16h + 4k + j`
+//!   (`h` = 0 for the low nibbles, 1 for the high ones). Shifted to bit 4 and or-ed into the
+//!   nibbles, they give the 5-bit quants (two operations per chunk and half).
 //!
 //! # Guarantees
 //!
@@ -42,7 +46,10 @@ pub const ROWS: usize = 16;
 
 /// Whether [`repack`] takes `ty`.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    matches!(
+        ty,
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0
+    )
 }
 
 /// Quant chunks of 64 bytes per (group, block); the scales follow them.
@@ -61,11 +68,25 @@ pub fn group_block_bytes(ty: GgmlType) -> usize {
 
 /// Offset of the quant bytes in a GGUF block.
 fn quant_offset(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q4_1 {
-        4
-    } else {
-        2
+    match ty {
+        GgmlType::Q4_1 => 4,
+        GgmlType::Q5_0 => 6,
+        _ => 2,
     }
+}
+
+/// A Q5_0 block's high bits (`qh`: bit `e` is element `e`'s) in the layout's order: bit
+/// `2k + h` of byte `j` is element `16h + 4k + j`'s.
+fn spread_high_bits(qh: u32) -> [u8; 4] {
+    let mut out = [0u8; 4];
+    for (j, byte) in out.iter_mut().enumerate() {
+        for k in 0..4 {
+            for h in 0..2 {
+                *byte |= (((qh >> (16 * h + 4 * k + j)) & 1) as u8) << (2 * k + h);
+            }
+        }
+    }
+    out
 }
 
 /// The interleaved copy of the first `16 * (rows / 16)` rows of a `rows x cols` matrix of
@@ -103,6 +124,10 @@ pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec
             if ty == GgmlType::Q4_1 {
                 dst[64 * nq + 2 * ROWS + 2 * i..][..2].copy_from_slice(&blk[2..4]);
             }
+            if ty == GgmlType::Q5_0 {
+                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                dst[64 * nq + 2 * ROWS + 4 * i..][..4].copy_from_slice(&spread_high_bits(qh));
+            }
         }
     }
     Some(out)
@@ -126,7 +151,12 @@ pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; RO
             for k in 0..nq {
                 for j in 0..4 {
                     let (byte, e) = (p[k * 64 + 4 * i + j], 4 * k + j);
-                    let (lo, hi) = ((byte & 0x0F) as i32, (byte >> 4) as i32);
+                    let (mut lo, mut hi) = ((byte & 0x0F) as i32, (byte >> 4) as i32);
+                    if ty == GgmlType::Q5_0 {
+                        let planes = p[64 * nq + 2 * ROWS + 4 * i + j] as i32;
+                        lo |= ((planes >> (2 * k)) & 1) << 4;
+                        hi |= ((planes >> (2 * k + 1)) & 1) << 4;
+                    }
                     isum += match ty {
                         // The canonical order's unsigned weights: q + 128, corrected by m.
                         GgmlType::Q8_0 => (byte as i8 as i32 + 128) * a[e] as i32,
@@ -138,6 +168,7 @@ pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; RO
             let m = match ty {
                 GgmlType::Q4_1 => half(&p[64 * nq + 2 * ROWS + 2 * i..]),
                 GgmlType::Q8_0 => -128.0 * d,
+                GgmlType::Q5_0 => -16.0 * d,
                 _ => -8.0 * d,
             };
             let s = &mut acc[b % legacy::SLOTS];
@@ -151,10 +182,11 @@ pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; RO
 /// Type codes of [`dot16`].
 pub(crate) const T_Q4_0: u8 = 0;
 pub(crate) const T_Q4_1: u8 = 1;
+pub(crate) const T_Q5_0: u8 = 5;
 pub(crate) const T_Q8_0: u8 = 8;
 
 /// AVX-512 VNNI kernel: [`dot16_scalar`] of one group into `out`, for the type `T`
-/// ([`T_Q4_0`], [`T_Q4_1`] or [`T_Q8_0`]).
+/// ([`T_Q4_0`], [`T_Q4_1`], [`T_Q5_0`] or [`T_Q8_0`]).
 ///
 /// # Safety
 /// The features in the attribute are available; `grp` covers `nb` (group, block)s of the type,
@@ -172,9 +204,11 @@ pub(crate) unsafe fn dot16<const T: u8>(
     let (gbb, nq) = match T {
         T_Q4_0 => (288, 4),
         T_Q4_1 => (320, 4),
+        T_Q5_0 => (352, 4),
         _ => (544, 8),
     };
     let lo4 = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
     let flip = _mm512_set1_epi8(-128);
     let mut slots = [_mm512_setzero_ps(); legacy::SLOTS];
     let mut b0 = 0;
@@ -201,10 +235,36 @@ pub(crate) unsafe fn dot16<const T: u8>(
                         i1 = _mm512_dpbusd_epi32(i1, w1, act(k + 1));
                     }
                 } else {
+                    let planes = if T == T_Q5_0 {
+                        _mm512_loadu_si512(p.add(64 * nq + 2 * ROWS).cast())
+                    } else {
+                        _mm512_setzero_si512()
+                    };
                     for k in 0..4 {
                         let w = _mm512_loadu_si512(p.add(64 * k).cast());
-                        let lo = _mm512_and_si512(w, lo4);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
+                        let mut lo = _mm512_and_si512(w, lo4);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
+                        if T == T_Q5_0 {
+                            // Planes 2k and 2k + 1 to bit 4 (no bit crosses a byte that is
+                            // kept: the 0x10 mask keeps bit 4 only); x | (s & 0x10).
+                            let (s0, s1) = match k {
+                                0 => (
+                                    _mm512_slli_epi32::<4>(planes),
+                                    _mm512_slli_epi32::<3>(planes),
+                                ),
+                                1 => (
+                                    _mm512_slli_epi32::<2>(planes),
+                                    _mm512_slli_epi32::<1>(planes),
+                                ),
+                                2 => (planes, _mm512_srli_epi32::<1>(planes)),
+                                _ => (
+                                    _mm512_srli_epi32::<2>(planes),
+                                    _mm512_srli_epi32::<3>(planes),
+                                ),
+                            };
+                            lo = _mm512_ternarylogic_epi32::<0xF8>(lo, s0, bit4);
+                            hi = _mm512_ternarylogic_epi32::<0xF8>(hi, s1, bit4);
+                        }
                         i0 = _mm512_dpbusd_epi32(i0, lo, act(k));
                         i1 = _mm512_dpbusd_epi32(i1, hi, act(4 + k));
                     }
@@ -214,6 +274,7 @@ pub(crate) unsafe fn dot16<const T: u8>(
                 let m = match T {
                     T_Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(64 * nq + 2 * ROWS).cast())),
                     T_Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                    T_Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
                     _ => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
                 };
                 let da = _mm512_set1_ps(*ds.add(2 * b));
@@ -271,7 +332,12 @@ mod tests {
     #[test]
     fn groups_give_the_reference_bits() {
         let kernels = simd::coverage::simd_kernels(&[SimdLevel::Avx512Vnni]);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+        ] {
             // 9 blocks: a partial round of slots; 48 blocks: SmolLM2's down projection.
             for (rows, cols) in [(16, 32), (37, 288), (32, 1536)] {
                 let data = rows_of(ty, rows, cols, rows as u64 * 31 + cols as u64);
@@ -314,6 +380,7 @@ mod tests {
                             match ty {
                                 GgmlType::Q4_0 => dot16::<T_Q4_0>(p, nb, q, d, &mut out),
                                 GgmlType::Q4_1 => dot16::<T_Q4_1>(p, nb, q, d, &mut out),
+                                GgmlType::Q5_0 => dot16::<T_Q5_0>(p, nb, q, d, &mut out),
                                 _ => dot16::<T_Q8_0>(p, nb, q, d, &mut out),
                             }
                         }
@@ -332,7 +399,7 @@ mod tests {
         assert!(w0
             .with_x16(&repack(GgmlType::Q4_1, 16, 64, &data).unwrap())
             .is_err());
-        assert!(repack(GgmlType::Q5_0, 16, 32, &vec![0; 16 * 22]).is_none());
+        assert!(repack(GgmlType::Q5_1, 16, 32, &vec![0; 16 * 24]).is_none());
     }
 
     /// One token through the matmul with the copy (full groups from it, the last rows from the
@@ -340,7 +407,12 @@ mod tests {
     /// without it, for both types; several tokens ignore the copy.
     #[test]
     fn matmul_with_the_copy_gives_the_same_bits() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+        ] {
             let (rows, cols) = (101, 288);
             let data = rows_of(ty, rows, cols, 17);
             let x16 = repack(ty, rows, cols, &data).unwrap();
