@@ -52,7 +52,7 @@ fn available_memory() -> Option<usize> {
     kb.checked_mul(1024)
 }
 
-/// Whether the model copies its Q4_0, Q4_1 and Q8_0 matrices into the one-token decode layout
+/// Whether the model copies its Q4_0, Q4_1, Q5_0 and Q8_0 matrices into the one-token decode layout
 /// ([`crate::quant::x16`]): `KVSERVE_REPACK` unset, blank or `1`; `0` keeps only the GGUF
 /// mapping (less memory, slower decode of one sequence). Any other value is an error.
 fn repack_enabled() -> Result<bool> {
@@ -129,7 +129,7 @@ impl Logits {
 impl Model {
     /// Opens and validates a GGUF model. `threads`: compute threads (default: physical cores or
     /// `KVSERVE_THREADS`).
-    /// Memory the weights take beyond the GGUF mapping: the Q4_0, Q4_1 and Q8_0 matrices' copies in
+    /// Memory the weights take beyond the GGUF mapping: the Q4_0, Q4_1, Q5_0 and Q8_0 matrices' copies in
     /// the one-token decode layout (`quant::x16`; 0 with `KVSERVE_REPACK=0`, on CPUs without
     /// AVX-512 VNNI, or for other weight types).
     pub fn repacked_bytes(&self) -> usize {

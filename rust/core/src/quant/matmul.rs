@@ -1,7 +1,7 @@
 //! Matrix multiplication `out[t * rows + r] = dot(W row r, token t)` on the current rayon pool.
 //!
 //! Four paths:
-//! - one token from the interleaved copy (Q4_0/Q4_1/Q8_0 weights with [`QMatrix::x16`] set,
+//! - one token from the interleaved copy (Q4_0/Q4_1/Q5_0/Q8_0 weights with [`QMatrix::x16`] set,
 //!   AVX-512 VNNI, one token: the decode of one sequence): chunks of whole 16-row groups, each
 //!   group's 16 exact block sums advanced together per `vpdpbusd` (`x16::dot16`), the rows past
 //!   the last full group per row as below;
