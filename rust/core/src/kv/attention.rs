@@ -45,7 +45,11 @@
 //!   ~55-70 ns per cell and KV head) to 15-20 ms on the AMD EPYC development host; without
 //!   the prefetch it is ~20 ms, prefetching into L1 or two blocks ahead is no better. A
 //!   pattern-only probe (the same reads, no arithmetic) takes ~19 ms one head at a time and
-//!   ~7-8 ms a whole block at a time, against ~5.5 ms for one sequential sweep.
+//!   ~7-8 ms a whole block at a time, against ~5.5 ms for one sequential sweep. The next
+//!   block's 192 line requests are issued a share at a time, before each of the block's
+//!   kernels: issued together they fill the core's miss buffers and stall it (perf put most
+//!   of `run_blocks`' samples on them). That took the bench to 11-14 ms, and SmolLM2's decode
+//!   at depth 4,096 to ~1.4x (B = 1) and ~1.6x (B = 4) the previous build.
 //! * Kernels: scalar reference plus AVX2 (FMA, F16C `_mm256_cvtph_ps`) and AVX-512
 //!   (`_mm512_cvtph_ps`, int8 widening for Q8_0) twins chosen by [`crate::quant::simd::level`]
 //!   (`KVSERVE_SIMD` override). They differ only in f32 summation order.
@@ -126,6 +130,8 @@ pub struct Scratch {
     part: Vec<f32>,
     /// The visible blocks of the chunk being computed.
     run: Vec<usize>,
+    /// The masked cells of the block being computed.
+    hidden: Vec<usize>,
 }
 
 /// Cells per chunk (rounded down to whole blocks, at least one block). Attention over a
@@ -216,6 +222,7 @@ fn attend_chunked(
         sum,
         part,
         run,
+        hidden,
     } = scratch;
     max.clear();
     max.resize(g, f32::NEG_INFINITY);
@@ -233,13 +240,17 @@ fn attend_chunked(
         }
         run.push(bi);
         if run.len() == chunk {
-            run_blocks(lvl, &geo, store, table, run, n_kv, query, part, scores);
+            run_blocks(
+                lvl, &geo, store, table, run, n_kv, query, part, scores, hidden,
+            );
             fold_chunk(g, hd, part, max, sum, out);
             run.clear();
         }
     }
     if !run.is_empty() {
-        run_blocks(lvl, &geo, store, table, run, n_kv, query, part, scores);
+        run_blocks(
+            lvl, &geo, store, table, run, n_kv, query, part, scores, hidden,
+        );
         fold_chunk(g, hd, part, max, sum, out);
     }
     finish(hd, sum, out);
@@ -305,6 +316,7 @@ fn chunk_state(
         query,
         part,
         &mut scratch.scores,
+        &mut scratch.hidden,
     );
     Ok(())
 }
@@ -477,6 +489,7 @@ fn run_blocks(
     query: &Query,
     part: &mut [f32],
     scores: &mut Vec<f32>,
+    hidden: &mut Vec<usize>,
 ) {
     let lvl = simd::cap(lvl);
     let ty = store.kv_type();
@@ -493,12 +506,16 @@ fn run_blocks(
         let blk = table[bi] as usize;
         let base = bi * bs;
         let n = bs.min(n_kv - base);
-        if !(0..n).any(|j| mask.visible(base + j)) {
+        // The block's masked cells, found once for all its KV heads.
+        hidden.clear();
+        hidden.extend((0..n).filter(|&j| !mask.visible(base + j)));
+        if hidden.len() == n {
             continue;
         }
-        if let Some(&next) = blocks.get(i + 1) {
-            prefetch_block(store, query.layer, table[next] as usize);
-        }
+        let next = blocks.get(i + 1).map(|&b| table[b] as usize);
+        // The next block's lines are asked for a share at a time, between this block's
+        // kernels: all at once, the requests fill the core's miss buffers and stall it.
+        let pieces = 2 * query.kv_heads;
         let (krows, vrows) = (
             store.rows(query.layer, blk, false),
             store.rows(query.layer, blk, true),
@@ -508,6 +525,9 @@ fn run_blocks(
             let heads = kh * g..(kh + 1) * g;
             let scores = &mut scores[..g * n];
             let qh = &q[heads.start * hd..heads.end * hd];
+            if let Some(next) = next {
+                prefetch_block(store, query.layer, next, 2 * kh, pieces);
+            }
             block_scores(
                 lvl,
                 ty,
@@ -519,26 +539,24 @@ fn run_blocks(
                 query.scale,
                 scores,
             );
-            for j in 0..n {
-                if !mask.visible(base + j) {
-                    for h in 0..g {
-                        scores[h * n + j] = f32::NEG_INFINITY;
-                    }
+            for &j in hidden.iter() {
+                for h in 0..g {
+                    scores[h * n + j] = f32::NEG_INFINITY;
                 }
             }
             let out = &mut out[heads.start * hd..heads.end * hd];
             let (max, sum) = (&mut max[heads.clone()], &mut sum[heads]);
             for h in 0..g {
                 let row = &mut scores[h * n..(h + 1) * n];
-                let block_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let block_max = row_max(row);
                 let old = max[h];
                 let new = old.max(block_max);
                 if new == f32::NEG_INFINITY {
                     row.fill(0.0);
                     continue;
                 }
-                let c = (old - new).exp();
-                if c != 1.0 {
+                if new != old {
+                    let c = (old - new).exp();
                     sum[h] *= c;
                     for o in &mut out[h * hd..(h + 1) * hd] {
                         *o *= c;
@@ -547,18 +565,41 @@ fn run_blocks(
                 sum[h] += exp_shift_sum(lvl, row, new);
                 max[h] = new;
             }
+            if let Some(next) = next {
+                prefetch_block(store, query.layer, next, 2 * kh + 1, pieces);
+            }
             block_accumulate(lvl, ty, scores, hd, &vrows[off..], geo.stride, n, out);
         }
     }
 }
 
-/// Asks for block `blk`'s keys and values of `layer` to be brought into L2: a hint only (it
-/// changes no result and never faults); a no-op off x86-64.
+/// The largest of `row` (`-inf` when empty; NaNs are passed over, as by `f32::max`), in 16
+/// independent lanes, so that it vectorizes: the maximum does not depend on the order.
 #[inline]
-fn prefetch_block(store: &KvStorage, layer: usize, blk: usize) {
+fn row_max(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = row.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = l.max(x);
+        }
+    }
+    for (l, &x) in lanes.iter_mut().zip(tail) {
+        *l = l.max(x);
+    }
+    lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Asks for share `piece` of `pieces` of block `blk`'s key and value lines of `layer` to be
+/// brought into L2: a hint only (it changes no result and never faults); a no-op off x86-64.
+#[inline]
+fn prefetch_block(store: &KvStorage, layer: usize, blk: usize, piece: usize, pieces: usize) {
     #[cfg(target_arch = "x86_64")]
     for rows in [store.rows(layer, blk, false), store.rows(layer, blk, true)] {
-        for off in (0..rows.len()).step_by(64) {
+        let lines = rows.len().div_ceil(64);
+        let (l0, l1) = (lines * piece / pieces, lines * (piece + 1) / pieces);
+        for off in (64 * l0..64 * l1).step_by(64) {
             // SAFETY: SSE is part of x86-64's baseline; a prefetch reads nothing
             // architecturally and cannot fault, and the address lies inside `rows`.
             unsafe {
