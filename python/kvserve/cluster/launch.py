@@ -14,7 +14,6 @@ from types import ModuleType
 from typing import Any
 
 from ..server import ServerConfig, configure_logging
-from ..server.linger import LingeringH11Protocol
 from .ingress import create_ingress
 from .replica import ReplicaServer
 from .router import Router
@@ -63,6 +62,8 @@ def serve_replicas(
     ray, serve = import_ray()
     import uvicorn
     from ray.serve.api import RunTarget
+
+    from ..server.linger import LingeringH11Protocol
 
     configure_logging(config.log_format)
     cpus = replica_cpus if replica_cpus is not None else float(config.threads or 1)

@@ -19,7 +19,6 @@ from typing import Any
 
 from .app import create_app
 from .config import ServerConfig
-from .linger import LingeringH11Protocol
 
 __all__ = ["ServerConfig", "configure_logging", "create_app", "serve"]
 
@@ -69,6 +68,8 @@ def serve(config: ServerConfig) -> None:
     model loads in the background while ``/health`` answers 503; if it fails to load the
     server stops and the error is raised here."""
     import uvicorn
+
+    from .linger import LingeringH11Protocol
 
     configure_logging(config.log_format)
     failure: list[BaseException] = []
