@@ -421,6 +421,8 @@ class Scheduler:
         queue = self.queue
         queue.compact()
         self._track()
+        if not queue:  # nothing waits (every step of a lone stream): nothing to weigh
+            return []
         avail = res.available()
         room = avail - sum(self.blocks_to_fill(r) + len(r.children) for r in self.running.values())
         held = self.slots_by_tenant()
