@@ -1525,27 +1525,31 @@ mod tests {
             n_ctx: 256,
             ..KvOptions::default()
         };
-        let mut ctxs: Vec<Context> = [&with, &half, &without]
-            .map(|m| Context::with_options(Arc::clone(m), &o).unwrap())
-            .into();
-        let mut step = |batch: &Batch, what: &str| {
-            let got: Vec<Vec<f32>> = ctxs
-                .iter_mut()
-                .map(|c| c.decode(batch).unwrap().data)
+        // A 40-token prompt, then 5 one-token steps: every model gives the same logits.
+        let same_logits = |models: &[&Arc<Model>], toks: &[u32], name: &str| {
+            let mut ctxs: Vec<Context> = models
+                .iter()
+                .map(|&m| Context::with_options(Arc::clone(m), &o).unwrap())
                 .collect();
-            assert!(
-                got[0] == got[2] && got[1] == got[2],
-                "{what}: the decode copies changed the logits"
-            );
+            let mut step = |batch: &Batch, what: &str| {
+                let got: Vec<Vec<f32>> = ctxs
+                    .iter_mut()
+                    .map(|c| c.decode(batch).unwrap().data)
+                    .collect();
+                assert!(
+                    got.iter().all(|g| *g == got[0]),
+                    "{name}, {what}: the decode copies changed the logits"
+                );
+            };
+            step(&Batch::prompt(&toks[..40], 0, 0), "the prompt");
+            for p in 40..45 {
+                step(
+                    &Batch::prompt(&toks[p..p + 1], p as i32, 0),
+                    &format!("token {p}"),
+                );
+            }
         };
-        step(&Batch::prompt(&toks[..40], 0, 0), "the prompt");
-        for p in 40..45 {
-            step(
-                &Batch::prompt(&toks[p..p + 1], p as i32, 0),
-                &format!("token {p}"),
-            );
-        }
-        drop(ctxs);
+        same_logits(&[&with, &half, &without], &toks, "SmolLM2");
         // Gemma 3 Q4_K_M: its Q5_0 and Q8_0 layer matrices and its tied Q8_0 embedding (the
         // output head) are copied, whole (every row count is a multiple of 16); the K-quants
         // are not.
@@ -1567,26 +1571,7 @@ mod tests {
         let toks: Vec<u32> = (0..45)
             .map(|_| rng.below(n_vocab as usize) as u32)
             .collect();
-        let mut ctxs: Vec<Context> = [&with, &without]
-            .map(|m| Context::with_options(Arc::clone(m), &o).unwrap())
-            .into();
-        let mut step = |batch: &Batch, what: &str| {
-            let got: Vec<Vec<f32>> = ctxs
-                .iter_mut()
-                .map(|c| c.decode(batch).unwrap().data)
-                .collect();
-            assert!(
-                got[0] == got[1],
-                "Gemma 3, {what}: the decode copies changed the logits"
-            );
-        };
-        step(&Batch::prompt(&toks[..40], 0, 0), "the prompt");
-        for p in 40..45 {
-            step(
-                &Batch::prompt(&toks[p..p + 1], p as i32, 0),
-                &format!("token {p}"),
-            );
-        }
+        same_logits(&[&with, &without], &toks, "Gemma 3");
     }
 
     #[test]
