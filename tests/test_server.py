@@ -921,6 +921,38 @@ def test_a_refused_body_ends_in_eof_not_a_reset(server: Server) -> None:
         assert time.monotonic() - t0 < LINGER_S + 2
 
 
+def test_a_lingering_connection_does_not_hold_up_shutdown() -> None:
+    """A connection lingering after a refused body (its client neither sends nor closes) is
+    closed at once when the server stops, not after LINGER_S."""
+    import socket
+
+    async def refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        headers = [(b"connection", b"close"), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    live = _live(refuse)
+    url = live.__enter__()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 413"), answer
+        finally:
+            t0 = time.monotonic()
+            live.__exit__(None, None, None)  # the server stops while the socket stays open
+            stopped = time.monotonic() - t0
+    assert stopped < LINGER_S / 2, stopped
+
+
 def test_body_too_large_is_413(server: Server) -> None:
     big = json.dumps({"prompt": "x" * MAX_BODY})
     r = httpx.post(f"{server.url}/v1/completions", content=big)

@@ -92,7 +92,11 @@ class LingeringH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
-        # The server is stopping: no lingering (it would hold the shutdown up to LINGER_S).
+        # The server is stopping: no lingering (it would hold the shutdown up to LINGER_S),
+        # and a connection already lingering closes now.
         if self._lingering is not None:
             self._lingering.can_linger = False
+            if self._lingering.lingering:
+                self._lingering.finish()
+                return
         super().shutdown()
