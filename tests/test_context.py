@@ -76,3 +76,22 @@ def test_logits_buffer_is_a_read_only_matrix_view(core: _core.Model) -> None:
     again = core.new_context(64).decode(toks, list(range(n)), [0] * n, [True] * n)
     assert np.array_equal(flat, keep) and np.isfinite(flat).all()
     assert np.array_equal(np.frombuffer(again, dtype=np.float32), keep)
+
+
+def test_logits_argmax_is_numpys_argmax_of_each_row(core: _core.Model) -> None:
+    """``Logits.argmax(i)`` (the engine's greedy pick, a scan in the core) is numpy's argmax of
+    row ``i`` on real rows; rows out of range and non-integers are refused. (Ties and NaNs:
+    the core's own tests, against its scalar twin.)"""
+    ctx = core.new_context(64)
+    toks = core.tokenize("The capital of France is Paris, and the capital of Italy is", True)
+    n = len(toks)
+    out = ctx.decode(toks, list(range(n)), [0] * n, [True] * n)
+    rows = np.frombuffer(out, dtype=np.float32).reshape(n, -1)
+    want = np.argmax(rows, axis=-1).tolist()
+    assert [out.argmax(i) for i in range(n)] == want
+    assert len(set(want)) > 1  # different rows, different answers: the row index is used
+    for bad in (n, -1, 10**30):
+        with pytest.raises((IndexError, OverflowError)):
+            out.argmax(bad)
+    with pytest.raises(TypeError):
+        out.argmax("0")  # type: ignore[arg-type]

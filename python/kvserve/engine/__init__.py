@@ -31,12 +31,11 @@ One step:
    prompt never stalls the running streams for more than one chunk), the budget shared
    between tenants by weighted fair queuing over prompt tokens and each tenant's part going
    to its short remainders first, then highest priority, earliest first;
-4. ask the core whether the pool can hold the batch in every layer group
-   (``Context.blocks_short``), and if not evict idle sessions, then preempt the
-   lowest-priority, latest-arrived sequence (of tenants above their K/V share first, for
-   both), and plan again; then ``decode`` it (the GIL is
-   released). A ``KvCacheFull`` from the decode itself (another context of the model took
-   blocks meanwhile) is handled the same way. A preempted sequence is
+4. ``decode`` it (the GIL is released). The core first checks that the pool can hold the
+   batch in every layer group; if not it raises ``KvCacheFull`` having computed and changed
+   nothing, and the loop evicts idle sessions, then preempts the lowest-priority,
+   latest-arrived sequence (of tenants above their K/V share first, for both), and plans
+   again. A preempted sequence is
    released and goes back to the waiting queue with its place; it is later resumed by
    recomputing its prompt and generated tokens, with prefix reuse. Only a request that cannot
    fit when it runs alone fails

@@ -173,11 +173,6 @@ class KvManager:
             return False
         return True
 
-    def blocks_short(self, positions: list[int], seqs: list[int]) -> int:
-        """Blocks the pool lacks for a batch (0: it fits), in whichever layer group is
-        shortest, asked before the forward pass (the core plans it as decode would)."""
-        return self.ctx.blocks_short(positions, seqs)
-
     def decode(
         self, tokens: list[int], positions: list[int], seqs: list[int], flags: list[bool]
     ) -> Logits:

@@ -1,5 +1,5 @@
 """Output processing: tokens from a step's logits, then text. Sampling (one argmax over every
-plain greedy row, each other row with its request's own sampler), log-probabilities,
+plain greedy row in the core, each other row with its request's own sampler), log-probabilities,
 incremental detokenization and stop strings (:class:`kvserve.textstream.TextStream`: work per
 token bounded by the new text, not the stop list), and the rules that end a generation."""
 
@@ -14,19 +14,18 @@ from .._model import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, token_logprob
 from .requests import Request
 
 if TYPE_CHECKING:
+    from .._core import Logits
     from .._model import Model
 
 __all__ = ["argmax_rows", "deliver", "pick"]
 
 
-def argmax_rows(reqs: list[Request], rows: np.ndarray) -> dict[int, int]:
-    """The tokens of the plain greedy rows (no bias, no penalties) with one argmax over all of
-    them (sampling.greedy's rule, the first maximum, without its float64 copy): row -> token."""
-    plain = [i for i, r in enumerate(reqs) if r.argmax_only]
-    if not plain:
-        return {}
-    best = np.argmax(rows[plain] if len(plain) < len(reqs) else rows, axis=-1)
-    return dict(zip(plain, best.tolist(), strict=True))
+def argmax_rows(reqs: list[Request], logits: Logits, at: list[int]) -> dict[int, int]:
+    """The tokens of the plain greedy requests (no bias, no penalties, no constraint) among
+    ``reqs``, whose rows of ``logits`` are ``at``: request index -> token. Each is the first
+    maximum of its raw row (sampling.greedy's rule), found by the core's scan of the row
+    (``Logits.argmax``): no numpy view and no float64 copy on the per-token path."""
+    return {i: logits.argmax(at[i]) for i, r in enumerate(reqs) if r.argmax_only}
 
 
 def pick(

@@ -85,11 +85,26 @@ fn create_type(py: Python<'_>) -> PyResult<Py<PyType>> {
         member(c"n_vocab", 1, c"columns (the vocabulary size)"),
         ffi::PyMemberDef::default(),
     ]));
+    let methods: &'static mut [ffi::PyMethodDef] = Box::leak(Box::new([
+        ffi::PyMethodDef {
+            ml_name: c"argmax".as_ptr(),
+            ml_meth: ffi::PyMethodDefPointer {
+                PyCFunction: argmax,
+            },
+            ml_flags: ffi::METH_O,
+            ml_doc:
+                c"argmax(row) -> int: the index of row `row`'s largest value, the first one on \
+ties, the first NaN if the row holds any (numpy's argmax rule); IndexError for a row out of range."
+                    .as_ptr(),
+        },
+        ffi::PyMethodDef::zeroed(),
+    ]));
     let slot = |slot: c_int, pfunc: *mut c_void| ffi::PyType_Slot { slot, pfunc };
     let mut slots = [
         slot(ffi::Py_tp_doc, DOC.as_ptr() as *mut c_void),
         slot(ffi::Py_tp_dealloc, dealloc as *mut c_void),
         slot(ffi::Py_tp_members, members.as_mut_ptr() as *mut c_void),
+        slot(ffi::Py_tp_methods, methods.as_mut_ptr() as *mut c_void),
         slot(ffi::Py_sq_length, len as *mut c_void),
         slot(PY_BF_GETBUFFER, getbuffer as *mut c_void),
         slot(0, ptr::null_mut()),
@@ -151,6 +166,39 @@ unsafe extern "C" fn dealloc(obj: *mut ffi::PyObject) {
         let free: ffi::freefunc = std::mem::transmute(free);
         free(obj.cast());
         ffi::Py_DECREF(tp.cast());
+    }
+}
+
+/// `Logits.argmax(row)`: the greedy token of one row, without a numpy view of the logits
+/// (the engine's per-token path at one running sequence: numpy's argmax machinery, cold after
+/// a decode step has streamed the weights through the caches, cost ~5x this scan).
+unsafe extern "C" fn argmax(
+    obj: *mut ffi::PyObject,
+    arg: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls this with the GIL, a live Logits as `obj` and a borrowed argument;
+    // `data` is never mutated after construction, so the row slice is valid while we hold
+    // `obj` (borrowed for the call).
+    unsafe {
+        let i = ffi::PyLong_AsSsize_t(arg);
+        if i == -1 && !ffi::PyErr_Occurred().is_null() {
+            return ptr::null_mut();
+        }
+        let this = &*obj.cast::<LogitsObject>();
+        let [rows, cols] = this.shape;
+        if i < 0 || i >= rows {
+            ffi::PyErr_SetString(ffi::PyExc_IndexError, c"row index out of range".as_ptr());
+            return ptr::null_mut();
+        }
+        let (i, cols) = (i as usize, cols as usize);
+        let row = &this.data[i * cols..(i + 1) * cols];
+        match kvserve_core::ops::argmax_first(row) {
+            Some(t) => ffi::PyLong_FromSsize_t(t as ffi::Py_ssize_t),
+            None => {
+                ffi::PyErr_SetString(ffi::PyExc_ValueError, c"argmax of an empty row".as_ptr());
+                ptr::null_mut()
+            }
+        }
     }
 }
 

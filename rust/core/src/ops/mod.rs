@@ -128,6 +128,86 @@ pub(crate) fn geglu_level(gate: &mut [f32], up: &[f32], level: SimdLevel) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    /// [`super::argmax_first`] for AVX2: four registers of running maxima and four of the
+    /// indices where each lane first reached its maximum (a strictly greater value replaces
+    /// it, so a lane keeps its first maximum), an unordered-compare mask for NaNs, then a
+    /// scalar merge of the 32 lanes and the tail.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn argmax_first_avx2(x: &[f32]) -> Option<usize> {
+        use std::arch::x86_64::*;
+        const L: usize = 32;
+        if x.len() < L || x.len() > i32::MAX as usize {
+            return super::argmax_first_scalar(x);
+        }
+        let n = x.len() / L * L;
+        let p = x.as_ptr();
+        // SAFETY: x.len() >= 32: the four loads read x[0..32].
+        let mut best = unsafe {
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        };
+        let first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut cur = [
+            first,
+            _mm256_add_epi32(first, _mm256_set1_epi32(8)),
+            _mm256_add_epi32(first, _mm256_set1_epi32(16)),
+            _mm256_add_epi32(first, _mm256_set1_epi32(24)),
+        ];
+        let mut at = cur;
+        let step = _mm256_set1_epi32(L as i32);
+        let mut nan = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            for k in 0..4 {
+                // SAFETY: i + 8 * k + 8 <= i + 32 <= n <= x.len().
+                let v = unsafe { _mm256_loadu_ps(p.add(i + 8 * k)) };
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+                let gt = _mm256_cmp_ps::<_CMP_GT_OQ>(v, best[k]);
+                best[k] = _mm256_blendv_ps(best[k], v, gt);
+                at[k] = _mm256_castps_si256(_mm256_blendv_ps(
+                    _mm256_castsi256_ps(at[k]),
+                    _mm256_castsi256_ps(cur[k]),
+                    gt,
+                ));
+                cur[k] = _mm256_add_epi32(cur[k], step);
+            }
+            i += L;
+        }
+        let tail = &x[n..];
+        if _mm256_movemask_ps(nan) != 0 || tail.iter().any(|v| v.is_nan()) {
+            return x.iter().position(|v| v.is_nan());
+        }
+        let mut bv = [0.0f32; L];
+        let mut bi = [0i32; L];
+        for k in 0..4 {
+            // SAFETY: both stores write 8 values at 8 * k, inside the 32-value arrays.
+            unsafe {
+                _mm256_storeu_ps(bv.as_mut_ptr().add(8 * k), best[k]);
+                _mm256_storeu_si256(bi.as_mut_ptr().add(8 * k).cast(), at[k]);
+            }
+        }
+        let (mut m, mut mi) = (bv[0], bi[0] as usize);
+        for j in 1..L {
+            let j_at = bi[j] as usize;
+            if bv[j] > m || (bv[j] == m && j_at < mi) {
+                (m, mi) = (bv[j], j_at);
+            }
+        }
+        for (k, &v) in tail.iter().enumerate() {
+            if v > m {
+                (m, mi) = (v, n + k);
+            }
+        }
+        Some(mi)
+    }
+
     use super::{gelu_tanh, EXP_HI, EXP_LO, EXP_P, GELU_A, GELU_M2C, LN2_HI, LN2_LO, LOG2E};
     use std::arch::x86_64::*;
 
@@ -213,6 +293,35 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
     }
+}
+
+/// The index of the largest value of `x`, the first one on ties; the first NaN if `x` holds
+/// any (numpy's `argmax` rule, so greedy sampling in Rust and in numpy pick the same token).
+/// `None` for an empty slice. An AVX2 kernel when the CPU has it (32 lanes, each keeping its
+/// maximum and where it first saw it, merged lower index first among equal maxima), else
+/// [`argmax_first_scalar`], its twin.
+pub fn argmax_first(x: &[f32]) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::simd::level() >= SimdLevel::Avx2 {
+        // SAFETY: AVX2 was detected on this CPU; the kernel reads only `x`.
+        return unsafe { x86::argmax_first_avx2(x) };
+    }
+    argmax_first_scalar(x)
+}
+
+/// [`argmax_first`] as one plain loop.
+pub fn argmax_first_scalar(x: &[f32]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if v.is_nan() {
+            return Some(i);
+        }
+        match best {
+            Some((_, m)) if v <= m => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    best.map(|(i, _)| i)
 }
 
 #[cfg(test)]
@@ -313,5 +422,60 @@ mod tests {
         assert_eq!(silu(0.0), 0.0);
         assert!((silu(1.0) - 0.7310586).abs() < 1e-6);
         assert!((silu(-20.0)).abs() < 1e-7);
+    }
+
+    #[test]
+    fn argmax_first_matches_its_scalar_twin() {
+        let mut rng = crate::test_rng::Rng(0x5eed_0007);
+        for n in [0usize, 1, 2, 15, 16, 17, 31, 32, 33, 100, 1000, 49_152] {
+            let mut x: Vec<f32> = (0..n)
+                .map(|_| rng.range(-4000, 4000) as f32 / 1000.0)
+                .collect();
+            assert_eq!(argmax_first(&x), argmax_first_scalar(&x), "n = {n}");
+            #[cfg(target_arch = "x86_64")]
+            if crate::quant::simd::level() >= SimdLevel::Avx2 {
+                // SAFETY: AVX2 was detected.
+                assert_eq!(
+                    unsafe { x86::argmax_first_avx2(&x) },
+                    argmax_first_scalar(&x)
+                );
+            }
+            if n == 0 {
+                assert_eq!(argmax_first(&x), None);
+                continue;
+            }
+            // Ties: the maximum at several places, in different lanes and in the tail.
+            let m = x.iter().cloned().fold(f32::MIN, f32::max) + 1.0;
+            for &p in &[n - 1, n / 2, n / 3, 0] {
+                x[p] = m;
+                assert_eq!(
+                    argmax_first(&x),
+                    argmax_first_scalar(&x),
+                    "n = {n} tie at {p}"
+                );
+            }
+            assert_eq!(argmax_first(&x), Some(0));
+            // All equal, all -inf, a -0.0/0.0 tie.
+            let same = vec![f32::NEG_INFINITY; n];
+            assert_eq!(argmax_first(&same), Some(0));
+            let mut zeros = vec![-0.0f32; n];
+            zeros[n - 1] = 0.0;
+            assert_eq!(argmax_first(&zeros), Some(0));
+            // NaN: the first NaN wins, wherever it is.
+            for &p in &[n - 1, n / 2, 0] {
+                let mut y = x.clone();
+                y[p] = f32::NAN;
+                if p != n - 1 {
+                    y[n - 1] = f32::NAN;
+                }
+                assert_eq!(argmax_first(&y), Some(p), "n = {n} NaN at {p}");
+                assert_eq!(argmax_first_scalar(&y), Some(p));
+            }
+            // +inf beats everything; the first of two.
+            let mut z = x.clone();
+            z[n - 1] = f32::INFINITY;
+            z[n / 2] = f32::INFINITY;
+            assert_eq!(argmax_first(&z), Some(n / 2));
+        }
     }
 }
