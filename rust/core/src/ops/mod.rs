@@ -435,10 +435,8 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             if crate::quant::simd::level() >= SimdLevel::Avx2 {
                 // SAFETY: AVX2 was detected.
-                assert_eq!(
-                    unsafe { x86::argmax_first_avx2(&x) },
-                    argmax_first_scalar(&x)
-                );
+                let avx2 = unsafe { x86::argmax_first_avx2(&x) };
+                assert_eq!(avx2, argmax_first_scalar(&x));
             }
             if n == 0 {
                 assert_eq!(argmax_first(&x), None);
