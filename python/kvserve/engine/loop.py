@@ -39,6 +39,7 @@ from ..grammar import GrammarError
 from ..testing import Faults
 from .constrain import Masks, allowed_ids
 from .kv import KvManager
+from .mailbox import deferred_wakes, flush_wakes
 from .output import argmax_rows, deliver, pick
 from .requests import DONE, RUNNING, WAITING, Call, EngineClosed, Request
 from .scheduler import PlanEntry, Scheduler
@@ -188,42 +189,12 @@ class EngineLoop:
 
     # -- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        failures = 0
         try:
-            while True:
-                with self.cond:
-                    while not (
-                        self.closed
-                        or self._inbox
-                        or self._cancels
-                        or self._calls
-                        or self.sched.running
-                        or self.n_waiting
-                    ):
-                        timeout = self.sessions.ttl_timeout()
-                        if timeout is not None and timeout <= 0:
-                            break
-                        self.cond.wait(timeout)
-                    if self.closed:
-                        break
-                    inbox, self._inbox = self._inbox, []
-                    cancels, self._cancels = self._cancels, []
-                    calls, self._calls = self._calls, []
-                    for req in inbox:
-                        req.state = WAITING
-                        for child in req.children:
-                            child.state = WAITING
-                        self.waiting_changed(req, 1 + len(req.children))
-                try:
-                    self._iteration(inbox, cancels, calls)
-                    failures = 0
-                except Exception as e:  # outside any request: a bug in the bookkeeping
-                    failures += 1
-                    log.exception("engine step failed outside any request (%d in a row)", failures)
-                    if failures >= _MAX_STEP_FAILURES:
-                        self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
-                        break
-                    self._reset(e)
+            # The callers' loops are woken when the next decode releases the GIL, or before
+            # this thread sleeps or runs anything else (mailbox.deferred_wakes): a loop woken
+            # while this thread still holds the GIL would only wake to wait for it.
+            with deferred_wakes():
+                self._run_steps()
         except BaseException as e:
             if not self.closed:
                 self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
@@ -233,7 +204,50 @@ class EngineLoop:
         finally:
             self._shutdown()
 
+    def _run_steps(self) -> None:
+        failures = 0
+        while True:
+            with self.cond:
+                while not (
+                    self.closed
+                    or self._inbox
+                    or self._cancels
+                    or self._calls
+                    or self.sched.running
+                    or self.n_waiting
+                ):
+                    flush_wakes()  # nothing left undelivered while this thread sleeps
+                    timeout = self.sessions.ttl_timeout()
+                    if timeout is not None and timeout <= 0:
+                        break
+                    self.cond.wait(timeout)
+                if self.closed:
+                    return
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                calls, self._calls = self._calls, []
+                for req in inbox:
+                    req.state = WAITING
+                    for child in req.children:
+                        child.state = WAITING
+                    self.waiting_changed(req, 1 + len(req.children))
+            decoded = self.computed_tokens
+            try:
+                self._iteration(inbox, cancels, calls)
+                failures = 0
+            except Exception as e:  # outside any request: a bug in the bookkeeping
+                failures += 1
+                log.exception("engine step failed outside any request (%d in a row)", failures)
+                if failures >= _MAX_STEP_FAILURES:
+                    self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
+                    return
+                self._reset(e)
+            if self.computed_tokens == decoded:
+                flush_wakes()  # no decode this step: nothing flushed what it delivered
+
     def _iteration(self, inbox: list[Request], cancels: list[Request], calls: list[Call]) -> None:
+        if inbox or cancels or calls:
+            flush_wakes()  # what the last step delivered goes out before any other work
         try:
             self.sessions.expire()
         except Exception:
@@ -748,6 +762,7 @@ class EngineLoop:
         # The constrained rows' token masks are computed while the pass runs.
         masking = self.masks.start([e[0] for e in plan if e[3] and e[0].matcher is not None])
         try:
+            flush_wakes()  # the GIL is released next: the woken loops run during the pass
             logits = self.kv.decode(tokens, positions, seqs, flags)
         finally:
             self.masks.finish(masking)  # always waited for: the matchers are not shared
@@ -799,9 +814,7 @@ class EngineLoop:
         """A computed part of the batch: its requests advance, park or get their tokens.
         Returns the tokens generated."""
         self.sched.charge(plan)  # its prompt tokens, to their tenants' virtual times
-        rows = np.frombuffer(memoryview(logits), dtype=np.float32).reshape(
-            logits.n_rows, logits.n_vocab
-        )
+        rows = _Rows(logits)
         wanting: list[Request] = []
         at: list[int] = []  # the row of each of them (after any prompt rows: _batch)
         i = 0
@@ -820,8 +833,6 @@ class EngineLoop:
                 at.append(i)
                 i += 1
         greedy = argmax_rows(wanting, logits, at)
-        if len(at) < len(rows):  # prompt rows among them: the sampled rows alone
-            rows = rows[at]
         n_generated = 0
         first = 0
         while first < len(wanting):
@@ -833,7 +844,7 @@ class EngineLoop:
                     req = wanting[i]
                     if req.cancel_requested or req.state != RUNNING:
                         continue  # dropped at the next step (or failed meanwhile)
-                    n_generated += self._emit(req, rows[i], greedy.get(i))
+                    n_generated += self._emit(req, rows, at[i], greedy.get(i))
                 first = len(wanting)
             except Exception as e:
                 self._check_context(wanting[i])
@@ -852,13 +863,21 @@ class EngineLoop:
         for p, row in zip(positions, rows, strict=True):
             entries.append(token_logprob(self.model, row, ids[p + 1], n))
 
-    def _emit(self, req: Request, row: np.ndarray, greedy: int | None) -> int:
+    def _emit(self, req: Request, rows: _Rows, at: int, greedy: int | None) -> int:
+        """Picks ``req``'s token from its row ``at`` of ``rows`` (``greedy``: the row's argmax
+        when it is a plain greedy row: then no numpy view of the row is made unless the
+        request wants logprobs or has choices to fork) and delivers it."""
         if self.faults.armed:
             self.faults.check("sample", req)
         if req.max_tokens == 0:  # the prompt alone (its K/V, its logprobs): nothing to pick
-            n = self._fork(req, row) if req.children else 0
+            n = self._fork(req, rows[at]) if req.children else 0
             self.finish(req)
             return n
+        if greedy is not None and req.n_logprobs is None and not req.children:
+            # The common case: the row itself is not needed (unless a test spies on pick).
+            if self.pick is pick:
+                return self._deliver(req, greedy)
+        row = rows[at]
         allowed = None
         if req.matcher is not None:
             if req.mask is None:
@@ -919,6 +938,25 @@ class EngineLoop:
         if not ok:
             self.sched.preempt(self, req)
         return True
+
+
+class _Rows:
+    """A step's logits as numpy rows, viewed (zero-copy) only when a row is asked for: a step
+    of plain greedy rows reads them only through the core's ``Logits.argmax``."""
+
+    __slots__ = ("logits", "view")
+
+    def __init__(self, logits: Logits) -> None:
+        self.logits = logits
+        self.view: np.ndarray | None = None
+
+    def __getitem__(self, i: int | slice) -> np.ndarray:
+        if self.view is None:
+            lg = self.logits
+            self.view = np.frombuffer(memoryview(lg), dtype=np.float32).reshape(
+                lg.n_rows, lg.n_vocab
+            )
+        return self.view[i]
 
 
 def _batch(plan: list[PlanEntry]) -> tuple[list[int], list[int], list[int], list[bool]]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._model import GenerateResult
 from ..sampling import Sampler, TokenLogprob
 from ..textstream import TextStream
+from .mailbox import mailbox_for
 
 if TYPE_CHECKING:
     import numpy as np
@@ -122,19 +123,19 @@ class End:
 
 
 class LoopSink(Sink):
-    """An async caller: everything is handed to its event loop with ``call_soon_threadsafe``,
-    either the result to an asyncio future or the pieces and the end to a stream's queue."""
+    """An async caller: everything is handed to its event loop through the loop's
+    :class:`~kvserve.engine.mailbox.Mailbox` (one wake-up per step for all of the loop's
+    requests), either the result to an asyncio future or the pieces and the end to a stream's
+    queue. Made on the loop's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
         self.loop = loop
+        self.box = mailbox_for(loop)
         self.result: asyncio.Future[GenerateResult] = loop.create_future()
         self.queue: asyncio.Queue[str | End] | None = asyncio.Queue() if stream else None
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self.box.post(fn, *args)  # dropped if the loop is closed: nobody is listening
 
     def piece(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
         if self.queue is not None:
@@ -185,6 +186,7 @@ class ChoiceSink(Sink):
         req: Request | None = None,
     ) -> None:
         self.loop = loop
+        self.box = mailbox_for(loop)
         self.queue = queue
         self.index = index
         # The request whose prompt logprobs its first delta carries (None: nothing to carry).
@@ -196,10 +198,7 @@ class ChoiceSink(Sink):
         return None if req is None else req.prompt_logprobs
 
     def _put(self, item: Delta | End) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self.box.post(self.queue.put_nowait, item)  # dropped if the loop is closed
 
     def piece(self, text: str, logprobs: list[TokenLogprob] | None) -> None:
         self._put(Delta(self.index, text, logprobs, None, self._prompt()))
