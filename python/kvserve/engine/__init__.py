@@ -42,9 +42,10 @@ One step:
    (``KvCacheFull``). Any other failure is contained (:mod:`kvserve.engine.loop`): retried
    once, then the batch is split so that only the failing requests fail;
 5. sample every row at once (greedy rows without logit bias or penalties by the core's argmax
-   scan of each row, ``Logits.argmax``, with no numpy view of the logits; the others with each request's own sampler: bias and penalties over its tokens,
-   then argmax or its own seeded generator, so a seeded request gives the same tokens whatever
-   else is in the batch), deliver the text (and the token's logprobs when asked), check
+   scan of each row, ``Logits.argmax``, with no numpy view of the logits; the others with
+   each request's own sampler: bias and penalties over its tokens, then argmax or its own
+   seeded generator, so a seeded request gives the same tokens whatever else is in the
+   batch), deliver the text (and the token's logprobs when asked), check
    end-of-generation, stop strings (incrementally: work per token bounded by the new text),
    max_tokens and ``ctx_size``, and retire finished sequences. What async callers get goes
    through their loop's mailbox (:mod:`kvserve.engine.mailbox`): one wake-up per loop and
