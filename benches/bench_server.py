@@ -238,6 +238,7 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "timed_out": bool(pending),
         "error_list": errors[:5],
         "answers": {k: t.text for k, t in turns.items()},
+        "ttfts": {k: t.ttft for k, t in sorted(turns.items())},  # per turn ("user.turn")
     }
 
 
