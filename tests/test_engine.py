@@ -472,14 +472,22 @@ def test_a_prompt_being_prefilled_is_not_computed_twice(served: Model, oracle: M
         async def main() -> list[GenerateResult]:
             return await asyncio.gather(*[eng.agenerate(u, max_tokens=3) for u in users])
 
+        t0 = time.monotonic()
         got = asyncio.run(main())
+        wall = time.monotonic() - t0
         st = eng.stats()
+        later = eng.generate(users[1], max_tokens=3)  # the blocks were cached before it came
     shared = len(oracle.tokenize(system, add_special=True, parse_special=True)) // 16 * 16
     assert shared >= 48
     assert got[0].cached_tokens == 0
     assert got[1].cached_tokens >= shared
     assert st["cached_prompt_tokens"] == got[1].cached_tokens
     assert [g.tokens for g in got] == [sequential(oracle, u, 3).tokens for u in users]
+    # The second waited for the blocks the first computed over its 32-token steps; the first
+    # waited for nobody, nor did a later request that found them cached.
+    assert got[0].prefix_wait_s == 0.0
+    assert 0.0 < got[1].prefix_wait_s < wall
+    assert later.cached_tokens >= shared and later.prefix_wait_s == 0.0
 
 
 def test_priority_orders_admission_and_preempts(served: Model) -> None:

@@ -1162,6 +1162,7 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
     assert after[ttft][default] - before.get(ttft, {}).get(default, 0) == 1
     assert delta("kvserve_inter_token_latency_seconds_count") >= 1
     assert delta("kvserve_request_duration_seconds_count") == 1
+    assert delta("kvserve_shared_prefix_wait_seconds_count") == 1  # one prompt
     key = (("route", "/v1/completions"), ("status", "200"))
     assert after["kvserve_requests_total"][key] - before["kvserve_requests_total"].get(key, 0) == 1
     blocks = after["kvserve_kv_blocks"]
@@ -1189,6 +1190,7 @@ _FAMILIES = {
     ("kvserve_time_to_first_token_seconds", "histogram"),
     ("kvserve_inter_token_latency_seconds", "histogram"),
     ("kvserve_request_duration_seconds", "histogram"),
+    ("kvserve_shared_prefix_wait_seconds", "histogram"),
     ("kvserve_prompt_tokens", "counter"),
     ("kvserve_cached_prompt_tokens", "counter"),
     ("kvserve_cached_prompt_tokens_by_source", "counter"),
@@ -1281,6 +1283,7 @@ def test_access_log(server: Server) -> None:
     assert entry["completion_tokens"] == usage["completion_tokens"]
     assert entry["priority"] == 0
     assert 0 < entry["ttft_ms"] <= entry["total_ms"]
+    assert entry["prefix_wait_ms"] == 0.0  # alone: no shared prefix to wait for
 
 
 def _waiting(url: str) -> dict[str, float]:

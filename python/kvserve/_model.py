@@ -93,7 +93,11 @@ class GenerateResult:
     :class:`kvserve.tools.ToolCall` items the reply made (None otherwise, and when it made
     none); ``text`` is then the reply's content ("" when it is only calls; the generated text
     itself is ``model.detokenize(tokens)``) and ``finish_reason`` is ``"tool_calls"`` when it
-    made calls."""
+    made calls.
+
+    ``prefix_wait_s``: in :class:`kvserve.Engine`, the seconds the request waited in the queue
+    for a shared prefix of its prompt that another request was computing (it was then reused,
+    not computed twice); 0.0 when it waited for none."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
@@ -105,6 +109,7 @@ class GenerateResult:
     tool_calls: list[ToolCall] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     end_logprob: TokenLogprob | None = None
+    prefix_wait_s: float = 0.0
 
 
 def _check_simd_env() -> None:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,10 @@ log = logging.getLogger("kvserve.engine")
 RATE_WINDOW_S = 10.0
 # Seconds of recent admissions that ``prefix_hit_rate_recent`` covers.
 HIT_WINDOW_S = 60.0
+# Prompt blocks whose computing time the loop remembers (prefix_wait_s): ~16 bytes of key and
+# a float each, a few hundred KiB; a shared prefix computed so long ago that its blocks left
+# this window was not waited for by a request starting now.
+BLOCK_TIMES = 16384
 # Consecutive steps failing outside any request after which the thread gives up.
 _MAX_STEP_FAILURES = 3
 
@@ -118,6 +122,10 @@ class EngineLoop:
         self.decode_retries = 0
         self.recent: deque[tuple[float, int, float]] = deque()  # (end, tokens, seconds)
         self.recent_prompts: deque[tuple[float, int, int]] = deque()  # (time, prompt, cached)
+        # When each recently computed prompt block (by content key) was computed: what a
+        # request that reuses it waited for (start: prefix_wait_s). Oldest first, at most
+        # BLOCK_TIMES entries.
+        self.block_done_at: OrderedDict[int, float] = OrderedDict()
         self._is_eog = model.is_eog
         self._piece = model.token_to_piece
         self.pick = pick  # how a row becomes a token (replaceable: tests spy on it)
@@ -514,6 +522,7 @@ class EngineLoop:
                 session_cached_tokens=req.session_cached if req.cached_tokens >= 0 else 0,
                 prompt_logprobs=req.prompt_logprobs,
                 end_logprob=req.end_logprob,
+                prefix_wait_s=req.prefix_wait_s,
             ),
             req.unsent_logprobs(),
         )
@@ -619,10 +628,53 @@ class EngineLoop:
             self.cached_prompt_tokens += req.cached_tokens
             self.session_cached_tokens += req.session_cached
             now = time.monotonic()
+            try:
+                self._prefix_wait(req, now)
+            except Exception:  # a report, not the request's work: it runs on without it
+                log.exception("measuring the prefix wait of %s failed", req.key)
             self.recent_prompts.append((now, req.n_prompt, req.cached_tokens))
             while self.recent_prompts and now - self.recent_prompts[0][0] > HIT_WINDOW_S:
                 self.recent_prompts.popleft()
         return int(matched)
+
+    def _prefix_wait(self, req: Request, now: float) -> None:
+        """``req`` just started: how long it waited for a cached prefix it reuses that another
+        request computed after it was queued (``prefix_wait_s``: from its queueing to the
+        computing of the last such block, at most until now), and, when it will compute whole
+        prompt blocks itself, their content keys (``_note_blocks``). O(prompt blocks), once
+        per request."""
+        bs = self.kv.block
+        whole = req.n_prompt // bs * bs
+        if whole == 0 or not self.kv.prefix_cache:
+            return
+        keys: list[int] | None = None
+        reused = req.cached_tokens // bs
+        if reused and self.block_done_at and req.queued_at is not None:
+            keys = list(self.kv.ctx.block_keys(req.context(0, whole), req.salt))
+            done = self.block_done_at
+            last = max((done.get(k, -1.0) for k in keys[:reused]), default=-1.0)
+            if last > req.queued_at:
+                req.prefix_wait_s = min(last, now) - req.queued_at
+        if req.cached_tokens < whole:  # it computes prompt blocks others may wait for
+            if keys is None:
+                keys = list(self.kv.ctx.block_keys(req.context(0, whole), req.salt))
+            req.block_keys = keys
+
+    def _note_blocks(self, req: Request, start: int, k: int, now: float) -> None:
+        """Notes when the prompt blocks that tokens ``start..start + k`` completed were
+        computed (for the requests that will reuse them: ``_prefix_wait``)."""
+        keys = req.block_keys
+        assert keys is not None
+        bs = self.kv.block
+        done = self.block_done_at
+        for b in range(start // bs, min((start + k) // bs, len(keys))):
+            key = keys[b]
+            done[key] = now
+            done.move_to_end(key)
+        while len(done) > BLOCK_TIMES:
+            done.popitem(last=False)
+        if (start + k) // bs >= len(keys):
+            req.block_keys = None  # every whole prompt block is computed
 
     def _attach(self, req: Request) -> int:
         self.faults.check("admit", req)
@@ -818,9 +870,17 @@ class EngineLoop:
         wanting: list[Request] = []
         at: list[int] = []  # the row of each of them (after any prompt rows: _batch)
         i = 0
+        now = 0.0
         for req, start, k, want in plan:
             req.n_done += k
             req.faults = 0  # decoded: no longer a suspect
+            if req.block_keys is not None:  # computing prompt blocks others may reuse
+                now = now or time.monotonic()
+                try:
+                    self._note_blocks(req, start, k, now)
+                except Exception:  # as in start: the report is lost, not the request
+                    log.exception("noting the blocks of %s failed", req.key)
+                    req.block_keys = None
             if req.turn is not None and req.turn.closing:
                 self.contain(req, self.sessions.park, req)
             echo = req.prompt_rows(start, k)

@@ -250,6 +250,12 @@ class Request:
         # by its prefix match at admission (then None).
         self.staged: KvStaged | None = None
         self.cached_tokens = -1  # prompt tokens reused at first admission (-1: not yet)
+        # Seconds from its queueing until the last block of the cached prefix it reused was
+        # computed by another request (EngineLoop.start: 0.0 when that prefix was cached
+        # before it came), and the content keys of its prompt's whole blocks while it
+        # computes some of them (EngineLoop._note_blocks; None otherwise).
+        self.prefix_wait_s = 0.0
+        self.block_keys: list[int] | None = None
         self.session_cached = 0  # of those, held by its resident session (the rest: prefix index)
         self.text = TextStream(stops)
         self.pieces: list[str] = []

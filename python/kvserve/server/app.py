@@ -423,10 +423,20 @@ class _Job:
             self.server.in_flight -= self.count
             firsts = [t for t in self.first if t is not None]
             access = self.request.scope.get(ACCESS)
+            # Per prompt: the longest wait of its choices for a shared prefix.
+            waits = [
+                max(r.prefix_wait_s for r in done)
+                for p in range(0, len(self.results), self.n)
+                if (done := [r for r in self.results[p : p + self.n] if r is not None])
+            ]
+            for w in waits:
+                self.server.metrics.prefix_wait.observe(w)
             if access is not None:
                 access.update(self.usage_counts())
                 if firsts:
                     access["ttft_ms"] = round((min(firsts) - self.arrival) * 1000, 1)
+                if waits:
+                    access["prefix_wait_ms"] = round(max(waits) * 1000, 1)
                 access["n"] = self.count
                 access["priority"] = self.priority
 

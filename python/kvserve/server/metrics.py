@@ -355,6 +355,13 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         )
+        self.prefix_wait = Histogram(
+            "kvserve_shared_prefix_wait_seconds",
+            "Time a prompt waited in the queue for a shared prefix another request was"
+            " computing (0 when it waited for none), per prompt",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.duration = Histogram(
             "kvserve_request_duration_seconds",
             "From a generation request's arrival to its last byte",
