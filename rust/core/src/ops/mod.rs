@@ -426,11 +426,16 @@ mod tests {
 
     #[test]
     fn argmax_first_matches_its_scalar_twin() {
-        let mut rng = crate::test_rng::Rng(0x5eed_0007);
+        // A local xorshift: the crate's test RNG is not built under loom.
+        let mut state = 0x5eed_0007u64;
+        let mut next = move |lo: i32, hi: i32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            lo + (state % (hi - lo + 1) as u64) as i32
+        };
         for n in [0usize, 1, 2, 15, 16, 17, 31, 32, 33, 100, 1000, 49_152] {
-            let mut x: Vec<f32> = (0..n)
-                .map(|_| rng.range(-4000, 4000) as f32 / 1000.0)
-                .collect();
+            let mut x: Vec<f32> = (0..n).map(|_| next(-4000, 4000) as f32 / 1000.0).collect();
             assert_eq!(argmax_first(&x), argmax_first_scalar(&x), "n = {n}");
             #[cfg(target_arch = "x86_64")]
             if crate::quant::simd::level() >= SimdLevel::Avx2 {
