@@ -14,7 +14,8 @@ Scenarios:
   ~800-token system prompt (``benches/bench_users.py``'s prompt and questions).
 - ``B`` (retrieval-style): ``--docs`` (4) documents of ~1,500 tokens; user ``u`` asks two
   questions about document ``u % docs`` (the document in its first user message, under a short
-  shared system prompt), so 16 users share 4 long prompts.
+  shared system prompt), so 16 users share 4 long prompts. ``--doc-words 2400,600,900,300``
+  gives each document its length and ``--doc-users 2,8,4,10`` each its number of users.
 
 Measured per server: wall time from the first request to the last answer, time to first token
 (TTFT: from sending a turn to its first text; median and p95 over all turns), generated tokens
@@ -73,7 +74,9 @@ from _common import (  # noqa: E402
 from bench_users import pct, questions, system_prompt  # noqa: E402
 
 HEADING = "## The server under many users (issue #8)"
-SERVERS = ("kvserve", "llama-server", "llama-cpp-python")
+# kvserve-fcfs: kvserve with --prompt-order fcfs (prompts in arrival order, the order before
+# issue 25), to weigh the default prompt order against it in one run.
+SERVERS = ("kvserve", "kvserve-fcfs", "llama-server", "llama-cpp-python")
 
 # -- scenario B: documents ----------------------------------------------------------------------
 
@@ -110,6 +113,27 @@ def doc_questions(u: int, d: int) -> tuple[str, str]:
     return (f"What does the report say about {s}?", "And how much money was spent on it?")
 
 
+def doc_words(args: argparse.Namespace) -> list[int]:
+    """Words of each document: ``--doc-words`` (one number for all, or one per document)."""
+    words = [int(w) for w in str(args.doc_words).split(",")]
+    return words * args.docs if len(words) == 1 else words
+
+
+def doc_of(u: int, args: argparse.Namespace) -> int:
+    """User ``u``'s document: ``u % docs``, or by ``--doc-users`` (users per document, the
+    users dealt round-robin over the documents that still have room)."""
+    if not args.doc_users:
+        return u % args.docs
+    left = [int(n) for n in args.doc_users.split(",")]
+    order: list[int] = []
+    while any(left):
+        for d, n in enumerate(left):
+            if n:
+                order.append(d)
+                left[d] -= 1
+    return order[u]
+
+
 # -- users ------------------------------------------------------------------------------------
 
 
@@ -124,9 +148,9 @@ def conversations(args: argparse.Namespace) -> list[tuple[list[dict[str, str]], 
                 ([{"role": "system", "content": system}, {"role": "user", "content": q1}], q2)
             )
     else:
-        docs = [document(d, args.doc_words) for d in range(args.docs)]
+        docs = [document(d, w) for d, w in enumerate(doc_words(args))]
         for u in range(args.users):
-            d = u % args.docs
+            d = doc_of(u, args)
             q1, q2 = doc_questions(u, d)
             first = f"Document:\n{docs[d]}\n\nQuestion: {q1}"
             out.append(
@@ -253,10 +277,11 @@ def free_port() -> int:
 
 def server_cmd(name: str, args: argparse.Namespace, port: int) -> list[str]:
     t, users, ctx = str(args.threads), str(args.users), str(args.ctx)
-    if name == "kvserve":
+    if name in ("kvserve", "kvserve-fcfs"):
+        order = ["--prompt-order", "fcfs"] if name == "kvserve-fcfs" else []
         return [
             sys.executable, "-m", "kvserve", "serve", "--model", args.model, "--threads", t,
-            "--parallel", users, "--ctx-size", ctx, "--port", str(port),
+            "--parallel", users, "--ctx-size", ctx, "--port", str(port), *order,
         ]  # fmt: skip
     if name == "llama-server":
         return [
@@ -389,7 +414,7 @@ def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, 
     try:
         wait_ready(proc, url, name, args.start_timeout)
         res = asyncio.run(drive(url, args))
-        if name == "kvserve":
+        if name.startswith("kvserve"):
             res["kvserve_stats"] = kvserve_stats(url)
         res["peak_rss_mib"] = sampler.finish()
         res["resumed"] = sampler.resumed
@@ -426,12 +451,18 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], load: s
             f"{args.users} users over {args.docs} documents of ~{args.doc_words} words, "
             "two questions each"
         )
+        if args.doc_users:
+            what += f", users per document {args.doc_users}"
     convs = conversations(args)
     cmd = (
         f"python benches/bench_server.py --scenario {args.scenario} --users {args.users} "
         f"--threads {args.threads} --ctx {args.ctx} --max-tokens {args.max_tokens} "
         f"--servers {','.join(results)}"
     )
+    if args.scenario == "B":
+        cmd += f" --doc-words {args.doc_words}"
+        if args.doc_users:
+            cmd += f" --doc-users {args.doc_users}"
     if "llama-cpp-python" in results:
         cmd += " --llama-python PYTHON_WITH_LLAMA_CPP"
     lines = [
@@ -474,7 +505,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], load: s
         )
     if "kvserve" in results:
         k = results["kvserve"]
-        for other in ("llama-server", "llama-cpp-python"):
+        for other in ("kvserve-fcfs", "llama-server", "llama-cpp-python"):
             if other in results:
                 o = results[other]
                 lines.append(
@@ -511,7 +542,16 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="tokens per user (every server)")
     ap.add_argument("--system-words", type=int, default=600, help="scenario A (~1.3 tokens a word)")
     ap.add_argument("--docs", type=int, default=4, help="scenario B: documents")
-    ap.add_argument("--doc-words", type=int, default=950, help="scenario B: words a document")
+    ap.add_argument(
+        "--doc-words",
+        default="950",
+        help="scenario B: words a document, or one number per document (comma-separated)",
+    )
+    ap.add_argument(
+        "--doc-users",
+        default=None,
+        help="scenario B: users per document, comma-separated (default: user u asks u %% docs)",
+    )
     ap.add_argument("--llama-bin-dir", default=default_llama_bin_dir())
     ap.add_argument("--llama-python", default=sys.executable)
     ap.add_argument("--timeout", type=float, default=300, help="seconds for one server's run")
@@ -521,6 +561,16 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="append the table to BENCHMARKS.md")
     args = ap.parse_args()
     args.model = args.model or default_model()
+    if "," in args.doc_words:
+        args.docs = len(args.doc_words.split(","))
+    if args.doc_users:
+        n = [int(x) for x in args.doc_users.split(",")]
+        if len(n) != args.docs or sum(n) != args.users:
+            print(
+                "error: --doc-users needs one count per document, summing to --users",
+                file=sys.stderr,
+            )
+            return 2
     if not args.model:
         print("error: no model (--model or KVSERVE_TEST_MODEL)", file=sys.stderr)
         return 2

@@ -238,11 +238,11 @@ def test_a_bookkeeping_error_fails_what_is_in_flight_and_the_engine_goes_on(
         plan = eng._loop.sched.plan
         calls = {"n": 0}
 
-        def broken() -> Any:
+        def broken(now: float | None = None) -> Any:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("a bug in the plan")
-            return plan()
+            return plan(now)
 
         eng._loop.sched.plan = broken  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="a bug in the plan"):
@@ -255,7 +255,7 @@ def test_a_bookkeeping_error_fails_what_is_in_flight_and_the_engine_goes_on(
 def test_a_thread_that_stops_fails_every_caller_and_says_why(model_path: Path) -> None:
     eng = Engine(Model.load(model_path, threads=2), parallel=4, ctx_size=128)
 
-    def broken() -> Any:
+    def broken(now: float | None = None) -> Any:
         raise RuntimeError("a persistent bug")
 
     eng._loop.sched.plan = broken  # type: ignore[method-assign]

@@ -8,6 +8,8 @@ of the resources it asks and tells, and a simple model of the rules as the oracl
   and for memory, never by a merely promoted request, never of an equal priority;
 - aging: a low-priority request that waited ``aging_s`` goes first;
 - the batch plan: one token per generating sequence, closing turns, prompt chunks in order;
+- prefix groups: waiters of a shared prefix take no slot; the plan's order against a brute-force
+  minimum of the summed time to first token; priority, the fast lane, aging and tenants bound it;
 - tenants: a light tenant's request is admitted next and gets a slot within one step (fair
   preemption) however much another has queued; free slots by slots per weight; priority only
   within a tenant; weights 2:1 give 2:1 slots and prompt tokens over many steps; the prompt
@@ -126,6 +128,7 @@ def make(
     blocks: int = 100,
     aging: float | None = None,
     policies: dict[str, TenantPolicy] | None = None,
+    fast_lane: int | None = None,
 ) -> tuple[Scheduler, FakeResources]:
     table = policies or {}
 
@@ -133,7 +136,12 @@ def make(
         return table.get(tenant or "", TenantPolicy())
 
     s = Scheduler(
-        parallel=parallel, batch_tokens=batch, block_size=BLOCK, aging_s=aging, policy=policy
+        parallel=parallel,
+        batch_tokens=batch,
+        block_size=BLOCK,
+        aging_s=aging,
+        policy=policy,
+        fast_lane=fast_lane,
     )
     return s, FakeResources(s, blocks)
 
@@ -257,7 +265,7 @@ def test_prompt_budget_full_admits_only_through_the_fast_lane() -> None:
     assert s.admit(res, 0.0) == [long]  # prefilling: 39 tokens > the 16-token budget
     cached = req(n_prompt=30, first=7)
     res.cached[tuple(cached.ids)] = 28  # all but two tokens cached
-    uncached = req(n_prompt=30, first=8)
+    uncached = req(n_prompt=50, first=8)  # longer than ``long``: the plan puts it after
     s.queue.push(uncached, 0.0)
     s.queue.push(cached, 0.0)
     assert s.admit(res, 0.0) == [cached]  # out of turn; the head waits for budget
@@ -274,13 +282,26 @@ def test_prompt_budget_full_admits_only_through_the_fast_lane() -> None:
     s2, res2 = make(parallel=8, batch=16)
     s2.queue.push(req(n_prompt=40), 0.0)
     s2.admit(res2, 0.0)
-    head = req(n_prompt=30)
+    head = req(n_prompt=50)
     lower = req(n_prompt=30, priority=-1)
     res2.cached[tuple(lower.ids)] = 28
     s2.queue.push(head, 0.0)
     s2.queue.push(lower, 0.0)
     assert s2.admit(res2, 0.0) == []
     assert head.state == WAITING and lower.state == WAITING
+    # A prompt the plan computes before the running one (less work left) is admitted though
+    # the budget is taken: it gets the budget in the next step. With its cached prefix too.
+    shorter = req(n_prompt=30, priority=0)
+    s2.queue.push(shorter, 0.0)
+    assert s2.admit(res2, 0.0) == [shorter]
+    s3, res3 = make(parallel=8, batch=16)
+    s3.queue.push(req(n_prompt=40), 0.0)
+    s3.admit(res3, 0.0)
+    mostly_cached = req(n_prompt=60)
+    res3.cached[tuple(mostly_cached.ids)] = 32  # 28 left: before the running 40
+    s3.queue.push(mostly_cached, 0.0)
+    assert s3.admit(res3, 0.0) == [mostly_cached]
+    assert [e[0] for e in s3.plan(0.0)][0] is mostly_cached
 
 
 def test_a_prompt_whose_blocks_are_being_computed_waits_for_them() -> None:
@@ -298,6 +319,173 @@ def test_a_prompt_whose_blocks_are_being_computed_waits_for_them() -> None:
     assert second.state == WAITING and second.entry  # still queued with its place
     first.n_done = 21  # the shared blocks are computed
     assert s.admit(res, 0.0) == [second]
+
+
+# -- shared prefixes: prefix groups and their order --------------------------------------------
+
+
+def doc_group(
+    s: Scheduler, res: FakeResources, doc: list[int], waiters: int, done: int = 0, prio: int = 0
+) -> tuple[Request, list[Request]]:
+    """A request computing ``doc`` (``done`` tokens of it computed) and ``waiters`` queued
+    requests whose prompts start with it (each its own question after it)."""
+    head = req(tokens=doc + [1, 2], priority=prio)
+    s.queue.push(head, 0.0)
+    s.admit(res, 0.0)
+    assert head.state == RUNNING
+    head.n_done = done
+    rest = [req(tokens=doc + [3, 4 + i], priority=prio) for i in range(waiters)]
+    for r in rest:
+        s.queue.push(r, 0.0)
+    return head, rest
+
+
+def summed_ttft(order: Sequence[Request], waiters: dict[int, int]) -> int:
+    """The simple model of the plan's order: prompts computed one after another in ``order``;
+    a request's users (itself and the requests waiting for its prefix) get their first token
+    when it is done; the sum over users of those times, in prompt tokens."""
+    t = total = 0
+    for r in order:
+        t += r.n_tokens - r.n_done
+        total += (1 + waiters.get(r.seq, 0)) * t
+    return total
+
+
+def test_requests_waiting_for_a_shared_prefix_are_its_waiters_and_take_no_slot() -> None:
+    s, res = make(parallel=2)
+    doc = [7] * 24
+    head, rest = doc_group(s, res, doc, waiters=2, done=4)
+    other = generating(s, res, req())
+    eager = req(tokens=doc + [9, 9], priority=5)  # would preempt ``other`` for a slot
+    s.queue.push(eager, 0.0)
+    assert s.admit(res, 0.0) == []
+    assert res.preempted == []  # it waits for the doc's blocks; preempting gains it nothing
+    assert other.state == RUNNING and all(r.state == WAITING for r in [*rest, eager])
+    assert s.waiters == {head.seq: 3}
+    head.n_done = 25  # the doc is cached: the group's next admission is an ordinary one
+    for r in [*rest, eager]:
+        res.cached[tuple(r.ids)] = 24
+    other.n_done = other.n_tokens
+    s.running.pop(other.seq)
+    assert s.admit(res, 0.0) == [eager]  # the one slot free: priority first
+    assert s.waiters == {}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_orders_prefix_groups_for_the_least_summed_time_to_first_token(seed: int) -> None:
+    """Random groups (document length, how much is computed, how many wait for it): the plan
+    orders the documents' prompts so that the summed time to first token of their users is
+    the least of every order (the simple model above, by brute force), and gives each its
+    whole remainder in that order."""
+    rng = random.Random(seed)
+    s, res = make(parallel=40, batch=4096, blocks=10_000, fast_lane=0)
+    heads: list[Request] = []
+    for d in range(5):
+        doc = [200 + d] * (BLOCK * rng.randint(2, 30))
+        done = BLOCK * rng.randint(0, len(doc) // BLOCK - 1)
+        head, _ = doc_group(s, res, doc, waiters=rng.choice([0, 0, 1, 3, 7]), done=done)
+        heads.append(head)
+    s.admit(res, 0.0)  # every waiter examined: counted against the head computing its doc
+    plan = s.plan(0.0)
+    got = [e[0] for e in plan]
+    assert sorted(map(id, got)) == sorted(map(id, heads))
+    assert all(e[1] == e[0].n_done and e[1] + e[2] == e[0].n_tokens for e in plan)
+    best = min(summed_ttft(p, s.waiters) for p in itertools.permutations(heads))
+    assert summed_ttft(got, s.waiters) == best
+    # First come, first served (the order before) is worse whenever it is not also the best.
+    fcfs = summed_ttft(heads, s.waiters)
+    assert fcfs >= best
+
+
+def test_priority_and_the_fast_lane_bound_the_group_order() -> None:
+    s, res = make(parallel=16, batch=4096, blocks=10_000, fast_lane=8)
+    big, _ = doc_group(s, res, [300] * 64, waiters=6)
+    lone = generating(s, res, req(n_prompt=80, priority=1))
+    lone.n_done = 0  # a long prompt of higher priority, alone
+    short = generating(s, res, req(n_prompt=40))
+    short.n_done = 36  # 4 left: the fast lane's
+    s.admit(res, 0.0)
+    assert s.waiters == {big.seq: 6}
+    assert [e[0] for e in s.plan(0.0)] == [short, lone, big]
+
+
+def test_aging_bounds_how_long_a_prompt_is_put_behind_groups() -> None:
+    s, res = make(parallel=16, batch=4096, blocks=10_000, aging=5.0, fast_lane=0)
+    long = req(n_prompt=200)
+    s.queue.push(long, 0.0)
+    s.admit(res, 0.0)
+    group, _ = doc_group(s, res, [400] * 32, waiters=3)
+    s.admit(res, 1.0)
+    assert [e[0] for e in s.plan(4.9)] == [group, long]  # 33/4 tokens a user against 200
+    assert [e[0] for e in s.plan(5.0)] == [long, group]  # queued 5 s ago: aged, first
+    assert [e[0] for e in s.plan()] == [group, long]  # no time given: only ``protected``
+    long.protected = True  # admitted by aging: always aged
+    assert [e[0] for e in s.plan()] == [long, group]
+
+
+def test_a_tenants_groups_reorder_only_its_own_part_of_the_budget() -> None:
+    """Tenant a has a document with many waiters, b two lone prompts: the budget's split
+    between them is what it is without any waiter; within b, arrival order stands for equal
+    work."""
+    parts: list[dict[str | None, int]] = []
+    for waiters in (0, 9):
+        s, res = make(parallel=32, batch=40, blocks=10_000, fast_lane=0)
+        head = req(tokens=[500] * 64 + [1], tenant="a")
+        s.queue.push(head, 0.0)
+        for i in range(waiters):
+            s.queue.push(req(tokens=[500] * 64 + [2, i], tenant="a"), 0.0)
+        b1, b2 = req(n_prompt=100, tenant="b"), req(n_prompt=100, tenant="b")
+        s.queue.push(b1, 0.0)
+        s.queue.push(b2, 0.0)
+        s.admit(res, 0.0)
+        assert s.waiters == ({head.seq: waiters} if waiters else {})
+        plan = s.plan(0.0)
+        given: dict[str | None, int] = {}
+        for r, _start, k, _want in plan:
+            given[r.tenant] = given.get(r.tenant, 0) + k
+        parts.append(given)
+        assert [e[0] for e in plan if e[0].tenant == "b"] == [b1]
+    assert parts[0] == parts[1] == {"a": 20, "b": 20}
+
+
+def test_groups_of_unequal_documents_finish_smallest_work_per_user_first() -> None:
+    """Steps against the fake: a long document asked by one user arrives first, then a short
+    one asked by four and a middle one by two. Its users get their first tokens in the order
+    of work per user (short, middle, long), every user gets one, and the summed step count to
+    first tokens is below what ``prompt_order="fcfs"`` gives in the same run."""
+
+    def run(policy: bool) -> dict[int, int]:
+        s, res = make(parallel=16, batch=16, blocks=10_000, fast_lane=4)
+        s.by_groups = policy
+        users: list[tuple[int, Request]] = []
+        lengths = [96, 24, 48]
+        for d, (length, n) in enumerate(zip(lengths, [1, 4, 2], strict=True)):
+            for u in range(n):
+                r = req(tokens=[600 + d] * length + [10 + u])
+                s.queue.push(r, 0.0)
+                users.append((d, r))
+        first: dict[int, int] = {}
+        for t in range(200):
+            step(s, res, float(t))
+            for i, (d, r) in enumerate(users):
+                if r.n_generated and i not in first:
+                    first[i] = t
+                if r.n_done >= lengths[d]:  # the document is cached (the prefix index)
+                    for d2, u in users:
+                        if d2 == d:
+                            res.cached[tuple(u.ids[: lengths[d] + 1])] = lengths[d]
+            if len(first) == len(users):
+                break
+        assert len(first) == len(users)
+        return {i: first[i] for i in range(len(users))}
+
+    got, fcfs = run(True), run(False)
+    doc_of = [0, 1, 1, 1, 1, 2, 2]
+    last = {d: max(t for i, t in got.items() if doc_of[i] == d) for d in range(3)}
+    assert last[1] < min(got[5], got[6]) and last[2] < got[0]
+    fcfs_last = {d: max(t for i, t in fcfs.items() if doc_of[i] == d) for d in range(3)}
+    assert fcfs_last[0] < fcfs_last[1] < fcfs_last[2]  # the order before: arrival
+    assert sum(got.values()) < sum(fcfs.values())
 
 
 # -- preemption --------------------------------------------------------------------------------
@@ -411,7 +599,7 @@ def step(s: Scheduler, res: FakeResources, now: float = 0.0, out: int = 4) -> li
     """One engine step against the fake: admit, plan, charge the plan, advance every planned
     request (a generating one gets a token; one with ``out`` tokens finishes)."""
     s.admit(res, now)
-    plan = s.plan()
+    plan = s.plan(now)
     s.charge(plan)
     for r, _start, k, want in plan:
         r.n_done += k
@@ -685,3 +873,8 @@ def test_memory_shortage_takes_from_the_tenant_above_its_kv_share() -> None:
     s3.queue.push(waiting, 0.0)
     assert s3.admit(res3, 0.0) == [waiting]
     assert res3.idle_sessions == [("d", 1)]  # c's first, then the oldest of the rest
+
+
+def test_an_unknown_prompt_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="prompt_order"):
+        Scheduler(parallel=2, batch_tokens=8, block_size=BLOCK, prompt_order="lifo")

@@ -346,6 +346,10 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "time to live of blocks stored in the shared K/V tier (default: one day)"),
     (("--batch-tokens",), "N", "KVSERVE_BATCH_TOKENS", _positive_int, 512,
      "prompt tokens computed per step (chunked prefill)"),
+    (("--prompt-order",), "{groups,fcfs}", "KVSERVE_PROMPT_ORDER", _choice("groups", "fcfs"),
+     "groups", "how a step's prompt tokens are spent among prompts of one priority: groups,"
+     " the least work left per user served first (a prefix others wait for counts for each"
+     " of them); fcfs, in arrival order"),
     (("--context-shift",), "", "KVSERVE_CONTEXT_SHIFT", _bool, False,
      "when a sequence fills --ctx-size, drop the older half of its tokens (after n_keep) and"
      " go on, as llama.cpp's --context-shift (a request's context_shift field overrides it)"),
@@ -461,6 +465,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         kv_remote=s["kv_remote"],
         kv_remote_ttl=s["kv_remote_ttl"],
         batch_tokens=s["batch_tokens"],
+        prompt_order=s["prompt_order"],
         context_shift=s["context_shift"],
         session_dir=s["session_dir"],
         kv_high_watermark=s["kv_high_watermark"],

@@ -21,16 +21,19 @@ One step:
    admitted request first maps the longest cached prefix of its tokens (``match_prefix``), so
    only the rest is computed.
    A request whose prompt starts with whole blocks that a running request is prefilling right
-   now waits (keeping its place) until they are computed and cached, instead of computing
-   them again. While the step's prompt budget is taken, a request of the head's rank that
-   needs at most a few blocks of prompt computed (the rest cached: a shared document, a
-   session's next turn) is admitted out of turn if memory and a slot (leaving one for the
-   head) allow;
+   now waits (keeping its place, taking no slot) until they are computed and cached, instead
+   of computing them again; it counts as a *waiter* of that request. While the step's prompt
+   budget is taken, a request of the head's rank that the plan would compute within it (at
+   most a few blocks of prompt left, the rest cached: a shared document, a session's next
+   turn; or less work left than the running prompts) is admitted out of turn if memory and a
+   slot (leaving one for the head) allow;
 3. build ONE batch: one token for every sequence that is generating, then chunks of the
    prompts still being prefilled up to ``batch_tokens`` tokens in all (chunked prefill: a long
    prompt never stalls the running streams for more than one chunk), the budget shared
    between tenants by weighted fair queuing over prompt tokens and each tenant's part going
-   to its short remainders first, then highest priority, earliest first;
+   to its short remainders first, then the aged, then highest priority and within a priority
+   the least work left per user served (tokens left / (1 + waiters): a shared document's
+   users all start early; ``prompt_order="fcfs"``: earliest first);
 4. ``decode`` it (the GIL is released). The core first checks that the pool can hold the
    batch in every layer group; if not it raises ``KvCacheFull`` having computed and changed
    nothing, and the loop evicts idle sessions, then preempts the lowest-priority,

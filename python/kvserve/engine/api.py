@@ -37,7 +37,7 @@ from .requests import (
     Request,
     parse_size,
 )
-from .scheduler import Scheduler
+from .scheduler import PROMPT_ORDERS, Scheduler
 from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy, check_policies, salt_for
 
 if TYPE_CHECKING:
@@ -164,6 +164,11 @@ class Engine:
     cache isolated); :meth:`set_tenants` replaces them.
     ``priority_aging_s``: a request that has waited this long is admitted before every request
     that has not, whatever their priorities (None: never), so low priority is never starved.
+    ``prompt_order``: how the step's prompt budget is spent among a tenant's prompts of one
+    priority: ``"groups"`` (default) the least work left per user served first, a prompt
+    whose prefix other requests wait for counting once for each of them, so a shared
+    document's users all start early (python/kvserve/engine/scheduler.py, "Shared
+    prefixes"); ``"fcfs"``: in arrival order.
     The engine's context may use the whole K/V pool, so idle sessions can hold whatever the
     running requests leave; the reclaim rules keep it so.
 
@@ -212,6 +217,7 @@ class Engine:
         max_sessions: int | None = None,
         max_tokens_limit: int | None = None,
         priority_aging_s: float | None = 30.0,
+        prompt_order: str = "groups",
         tenants: Mapping[str, TenantPolicy] | None = None,
         kv_disk: StrPath | None = None,
         kv_disk_size: int | str = "20GiB",
@@ -248,6 +254,8 @@ class Engine:
                 f"kv_remote_min_tokens must be >= 0 or None, got {kv_remote_min_tokens}"
             )
         self._tenants = check_policies(tenants)
+        if prompt_order not in PROMPT_ORDERS:
+            raise ValueError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}")
         if priority_aging_s is not None and not priority_aging_s > 0:
             raise ValueError(
                 f"priority_aging_s must be > 0 seconds or None, got {priority_aging_s}"
@@ -293,6 +301,7 @@ class Engine:
         self.ctx_size = ctx_size
         self.max_tokens_limit = max_tokens_limit
         self.priority_aging_s = priority_aging_s
+        self.prompt_order = prompt_order
         # The longest sequence that can exist: ctx_size, unless the pool holds less.
         self._seq_limit = min(ctx_size, kv.n_ctx, kv.pool_tokens)
         self._limit_name = (
@@ -307,6 +316,7 @@ class Engine:
             block_size=kv.block,
             prefix_cache=prefix_cache,
             aging_s=priority_aging_s,
+            prompt_order=prompt_order,
             policy=self.tenant_policy,
             prompt_rows=max(16, PROMPT_LOGITS_BYTES // (4 * self.model.n_vocab)),
         )

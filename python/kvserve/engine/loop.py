@@ -738,7 +738,7 @@ class EngineLoop:
         parts when a failing batch was split, or when requests suspected of closing the
         context are decoded alone)."""
         while True:
-            plan = self.sched.plan()
+            plan = self.sched.plan(time.monotonic())
             if not plan:
                 return []
             if any(e[0].faults for e in plan):

@@ -11,12 +11,29 @@ first come, first served within a priority, except:
   request of its tenant that is not, in arrival order among the promoted, so low priority is
   never starved while higher priorities keep arriving (it does not preempt anyone, and once
   admitted it is not preempted for priority either);
-- *the fast lane*: while the step's prompt budget is taken, a request of the head's rank with
-  at most ``fast_lane`` prompt tokens left to compute (the rest cached) is admitted out of
-  turn if memory and a slot allow, leaving one slot for the head;
+- *the fast lane*: while the step's prompt budget is taken, a request of the head's rank
+  (among the tenant's first ``2 x parallel``) that the plan would compute within the budget
+  is admitted out of turn if memory and a slot allow, leaving one slot for the head: one with
+  at most ``fast_lane`` prompt tokens left to compute (the rest cached), or one with less work
+  left than the running prompts that take the budget (the plan's order, below);
 - *shared prefixes*: a request whose prompt starts with whole blocks that a running request is
-  prefilling right now waits (keeping its place) until they are cached, instead of computing
-  them a second time.
+  prefilling right now waits (keeping its place; it takes no slot and preempts nobody) until
+  they are cached, instead of computing them a second time. It is a *waiter* of that request:
+  the two are one prefix group, whose users all get their first token soon after the shared
+  part is computed.
+
+The plan's order (``prompt_order="groups"``, the default). Within a tenant's part of the
+step's prompt budget, the prefilling requests are served: short remainders (at most
+``fast_lane`` tokens) first; then the aged (waited ``aging_s`` since first queued, or
+admitted by aging) by arrival; then by priority; within a priority the least *work left per
+user served* first, ``tokens left / (1 + waiters)``, then arrival. That is Smith's rule for
+the summed time to first token: finishing a prefix that five users wait for costs each of
+them one fifth of it, so a shared document is finished before a private one of a fifth its
+length, the shortest shared remainder first, and the longest cached prefix first among
+equal prompts (the cached part is not work left). A prompt is not put behind others for
+ever: aging bounds it (after ``aging_s`` it goes first, by arrival), and priority and the
+tenants' shares bound what it is measured against (only the same tenant and priority).
+``prompt_order="fcfs"``: priority, then arrival (the waiters count for nothing).
 
 Preemption. When no slot is free, or the pool cannot hold the head's prompt after idle sessions
 were reclaimed, and the head (not merely promoted) has a higher priority than some running
@@ -79,7 +96,9 @@ a push, a pop and a tenant's head are O(log W + D) for W waiting requests of D d
 priorities; a cancelled or out-of-turn request is removed in O(1) (its entry is skipped later;
 the heaps are compacted when dead entries outnumber live ones, O(W) amortized over as many
 removals). The fast lane walks the head tenant's first ``2 x parallel`` requests in order
-without touching the rest (O(k log k)). Admission considers at most ``3 x parallel`` requests
+without touching the rest (O(k log k), a cache lookup and O(R) each). A request waiting for a
+shared prefix costs O(R x shared blocks) a step to find whom it waits for, and sorting the
+plan O(R log R). Admission considers at most ``3 x parallel`` requests
 a step; each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for
 T tenants with work: the slots and prompt work per tenant (one pass over the running set), a
 heap of the waiting tenants (O(T x D) to build, O(log T + D) per request considered), the
@@ -98,11 +117,14 @@ from typing import Protocol
 from .requests import Request
 from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy
 
-__all__ = ["Resources", "Scheduler", "Tenant", "WaitQueue"]
+__all__ = ["PROMPT_ORDERS", "Resources", "Scheduler", "Tenant", "WaitQueue"]
 
 Tenant = str | None  # a request's tenant (None: the engine's own namespace, one tenant too)
 
 PlanEntry = tuple[Request, int, int, bool]  # (request, first index, token count, wants logits)
+PROMPT_ORDERS = ("groups", "fcfs")  # Scheduler's prompt_order
+# A prefilling request's place in its tenant's part of the prompt budget (Scheduler.prompt_order).
+OrderKey = tuple[bool, bool, int, float, int]
 
 
 class WaitQueue:
@@ -341,7 +363,13 @@ class Scheduler:
         aging_s: float | None = 30.0,
         policy: Callable[[Tenant], TenantPolicy] = _default_policy,
         prompt_rows: int | None = None,
+        prompt_order: str = "groups",
     ) -> None:
+        if prompt_order not in PROMPT_ORDERS:
+            raise ValueError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}")
+        # "groups": prompts by work left per user served (shared prefixes, module docs);
+        # "fcfs": by priority and arrival only.
+        self.by_groups = prompt_order == "groups"
         self.parallel = parallel
         self.batch_tokens = batch_tokens
         self.block = block_size
@@ -359,6 +387,9 @@ class Scheduler:
         # its weight (module docs, "Tenants"); ``_floor``: the lowest when last tracked.
         self.served: dict[Tenant, float] = {}
         self._floor = 0.0
+        # Sequence id of a prefilling request -> waiting requests that, at the last admission,
+        # waited for prompt blocks it is computing (its prefix group's other members).
+        self.waiters: dict[int, int] = {}
 
     def weight(self, tenant: Tenant) -> float:
         return float(self.policy(tenant).weight)
@@ -421,6 +452,7 @@ class Scheduler:
         queue = self.queue
         queue.compact()
         self._track()
+        self.waiters.clear()
         if not queue:  # nothing waits (every step of a lone stream): nothing to weigh
             return []
         avail = res.available()
@@ -441,14 +473,26 @@ class Scheduler:
             if req is None:
                 break
             tenant = req.tenant
+            resident = res.resident_prefix(req)
+            if self.prefix_cache and resident is None:
+                sharer = self.sharing_prefix(req)
+                if sharer is not None:
+                    # Its blocks come cached in a step or two: it waits with its place, takes
+                    # no slot and preempts nobody, and counts as a waiter of the one computing
+                    # them (the plan's order, below).
+                    queue.pop(req)
+                    deferred.append(req)
+                    self.waiters[sharer.seq] = self.waiters.get(sharer.seq, 0) + 1
+                    turns.refile(tenant)
+                    continue
             promoted = queue.promoted(req, now)
             prio = req.priority
             need_slots = 1 + len(req.children)
             if not self._below_share(tenant, held, weights) and self._budget_taken(
-                req, promoted, weights
+                res, req, now, weights
             ):
                 # No room in this step's batch for it: admitting now would only hold blocks.
-                fast, room, slots = self._fast_lane(res, room, slots, now, req)
+                fast, room, slots = self._fast_lane(res, room, slots, now, req, weights)
                 admitted += fast
                 held[tenant] = held.get(tenant, 0) + len(fast)
                 continue  # the tenant waits for budget (nobody of it overtakes its head)
@@ -464,7 +508,6 @@ class Scheduler:
                     turns.refile(v.tenant)  # requeued, with a slot less
                 retry = True
                 continue
-            resident = res.resident_prefix(req)
             if resident is not None:  # what the parked sequence holds is not allocated again
                 req.n_done = resident
             need = self.blocks_to_fill(req, extra=1) + len(req.children)
@@ -483,9 +526,7 @@ class Scheduler:
                 retry = True
                 continue
             queue.pop(req)
-            if self.prefix_cache and resident is None and self.computing_shared_prefix(req):
-                deferred.append(req)  # its blocks come cached in a step or two
-            elif self._start(res, req):
+            if self._start(res, req):
                 req.protected = req.protected or promoted
                 admitted.append(req)
                 room -= need
@@ -506,27 +547,61 @@ class Scheduler:
             return False
         return held.get(tenant, 0) < self.parallel * weights[tenant] / sum(weights.values())
 
-    def _budget_taken(self, req: Request, promoted: bool, weights: Mapping[Tenant, float]) -> bool:
+    def _budget_taken(
+        self,
+        res: Resources,
+        req: Request,
+        now: float,
+        weights: Mapping[Tenant, float],
+        work: tuple[float, list[tuple[OrderKey, int]]] | None = None,
+        cached: int | None = None,
+    ) -> bool:
         """Whether the plan would spend the step's prompt budget before reaching ``req``: on
-        its tenant's prompts ranked before it (all of them for a promoted request), counted
-        against the budget, or with other tenants prefilling against the larger of its
-        weighted share of the budget and what the others leave (O(R))."""
-        tenant, prio = req.tenant, req.priority
-        own = others = 0
+        its tenant's prompts that :meth:`prompt_order` puts before it (judged with no waiter
+        of its own, and with its cached prefix when the prompts before it without one take
+        the budget; ``cached``: that prefix, if already looked up), counted against the
+        budget of :meth:`_prompt_work` (``work``: its answer, if already asked; O(R), and one
+        cache lookup)."""
+        budget, mine = self._prompt_work(req.tenant, now, weights) if work is None else work
+        if sum(left for _, left in mine) < budget:
+            return False
+
+        def taken(left: int) -> bool:
+            key = self.prompt_order(req, now, left, waiters=0)
+            return sum(n for k, n in mine if k < key) >= budget
+
+        if not taken(req.n_tokens - req.n_done):
+            return False
+        done = cached
+        if done is None:
+            done = res.cached_estimate(req) if self.prefix_cache else None
+        if not done or done <= req.n_done:
+            return True
+        return taken(req.n_tokens - done)
+
+    def _prompt_work(
+        self, tenant: Tenant, now: float, weights: Mapping[Tenant, float]
+    ) -> tuple[float, list[tuple[OrderKey, int]]]:
+        """The part of the step's prompt budget ``tenant`` can count on (with other tenants
+        prefilling: the larger of its weighted share and what the others leave), and its
+        running prompts' order keys and tokens left (O(R))."""
+        others = 0
         rivals: dict[Tenant, float] = {}
+        mine: list[tuple[OrderKey, int]] = []
         for r in self.running.values():
             left = r.n_tokens - r.n_done - 1
+            if left <= 0:
+                continue
             if r.tenant == tenant:
-                if promoted or r.priority >= prio:
-                    own += left
-            elif left > 0:
+                mine.append((self.prompt_order(r, now), left))
+            else:
                 others += left
                 rivals[r.tenant] = weights.get(r.tenant) or self.weight(r.tenant)
         budget = float(self.batch_tokens)
         if others:
             w = weights.get(tenant) or self.weight(tenant)
             budget = max(budget * w / (w + sum(rivals.values())), budget - others)
-        return own >= budget
+        return budget, mine
 
     def _fair_victim(
         self,
@@ -596,15 +671,24 @@ class Scheduler:
         res.preempt(victim)
 
     def _fast_lane(
-        self, res: Resources, room: int, slots: int, now: float, head: Request
+        self,
+        res: Resources,
+        room: int,
+        slots: int,
+        now: float,
+        head: Request,
+        weights: Mapping[Tenant, float],
     ) -> tuple[list[Request], int, int]:
         """Admits, in queue order among the head's tenant's first ``2 x parallel``, requests
-        of the head's rank with at most ``fast_lane`` prompt tokens left to compute that fit
-        ``room`` and the free slots but one; returns them and the room and slots left."""
+        of the head's rank that the plan computes within this step's budget (at most
+        ``fast_lane`` prompt tokens left to compute, the rest cached; or less work left than
+        the tenant's running prompts, :meth:`_budget_taken`) and that fit ``room`` and the
+        free slots but one; returns them and the room and slots left."""
         if not self.prefix_cache:
             return [], room, slots
         head_rank = self.queue.rank(head, now)[:2]
         candidates = list(islice(self.queue.in_order(now, (head.tenant,)), 2 * self.parallel))
+        work = self._prompt_work(head.tenant, now, weights)
         admitted: list[Request] = []
         for req in candidates:
             if slots + 2 > self.parallel or self.queue.rank(req, now)[:2] != head_rank:
@@ -612,10 +696,14 @@ class Scheduler:
             if req.children:
                 continue
             done = res.cached_estimate(req)
-            if done is None or req.n_tokens - done > self.fast_lane:
+            if done is None:
+                continue
+            if req.n_tokens - done > self.fast_lane and self._budget_taken(
+                res, req, now, weights, work, done
+            ):
                 continue
             resident = res.resident_prefix(req)
-            if resident is None and self.computing_shared_prefix(req):
+            if resident is None and self.sharing_prefix(req) is not None:
                 continue  # more of it comes cached in a step or two: wait for that
             saved = req.n_done
             req.n_done = resident if resident is not None else 0
@@ -628,18 +716,19 @@ class Scheduler:
                 admitted.append(req)
                 room -= need
                 slots += 1
+                work[1].append((self.prompt_order(req, now), req.n_tokens - req.n_done - 1))
         return admitted, room, slots
 
-    def computing_shared_prefix(self, req: Request) -> bool:
-        """Whether a running request is still prefilling whole blocks that ``req``'s prompt
-        starts with (O(prefilling requests x shared blocks))."""
+    def sharing_prefix(self, req: Request) -> Request | None:
+        """The running request still prefilling whole blocks that ``req``'s prompt starts with,
+        if any (O(prefilling requests x shared blocks))."""
         b = self.block
         ids = req.context()
         usable = (len(ids) - 1) // b * b  # what a prefix match could map
         if req.match_limit is not None:
             usable = min(usable, req.match_limit // b * b)
         if usable == 0:
-            return False
+            return None
         head = ids[:b]
         for other in self.running.values():
             if other.salt != req.salt:
@@ -652,8 +741,8 @@ class Scheduler:
             while shared < limit and oids[shared : shared + b] == ids[shared : shared + b]:
                 shared += b
             if shared > other.n_done // b * b:
-                return True
-        return False
+                return other
+        return None
 
     # -- K/V shares ------------------------------------------------------------------------------
     def kv_held(self, res: Resources) -> dict[Tenant, int]:
@@ -791,12 +880,13 @@ class Scheduler:
         return dict(zip(demand, given, strict=True))
 
     # -- the batch -------------------------------------------------------------------------------
-    def plan(self) -> list[PlanEntry]:
+    def plan(self, now: float | None = None) -> list[PlanEntry]:
         """This step's batch: one token for every generating sequence (and the last token of a
         closing session turn, without logits), then prompt chunks up to ``batch_tokens``
         tokens in all: the budget split among tenants by their virtual times and weights
-        (:meth:`_split`), and each tenant's part to its prompts short remainders first (the
-        fast lane's), then by priority and arrival."""
+        (:meth:`_split`), and each tenant's part to its prompts in :meth:`prompt_order`
+        (``now``: the time aging is judged at; None: only requests admitted by aging count
+        as aged)."""
         plan: list[PlanEntry] = []
         prefilling: dict[Tenant, list[Request]] = {}
         for req in self.running.values():
@@ -807,7 +897,6 @@ class Scheduler:
             else:
                 prefilling.setdefault(req.tenant, []).append(req)
         left = self.batch_tokens - len(plan)
-        fast = self.fast_lane
         parts = {t: left for t in prefilling}
         if len(prefilling) > 1 and left > 0:
             demand = {t: sum(r.n_tokens - r.n_done for r in rs) for t, rs in prefilling.items()}
@@ -815,7 +904,8 @@ class Scheduler:
                 parts = self._split(left, demand)
         for tenant, reqs in prefilling.items():
             budget = parts[tenant]
-            reqs.sort(key=lambda r: (r.n_tokens - r.n_done > fast, r.key))
+            if len(reqs) > 1:
+                reqs.sort(key=lambda r: self.prompt_order(r, now))
             for req in reqs:
                 if budget <= 0:
                     break
@@ -825,6 +915,36 @@ class Scheduler:
                 plan.append((req, req.n_done, k, req.n_done + k == req.n_tokens))
                 budget -= k
         return plan
+
+    def prompt_order(
+        self,
+        req: Request,
+        now: float | None,
+        left: int | None = None,
+        waiters: int | None = None,
+    ) -> OrderKey:
+        """Sort key of a prefilling request in its tenant's part of the prompt budget (module
+        docs, "Shared prefixes"): short remainders (the fast lane's) first; then the aged
+        (waited ``aging_s`` since queued, or admitted by aging) by arrival; then priority;
+        within a priority the least remaining work per user served, ``(tokens left) / (1 +
+        waiters)`` (Smith's rule: the order that minimizes the summed time to first token of
+        the request and the waiters of its prefix group); then arrival (O(1)). ``left`` and
+        ``waiters`` default to what the request has."""
+        if left is None:
+            left = req.n_tokens - req.n_done
+        if waiters is None:
+            waiters = self.waiters.get(req.seq, 0)
+        aging = self.queue.aging_s
+        aged = req.protected or (
+            now is not None
+            and aging is not None
+            and req.queued_at is not None
+            and now - req.queued_at >= aging
+        )
+        if aged:
+            return (left > self.fast_lane, False, 0, 0.0, req.key[1])
+        cost = left / (1 + waiters) if self.by_groups else 0.0
+        return (left > self.fast_lane, True, req.key[0], cost, req.key[1])
 
 
 class _Turns:

@@ -17,9 +17,9 @@ class ServerConfig:
     """``model``: a GGUF path or a registered model name (None: the default model).
     ``parallel``: sequences decoded at once; ``max_queue``: sequences that may wait beyond
     them (a request past that gets 503 with ``Retry-After``). ``ctx_size``, ``kv_memory``,
-    ``kv_type``, ``batch_tokens``, ``threads``, ``context_shift`` (the default of the
-    per-request option), ``kv_high_watermark``, ``kv_low_watermark``, ``session_ttl``,
-    ``max_sessions``: as :class:`kvserve.Engine` takes them. ``session_dir``: where
+    ``kv_type``, ``batch_tokens``, ``prompt_order``, ``threads``, ``context_shift`` (the
+    default of the per-request option), ``kv_high_watermark``, ``kv_low_watermark``,
+    ``session_ttl``, ``max_sessions``: as :class:`kvserve.Engine` takes them. ``session_dir``: where
     ``/v1/sessions/{id}/save`` writes and ``/v1/sessions/restore`` reads session files (None:
     sessions live in memory only). ``kv_disk``, ``kv_disk_size``: the K/V disk tier's
     directory (None: no tier) and size, as :class:`kvserve.Engine` takes them. ``kv_remote``,
@@ -61,6 +61,7 @@ class ServerConfig:
     kv_memory: int | str | None = None
     kv_type: str = "f16"
     batch_tokens: int = 512
+    prompt_order: str = "groups"
     context_shift: bool = False
     session_dir: str | None = None
     kv_disk: str | None = None
@@ -105,6 +106,7 @@ class ServerConfig:
             "kv_remote": self.kv_remote,
             "kv_remote_ttl": self.kv_remote_ttl,
             "batch_tokens": self.batch_tokens,
+            "prompt_order": self.prompt_order,
             "context_shift": self.context_shift,
             "kv_high_watermark": self.kv_high_watermark,
             "kv_low_watermark": self.kv_low_watermark,
