@@ -251,11 +251,16 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
     errors = [f"{k}: {t.error}" for k, t in sorted(turns.items()) if t.error is not None]
     missing = 2 * args.users - len(turns)
     ttfts = [t.ttft for t in turns.values() if t.ttft is not None]
+    firsts = [t.ttft for k, t in turns.items() if k.endswith(".0") and t.ttft is not None]
     tokens = sum(t.tokens for t in turns.values())
     return {
         "wall_s": wall,
         "ttft_p50": statistics.median(ttfts) if ttfts else None,
         "ttft_p95": pct(ttfts, 0.95) if ttfts else None,
+        # First turns only (a user's wait for the first token of its first answer).
+        "ttft1_mean": statistics.mean(firsts) if firsts else None,
+        "ttft1_p50": statistics.median(firsts) if firsts else None,
+        "ttft1_p95": pct(firsts, 0.95) if firsts else None,
         "tokens": tokens,
         "tok_s": tokens / wall if wall > 0 else 0.0,
         "errors": len(errors) + missing,
@@ -476,6 +481,10 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], load: s
     ]
     for name, r in results.items():
         lines.append(f"- {name}: `{r['command']}`")
+        lines.append(
+            f"  - first turns' TTFT: mean {fmt(r.get('ttft1_mean'))} s, p50 "
+            f"{fmt(r.get('ttft1_p50'))} s, p95 {fmt(r.get('ttft1_p95'))} s"
+        )
         if r.get("resumed"):
             lines.append(f"  - its processes were found stopped and resumed {r['resumed']} times")
         if r.get("timed_out"):
