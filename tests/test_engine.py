@@ -490,6 +490,45 @@ def test_a_prompt_being_prefilled_is_not_computed_twice(served: Model, oracle: M
     assert later.cached_tokens >= shared and later.prefix_wait_s == 0.0
 
 
+@pytest.mark.parametrize("order", ["groups", "fcfs"])
+def test_a_shared_document_is_finished_before_a_longer_private_prompt(
+    served: Model, oracle: Model, order: str
+) -> None:
+    """A long private prompt arrives first, then four users of one shorter document, with
+    64-token prefill steps. With ``prompt_order="groups"`` the document (its work shared by
+    four) is computed first: each of its users has an answer before the long prompt's user;
+    with ``"fcfs"`` the long prompt, which came first, is answered first. Every answer is the
+    sequential one, and the document is computed once."""
+    private = "Describe every room of the old house on the hill, one after another. " * 24
+    doc = "Harbour report: the east wall was repaired in spring and the boats came back. " * 6
+    users = [doc + f"Question {q}: what was repaired?" for q in range(4)]
+    done: dict[int, float] = {}
+    with Engine(served, parallel=8, ctx_size=1024, batch_tokens=64, prompt_order=order) as eng:
+
+        async def one(i: int, prompt: str) -> GenerateResult:
+            r = await eng.agenerate(prompt, max_tokens=1)
+            done[i] = time.monotonic()
+            return r
+
+        async def main() -> list[GenerateResult]:
+            first = asyncio.ensure_future(one(0, private))
+            await asyncio.sleep(0.05)  # the private prompt is admitted first
+            rest = [asyncio.ensure_future(one(1 + i, u)) for i, u in enumerate(users)]
+            return list(await asyncio.gather(first, *rest))
+
+        got = asyncio.run(main())
+    n_private = len(oracle.tokenize(private, add_special=True, parse_special=True))
+    n_doc = len(oracle.tokenize(doc, add_special=True, parse_special=True))
+    assert n_private > 3 * n_doc > 3 * 64  # several steps each, the private one the longest
+    if order == "groups":
+        assert max(done[i] for i in range(1, 5)) < done[0]
+    else:
+        assert done[0] < min(done[i] for i in range(1, 5))
+    assert sum(g.cached_tokens > 0 for g in got[1:]) >= 3  # the document was computed once
+    for g, prompt in zip(got, [private, *users], strict=True):
+        assert g.tokens == sequential(oracle, prompt, 1).tokens
+
+
 def test_priority_orders_admission_and_preempts(served: Model) -> None:
     """With one slot busy, a waiting request of higher priority preempts the running one (which
     resumes later and finishes with the text an unloaded run gives) and goes before an earlier
