@@ -279,7 +279,7 @@ impl Worker<'_> {
     /// Like [`Worker::for_tasks`], for tasks that may run more than once: `f(i, commit)`
     /// computes task `i` into memory private to this member (writing nothing shared), then, if
     /// `commit.win()`, publishes the result (writes its shared outputs). A member that has run
-    /// out of tasks and has waited [`REDO_PATIENCE`] (or twice its own mean task of the step)
+    /// out of tasks and has waited `REDO_PATIENCE` (or twice its own mean task of the step)
     /// for a task another member holds runs that task again; the first run to finish
     /// publishes, exactly once per task, and the step is over when every task is published. A
     /// member preempted inside a task thus holds nobody up.

@@ -25,7 +25,7 @@
 //!   the blocks in state 0. Everything else — allocation from the free stack, retain, release
 //!   of a non-last reference, release of an untagged block, revive of a referenced block — is
 //!   lock-free. The critical sections are O(1) (a few loads and stores).
-//! - Counters `free`, `cached`, `shared` are kept in step with the transitions, so [`stats`]
+//! - Counters `free`, `cached`, `shared` are kept in step with the transitions, so `stats`
 //!   is O(1) (exact when quiescent); `evicted` counts evictions since the pool was made.
 //!
 //! # Linearization points

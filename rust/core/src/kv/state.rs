@@ -611,7 +611,7 @@ impl LayerGroups {
 
     /// Checks, without writing anything, that `data` (a K/V state from
     /// [`LayerGroups::seq_state_read`]; a hybrid model's recurrent part already split off) is a
-    /// state of this model and K/V format ([`LayerGroups::parse_groups`]: every length exact,
+    /// state of this model and K/V format (`LayerGroups::parse_groups`: every length exact,
     /// every header field in range, every group consistent with the primary) that holds exactly
     /// `tokens`: the primary group's cells are positions `0..n` holding `tokens` (`n =
     /// tokens.len()`), another full-attention group holds the same cells, and a window group of

@@ -1191,7 +1191,7 @@ pub struct BenchResult {
     pub groups: Vec<GroupUsage>,
 }
 
-/// One K/V layer group's memory as [`bench`] saw it.
+/// One K/V layer group's memory as [`bench()`] saw it.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupUsage {
     pub kind: LayerKind,

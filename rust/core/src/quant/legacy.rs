@@ -3,11 +3,11 @@
 //! product against Q8 activations.
 //!
 //! Layouts (little-endian, `d`/`m` are IEEE half floats):
-//! - Q4_0 (18 B): d, qs[16]; x[j] = (lo(qs[j]) - 8) * d, x[j+16] = (hi(qs[j]) - 8) * d
-//! - Q4_1 (20 B): d, m, qs[16]; x[j] = lo(qs[j]) * d + m, x[j+16] = hi(qs[j]) * d + m
-//! - Q5_0 (22 B): d, qh: u32, qs[16]; bit j of qh is bit 4 of element j; value - 16, times d
-//! - Q5_1 (24 B): d, m, qh, qs[16]; value * d + m
-//! - Q8_0 (34 B): d, qs: [i8; 32]; x[j] = qs[j] * d
+//! - Q4_0 (18 B): `d, qs[16]; x[j] = (lo(qs[j]) - 8) * d, x[j+16] = (hi(qs[j]) - 8) * d`
+//! - Q4_1 (20 B): `d, m, qs[16]; x[j] = lo(qs[j]) * d + m, x[j+16] = hi(qs[j]) * d + m`
+//! - Q5_0 (22 B): `d, qh: u32, qs[16]; bit j of qh is bit 4 of element j; value - 16, times d`
+//! - Q5_1 (24 B): `d, m, qh, qs[16]; value * d + m`
+//! - Q8_0 (34 B): `d, qs: [i8; 32]; x[j] = qs[j] * d`
 //!
 //! For dot products every block is viewed as `x[j] = d * q[j] + m_eff` with integer `q[j]`
 //! (unsigned 0..31 for the 4/5-bit types, signed for Q8_0) and `m_eff` = `m`, `-8d`, `-16d`

@@ -5,7 +5,7 @@
 //! - Legacy weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0): blocks of 32 int8 `qa` with f32 scale
 //!   `da = amax / 127` and `sa = da * sum(qa)` (like ggml's Q8_1 but with f32 scales). Values
 //!   round to nearest, ties away from zero. Stored contiguously per token. When a tile kernel
-//!   will be used (AVX-512 VNNI, see [`Pack`]), a second "packed" copy interleaves the tokens:
+//!   will be used (AVX-512 VNNI, see `Pack`), a second "packed" copy interleaves the tokens:
 //!   for every block and every 4-element group, 4 tokens x 4 bytes in one 16-byte line (2 to 4
 //!   tokens), 8 tokens x 4 bytes in one 32-byte line (5 to 32 tokens, groups of 8) or 16
 //!   tokens x 4 bytes in one 64-byte line (wide, 33 tokens and more: prefill).

@@ -30,7 +30,7 @@
 //!
 //! # Guarantees
 //!
-//! * [`dot16`] returns, per row, the bits of `legacy::vec_dot_scalar` on the GGUF row: the
+//! * `dot16` returns, per row, the bits of `legacy::vec_dot_scalar` on the GGUF row: the
 //!   canonical order (8 slot accumulators, block `b` into slot `b % 8`, `s = m * sa + (isum *
 //!   (d * da) + s)` as two fused multiply-adds, the fixed final tree), so a token's logits stay
 //!   independent of the batch and of whether its rows were repacked. Tests compare the AVX-512
@@ -133,7 +133,7 @@ pub fn repack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec
     Some(out)
 }
 
-/// Scalar twin of [`dot16`]: the dots of the 16 rows of one group (`grp`: its `nb` blocks)
+/// Scalar twin of `dot16`: the dots of the 16 rows of one group (`grp`: its `nb` blocks)
 /// with one token's Q8 activations (`qa`: `32 * nb` quants, `ds`: `nb` pairs `(da, sa)`), in
 /// the canonical order.
 pub fn dot16_scalar(ty: GgmlType, grp: &[u8], qa: &[i8], ds: &[f32]) -> [f32; ROWS] {
