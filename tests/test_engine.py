@@ -44,6 +44,7 @@ STATS_KEYS = {
     "session_misses",
     "kv_blocks_evicted",
     "decode_tok_s",
+    "model_repacked_bytes",
     "prefix_hit_rate_recent",
     "cached_prompt_tokens_session",
     "cached_prompt_tokens_prefix",

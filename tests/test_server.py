@@ -1217,6 +1217,7 @@ _FAMILIES = {
     ("kvserve_running", "gauge"),
     ("kvserve_sessions", "gauge"),
     ("kvserve_decode_tokens_per_second", "gauge"),
+    ("kvserve_model_repacked_bytes", "gauge"),
     ("kvserve_kv_disk_hit_blocks", "counter"),
     ("kvserve_kv_disk_hit_tokens", "counter"),
     ("kvserve_kv_disk_misses", "counter"),
@@ -1305,6 +1306,7 @@ def test_metrics_follow_the_engine(model_path: Path, model: Model) -> None:
             assert _families(url) == _FAMILIES
             m0 = _metrics(url)
             assert m0["kvserve_kv_blocks_total"] == 6
+            assert m0["kvserve_model_repacked_bytes"] == small.core.repacked_bytes
             assert m0["kvserve_kv_group_blocks_total"] == {(("group", "full"),): 6}
 
             def moved(a: dict[str, Any], b: dict[str, Any], name: str, *labels: str) -> float:

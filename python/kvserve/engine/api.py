@@ -958,6 +958,7 @@ class Engine:
             "session_misses": loop.sessions.misses,
             "kv_blocks_evicted": int(st["blocks_evicted"]),
             "decode_tok_s": sum(n for n, _ in recent) / busy if busy > 0 else 0.0,
+            "model_repacked_bytes": self.model.core.repacked_bytes,
             "grammar_compiles": self._grammars.compiles,
             "grammar_compile_seconds": self._grammars.compile_seconds,
             "grammar_cache_hits": self._grammars.hits,

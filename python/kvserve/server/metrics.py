@@ -203,6 +203,11 @@ _GAUGES = {
     "running": ("kvserve_running", "Sequences running in the engine"),
     "sessions": ("kvserve_sessions", "Sessions held"),
     "decode_tok_s": ("kvserve_decode_tokens_per_second", "Generated tokens/s over the last 10 s"),
+    "model_repacked_bytes": (
+        "kvserve_model_repacked_bytes",
+        "Bytes of weights the model copied at load in the decode kernels' layouts (beside its"
+        " mapped file)",
+    ),
     "kv_disk_entries": ("kvserve_kv_disk_entries", "K/V blocks held by the disk tier"),
     "kv_disk_bytes": ("kvserve_kv_disk_bytes", "Bytes held by the K/V disk tier"),
     "kv_disk_bytes_max": ("kvserve_kv_disk_bytes_max", "Size limit of the K/V disk tier"),
