@@ -30,7 +30,8 @@
 //! the request is admitted (`PagedCache::match_prefix_staged`), as a disk read would be. A
 //! block evicted from the store between the two round trips, or invalid, ends the run there.
 //!
-//! **Faults.** Every command runs with a timeout ([`RemoteOptions::timeout`]). A connection
+//! **Faults.** Every command runs with a timeout ([`RemoteOptions::timeout`]), and so does
+//! resolving the store's host name (on a thread of its own: the system resolver has none). A connection
 //! or protocol error drops the connection, is counted (`errors`), and turns the tier off for
 //! [`RemoteOptions::retry_after`]: fetches and writes are skipped (counted) until then, so a
 //! store that is down or slow costs each request at most one timeout and then nothing; the
@@ -338,6 +339,35 @@ fn proto(why: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why.into())
 }
 
+/// The addresses of `host:port`: an IP literal at once; a name by `resolve` (the system
+/// resolver, which has no timeout of its own) on a thread of its own, waited for at most
+/// `timeout`, so a resolver that hangs costs the caller one timeout like any other fault (the
+/// thread ends when the resolver returns; its answer is then dropped).
+fn resolve_within(
+    host: &str,
+    port: u16,
+    timeout: Duration,
+    resolve: fn(&str, u16) -> io::Result<Vec<SocketAddr>>,
+) -> io::Result<Vec<SocketAddr>> {
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let (tx, rx) = mpsc::channel();
+    let name = host.to_string();
+    std::thread::Builder::new()
+        .name("kvserve-resolve".into())
+        .spawn(move || {
+            let _ = tx.send(resolve(&name, port));
+        })?;
+    match rx.recv_timeout(timeout) {
+        Ok(got) => got,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("resolving {host} took longer than {timeout:?}"),
+        )),
+    }
+}
+
 /// One connection: commands out, replies in, each read or write bounded by the timeout.
 struct Conn {
     r: BufReader<TcpStream>,
@@ -346,7 +376,9 @@ struct Conn {
 
 impl Conn {
     fn open(addr: &RemoteAddr, timeout: Duration) -> io::Result<Conn> {
-        let addrs: Vec<SocketAddr> = (addr.host.as_str(), addr.port).to_socket_addrs()?.collect();
+        let addrs = resolve_within(&addr.host, addr.port, timeout, |h, p| {
+            (h, p).to_socket_addrs().map(|a| a.collect())
+        })?;
         let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
         for a in addrs {
             match TcpStream::connect_timeout(&a, timeout) {
@@ -1116,6 +1148,38 @@ pub(crate) mod test_server {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    #[test]
+    fn names_resolve_within_the_timeout() {
+        use super::resolve_within;
+        use std::net::{SocketAddr, ToSocketAddrs};
+        use std::time::{Duration, Instant};
+        let sys = |h: &str, p: u16| (h, p).to_socket_addrs().map(|a| a.collect::<Vec<_>>());
+        let t = Duration::from_secs(5);
+        // An IP literal needs no resolver; a name goes through it.
+        let never = |_: &str, _: u16| -> std::io::Result<Vec<SocketAddr>> { panic!("called") };
+        let ip = resolve_within("127.0.0.1", 6379, t, never).unwrap();
+        assert_eq!(ip, vec!["127.0.0.1:6379".parse().unwrap()]);
+        let v6 = resolve_within("::1", 7, t, never).unwrap();
+        assert_eq!(v6, vec!["[::1]:7".parse().unwrap()]);
+        let local = resolve_within("localhost", 6379, t, sys).unwrap();
+        assert!(!local.is_empty() && local.iter().all(|a| a.ip().is_loopback()));
+        // A resolver that hangs: a TimedOut error after the timeout, not after the resolver.
+        let hang = |_: &str, _: u16| -> std::io::Result<Vec<SocketAddr>> {
+            std::thread::sleep(Duration::from_secs(3));
+            Ok(vec![])
+        };
+        let t0 = Instant::now();
+        let e = resolve_within("example.invalid", 1, Duration::from_millis(100), hang);
+        assert_eq!(e.unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        // A resolver's error comes through.
+        let fail = |_: &str, _: u16| -> std::io::Result<Vec<SocketAddr>> {
+            Err(std::io::Error::other("no such host"))
+        };
+        let e = resolve_within("nowhere", 1, t, fail).unwrap_err();
+        assert_eq!(e.to_string(), "no such host");
+    }
+
     use super::test_server::RedisServer;
     use super::*;
     use std::net::TcpListener;
