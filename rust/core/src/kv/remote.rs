@@ -31,11 +31,11 @@
 //! block evicted from the store between the two round trips, or invalid, ends the run there.
 //!
 //! **Faults.** Every command runs with a timeout ([`RemoteOptions::timeout`]), and so does
-//! resolving the store's host name (on a thread of its own: the system resolver has none). A connection
-//! or protocol error drops the connection, is counted (`errors`), and turns the tier off for
-//! [`RemoteOptions::retry_after`]: fetches and writes are skipped (counted) until then, so a
-//! store that is down or slow costs each request at most one timeout and then nothing; the
-//! request recomputes what it did not get. Only commands Valkey has too: `AUTH`, `SELECT`,
+//! resolving the store's host name (on a thread of its own: the system resolver has none). A
+//! connection or protocol error drops the connection, is counted (`errors`), and turns the tier
+//! off for [`RemoteOptions::retry_after`]: fetches and writes are skipped (counted) until then,
+//! so a store that is down or slow costs each request at most one timeout and then nothing;
+//! the request recomputes what it did not get. Only commands Valkey has too: `AUTH`, `SELECT`,
 //! `PING`, `EXISTS`, `MGET`, `SET` with `NX` and `PX`, and (tests) `DEL`.
 
 use std::collections::HashMap;
