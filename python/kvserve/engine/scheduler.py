@@ -343,6 +343,11 @@ def _default_policy(tenant: Tenant) -> TenantPolicy:
     return SHARED_POLICY if tenant is None else DEFAULT_POLICY
 
 
+def _prefilling(req: Request) -> bool:
+    """Whether ``req`` still has prompt tokens to compute before its last (O(1))."""
+    return req.n_done < len(req.ids) - req.shift - 1
+
+
 def _closing(req: Request) -> bool:
     return req.turn is not None and req.turn.closing
 
@@ -390,6 +395,8 @@ class Scheduler:
         # Sequence id of a prefilling request -> waiting requests that, at the last admission,
         # waited for prompt blocks it is computing (its prefix group's other members).
         self.waiters: dict[int, int] = {}
+        # During an admission: the running requests still prefilling (else None).
+        self._prefilling: list[Request] | None = None
 
     def weight(self, tenant: Tenant) -> float:
         return float(self.policy(tenant).weight)
@@ -455,6 +462,17 @@ class Scheduler:
         self.waiters.clear()
         if not queue:  # nothing waits (every step of a lone stream): nothing to weigh
             return []
+        # The running requests still prefilling, kept up to date through this admission
+        # (_start, preempt): the only ones a waiting request can wait for.
+        self._prefilling = [r for r in self.running.values() if _prefilling(r)]
+        try:
+            return self._admit(res, now)
+        finally:
+            self._prefilling = None
+
+    def _admit(self, res: Resources, now: float) -> list[Request]:
+        """:meth:`admit` once something waits."""
+        queue = self.queue
         avail = res.available()
         room = avail - sum(self.blocks_to_fill(r) + len(r.children) for r in self.running.values())
         held = self.slots_by_tenant()
@@ -474,7 +492,7 @@ class Scheduler:
                 break
             tenant = req.tenant
             resident = res.resident_prefix(req)
-            if self.prefix_cache and resident is None:
+            if self.prefix_cache and resident is None and self._prefilling:
                 sharer = self.sharing_prefix(req)
                 if sharer is not None:
                     # Its blocks come cached in a step or two: it waits with its place, takes
@@ -645,6 +663,8 @@ class Scheduler:
             return False
         req.n_done = matched
         self.running[req.seq] = req
+        if self._prefilling is not None and _prefilling(req):
+            self._prefilling.append(req)
         return True
 
     def _preempt(
@@ -668,6 +688,8 @@ class Scheduler:
     def preempt(self, res: Resources, victim: Request) -> None:
         """Takes ``victim`` off the running set and lets the resources release and requeue it."""
         del self.running[victim.seq]
+        if self._prefilling is not None and victim in self._prefilling:
+            self._prefilling.remove(victim)
         res.preempt(victim)
 
     def _fast_lane(
@@ -730,7 +752,8 @@ class Scheduler:
         if usable == 0:
             return None
         head = ids[:b]
-        for other in self.running.values():
+        others = self.running.values() if self._prefilling is None else self._prefilling
+        for other in others:
             if other.salt != req.salt:
                 continue  # its blocks are keyed under another salt: nothing to share
             oids = other.context()
