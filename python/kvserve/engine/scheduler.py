@@ -96,9 +96,9 @@ a push, a pop and a tenant's head are O(log W + D) for W waiting requests of D d
 priorities; a cancelled or out-of-turn request is removed in O(1) (its entry is skipped later;
 the heaps are compacted when dead entries outnumber live ones, O(W) amortized over as many
 removals). The fast lane walks the head tenant's first ``2 x parallel`` requests in order
-without touching the rest (O(k log k), a cache lookup and O(R) each). A request waiting for a
-shared prefix costs O(R x shared blocks) a step to find whom it waits for, and sorting the
-plan O(R log R). Admission considers at most ``3 x parallel`` requests
+without touching the rest (O(k log k), a cache lookup and O(R) each). A request considered
+looks among the P running requests still prefilling for one computing its prefix (O(P x
+shared blocks); nothing when none is), and sorting the plan costs O(R log R). Admission considers at most ``3 x parallel`` requests
 a step; each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for
 T tenants with work: the slots and prompt work per tenant (one pass over the running set), a
 heap of the waiting tenants (O(T x D) to build, O(log T + D) per request considered), the
