@@ -98,8 +98,8 @@ the heaps are compacted when dead entries outnumber live ones, O(W) amortized ov
 removals). The fast lane walks the head tenant's first ``2 x parallel`` requests in order
 without touching the rest (O(k log k), a cache lookup and O(R) each). A request considered
 looks among the P running requests still prefilling for one computing its prefix (O(P x
-shared blocks); nothing when none is), and sorting the plan costs O(R log R). Admission considers at most ``3 x parallel`` requests
-a step; each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for
+shared blocks); nothing when none is), and sorting the plan costs O(R log R). Admission
+considers at most ``3 x parallel`` requests a step; each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for
 T tenants with work: the slots and prompt work per tenant (one pass over the running set), a
 heap of the waiting tenants (O(T x D) to build, O(log T + D) per request considered), the
 budget's water-filling (a sort of the prefilling tenants' virtual times); a fair preemption or
