@@ -91,19 +91,19 @@ latest request of such a tenant for a head whose tenant stays within its quota w
 as above, one of lower priority of the head's own tenant); a decode short of memory preempts
 from such a tenant before the overall victim.
 
-Per-step cost. The queue keeps one heap per tenant and distinct priority (keyed by arrival), so
-a push, a pop and a tenant's head are O(log W + D) for W waiting requests of D distinct
-priorities; a cancelled or out-of-turn request is removed in O(1) (its entry is skipped later;
-the heaps are compacted when dead entries outnumber live ones, O(W) amortized over as many
-removals). The fast lane walks the head tenant's first ``2 x parallel`` requests in order
-without touching the rest (O(k log k), a cache lookup and O(R) each). A request considered
-looks among the P running requests still prefilling for one computing its prefix (O(P x
-shared blocks); nothing when none is), and sorting the plan costs O(R log R). Admission
-considers at most ``3 x parallel`` requests a step; each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for
-T tenants with work: the slots and prompt work per tenant (one pass over the running set), a
-heap of the waiting tenants (O(T x D) to build, O(log T + D) per request considered), the
-budget's water-filling (a sort of the prefilling tenants' virtual times); a fair preemption or
-a memory shortage looks at the T tenants and the R running requests. Nothing scans the queue.
+Per-step cost. The queue keeps one heap per tenant and distinct priority (keyed by arrival), so a
+push, a pop and a tenant's head are O(log W + D) for W waiting requests of D distinct priorities; a
+cancelled or out-of-turn request is removed in O(1) (its entry is skipped later; the heaps are
+compacted when dead entries outnumber live ones, O(W) amortized over as many removals). The fast
+lane walks the head tenant's first ``2 x parallel`` requests in order without touching the rest
+(O(k log k), a cache lookup and O(R) each). A request considered looks among the P running requests
+still prefilling for one computing its prefix (O(P x shared blocks); nothing when none is), and
+sorting the plan costs O(R log R). Admission considers at most ``3 x parallel`` requests a step;
+each admission looks at the R running requests (O(R)). Tenants add O(R + T log T) for T tenants
+with work: the slots and prompt work per tenant (one pass over the running set), a heap of the
+waiting tenants (O(T x D) to build, O(log T + D) per request considered), the budget's
+water-filling (a sort of the prefilling tenants' virtual times); a fair preemption or a memory
+shortage looks at the T tenants and the R running requests. Nothing scans the queue.
 """
 
 from __future__ import annotations
