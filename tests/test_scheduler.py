@@ -406,6 +406,8 @@ def test_priority_and_the_fast_lane_bound_the_group_order() -> None:
     short.n_done = 36  # 4 left: the fast lane's
     s.admit(res, 0.0)
     assert s.waiters == {big.seq: 6}
+    assert [e[0] for e in s.plan(0.0)] == [short]  # a short step for the first token
+    s.charge([])  # (as if computed)
     assert [e[0] for e in s.plan(0.0)] == [short, lone, big]
 
 
@@ -578,11 +580,20 @@ def test_the_plan_gives_every_generating_sequence_a_token_then_prompt_chunks() -
         s.queue.push(r, 0.0)
     s.admit(res, 0.0)
     short.n_done = 8  # a short remainder (fast lane size) goes first
+    # First tokens first: with a remainder that ends in a first token, the longer prompts sit
+    # the step out (a short step) ...
+    plan = s.plan()
+    assert [(e[0], e[2], e[3]) for e in plan[:3]] == [(g, 1, True) for g in gens]
+    assert [(e[0], e[1], e[2], e[3]) for e in plan[3:]] == [(short, 8, 4, True)]
+    # ... but never two steps in a row: then the budget goes in order, to its end.
+    s.charge(plan)
     plan = s.plan()
     assert [(e[0], e[2], e[3]) for e in plan[:3]] == [(g, 1, True) for g in gens]
     rest = [(e[0], e[1], e[2], e[3]) for e in plan[3:]]
     assert rest == [(short, 8, 4, True), (high, 0, 13, False)]
     assert sum(e[2] for e in plan) == 20
+    s.charge(plan)  # a full step: the next with a short remainder is short again
+    assert [e[0] for e in s.plan()[3:]] == [short]
 
 
 # -- tenants -----------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ One step:
    between tenants by weighted fair queuing over prompt tokens and each tenant's part going
    to its short remainders first, then the aged, then highest priority and within a priority
    the least work left per user served (tokens left / (1 + waiters): a shared document's
-   users all start early; ``prompt_order="fcfs"``: earliest first);
+   users all start early; ``prompt_order="fcfs"``: earliest first); a step that brings a
+   short remainder to its first token leaves the longer prompts out, at most every other
+   step (a short step: that first token comes a long step sooner);
 4. ``decode`` it (the GIL is released). The core first checks that the pool can hold the
    batch in every layer group; if not it raises ``KvCacheFull`` having computed and changed
    nothing, and the loop evicts idle sessions, then preempts the lowest-priority,
