@@ -594,6 +594,10 @@ def test_the_plan_gives_every_generating_sequence_a_token_then_prompt_chunks() -
     assert sum(e[2] for e in plan) == 20
     s.charge(plan)  # a full step: the next with a short remainder is short again
     assert [e[0] for e in s.plan()[3:]] == [short]
+    # Only while the short remainders are at most a quarter of the budget (here 5 tokens):
+    # more than that, and the step is an ordinary one, the remainders first.
+    short.n_done = 6  # 6 left
+    assert [e[0] for e in s.plan()[3:]] == [short, high]
 
 
 # -- tenants -----------------------------------------------------------------------------------

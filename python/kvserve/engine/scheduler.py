@@ -39,7 +39,10 @@ First tokens first (either order). A step that holds a prompt at most ``fast_lan
 from its end (its first token: a shared document's user once the document is cached, a
 session's next turn) leaves the longer prompts out, so it is a short step and those first
 tokens come one long step sooner (a 512-token prompt step takes ~0.5-1 s on a small CPU); it
-does so at most every other computed step, so the longer prompts always progress.
+does so at most every other computed step, so the longer prompts always progress, and only
+while such remainders total at most a quarter of ``batch_tokens``, so the step is short
+indeed and a flood of short prompts (any tenant's) costs the longer prompts at most a
+quarter-size step in every two.
 
 Preemption. When no slot is free, or the pool cannot hold the head's prompt after idle sessions
 were reclaimed, and the head (not merely promoted) has a higher priority than some running
@@ -932,10 +935,18 @@ class Scheduler:
         # First tokens first: while a prompt is a short remainder from its first token (the
         # fast lane's, a shared document's user once the document is cached), the longer
         # prompts sit this step out, so it is a short step and the first tokens come a long
-        # step sooner; they do so at most every other step, so they always progress.
+        # step sooner; they do so at most every other step, so they always progress, and
+        # only while those remainders are at most a quarter of the budget: then the step is
+        # short indeed, and a client (of any tenant) that keeps sending such prompts costs
+        # the long prompts at most a quarter-size step in two.
         fast = self.fast_lane
         rests = [r.n_tokens - r.n_done for rs in prefilling.values() for r in rs]
-        short = not self._cut_last and min(rests, default=fast + 1) <= fast < max(rests, default=0)
+        quick = sum(n for n in rests if n <= fast)
+        short = (
+            not self._cut_last
+            and 0 < quick <= self.batch_tokens // 4
+            and max(rests, default=0) > fast
+        )
         if short:
             cut = {
                 t: [r for r in rs if r.n_tokens - r.n_done <= fast] for t, rs in prefilling.items()
