@@ -41,7 +41,7 @@
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -339,10 +339,16 @@ fn proto(why: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why.into())
 }
 
+/// Name lookups of [`resolve_within`] that may run at once, and those running.
+const MAX_RESOLVING: usize = 4;
+static RESOLVING: AtomicUsize = AtomicUsize::new(0);
+
 /// The addresses of `host:port`: an IP literal at once; a name by `resolve` (the system
 /// resolver, which has no timeout of its own) on a thread of its own, waited for at most
 /// `timeout`, so a resolver that hangs costs the caller one timeout like any other fault (the
-/// thread ends when the resolver returns; its answer is then dropped).
+/// thread ends when the resolver returns; its answer is then dropped). At most
+/// [`MAX_RESOLVING`] such threads live at once in the process: past that (a resolver that hangs
+/// while the tier retries) a name fails at once instead of leaving one more thread behind.
 fn resolve_within(
     host: &str,
     port: u16,
@@ -352,13 +358,25 @@ fn resolve_within(
     if let Ok(ip) = host.parse::<std::net::IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
+    if RESOLVING.fetch_add(1, Ordering::AcqRel) >= MAX_RESOLVING {
+        RESOLVING.fetch_sub(1, Ordering::AcqRel);
+        return Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("resolving {host}: {MAX_RESOLVING} earlier lookups have not returned"),
+        ));
+    }
     let (tx, rx) = mpsc::channel();
     let name = host.to_string();
-    std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name("kvserve-resolve".into())
         .spawn(move || {
             let _ = tx.send(resolve(&name, port));
-        })?;
+            RESOLVING.fetch_sub(1, Ordering::AcqRel);
+        });
+    if let Err(e) = spawned {
+        RESOLVING.fetch_sub(1, Ordering::AcqRel);
+        return Err(e);
+    }
     match rx.recv_timeout(timeout) {
         Ok(got) => got,
         Err(_) => Err(io::Error::new(
@@ -1178,6 +1196,33 @@ mod tests {
         };
         let e = resolve_within("nowhere", 1, t, fail).unwrap_err();
         assert_eq!(e.to_string(), "no such host");
+        // Resolvers that keep hanging leave at most MAX_RESOLVING threads: the lookups past
+        // that fail at once (the one above may still hold a place: it sleeps 3 s).
+        let short = Duration::from_millis(20);
+        let kinds: Vec<_> = (0..super::MAX_RESOLVING + 2)
+            .map(|_| {
+                resolve_within("hangs.invalid", 1, short, hang)
+                    .unwrap_err()
+                    .kind()
+            })
+            .collect();
+        let busy = kinds
+            .iter()
+            .filter(|&&k| k == std::io::ErrorKind::WouldBlock)
+            .count();
+        assert!(busy >= 2, "{kinds:?}");
+        assert!(kinds.iter().all(|&k| matches!(
+            k,
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )));
+        // Once they return, lookups run again.
+        std::thread::sleep(Duration::from_millis(3500));
+        assert_eq!(
+            resolve_within("localhost", 6379, t, sys)
+                .map(|a| a.is_empty())
+                .ok(),
+            Some(false)
+        );
     }
 
     use super::test_server::RedisServer;
