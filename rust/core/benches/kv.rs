@@ -1,6 +1,7 @@
 //! KV cache hot paths: attention of one query token (a GQA group of 3 heads, head_dim 64, as
-//! SmolLM2) over 128-4096 cached cells of each K/V type at each SIMD level, and taking a block
-//! from a pool full of cached blocks (evict the LRU block, key it, release it).
+//! SmolLM2) over 128-4096 cached cells of each K/V type at each SIMD level, of a tile of prompt
+//! tokens, and taking a block from a pool full of cached blocks (evict the LRU block, key it,
+//! release it).
 //!
 //! `cargo bench -p kvserve-core --bench kv`. Moved here from the `#[ignore]`d `kv_measure`
 //! and `measure_eviction` tests; the accuracy of the K/V types is asserted by the attention
@@ -11,7 +12,7 @@ mod common;
 use common::Rng;
 use divan::counter::ItemsCount;
 use divan::Bencher;
-use kvserve_core::kv::attention::{attend_at, Mask, Query, Scratch};
+use kvserve_core::kv::attention::{attend_at, attend_tile_at, Mask, Query, Scratch, TILE_TOKENS};
 use kvserve_core::kv::storage::{KvLayout, KvStorage, KvType};
 use kvserve_core::kv::BlockPool;
 use kvserve_core::quant::SimdLevel;
@@ -152,6 +153,74 @@ fn decode_step_deep(bencher: Bencher, n_kv: usize) {
                     mask: Mask::All,
                 };
                 attend_at(level, &store, &table, n_kv, &query, &mut out, &mut scratch).unwrap();
+            }
+        });
+}
+
+/// Prompt attention: a tile of [`TILE_TOKENS`] consecutive prompt tokens (causal) after
+/// `depth` cached cells, every KV head of SmolLM2's geometry (3 KV heads of 3 query heads,
+/// head_dim 64, F16, blocks of 16), one layer, one thread: token by token with the
+/// single-token kernel (`tile = false`) or with the tile kernels (`tile = true`; the same
+/// bits). Counts cells x tokens x KV heads.
+#[divan::bench(args = [(128, false), (128, true), (1024, false), (1024, true)], max_time = 2)]
+fn prompt_tile(bencher: Bencher, (depth, tile): (usize, bool)) {
+    let kv_dim = HEAD_DIM * KV_HEADS;
+    let n_kv = depth + TILE_TOKENS;
+    let nb = n_kv.div_ceil(BLOCK);
+    let mut rng = Rng(depth as u64 + 7);
+    let layout = KvLayout {
+        ty: KvType::F16,
+        n_layers: 1,
+        kv_dim,
+        block_size: BLOCK,
+    };
+    let mut store = KvStorage::new(layout, nb).unwrap();
+    let mut table: Vec<u32> = (0..nb as u32).collect();
+    for i in (1..nb).rev() {
+        table.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    for i in 0..n_kv {
+        let (k, v) = (rng.normals(kv_dim, 1.0), rng.normals(kv_dim, 1.0));
+        store.write(0, table[i / BLOCK], i % BLOCK, &k, &v).unwrap();
+    }
+    let positions: Vec<i32> = (0..n_kv as i32).collect();
+    let ql = KV_HEADS * GROUP * HEAD_DIM;
+    let q = rng.normals(TILE_TOKENS * ql, 1.5);
+    let queries: Vec<Query> = (0..TILE_TOKENS)
+        .map(|t| Query {
+            layer: 0,
+            kv_head: 0,
+            kv_heads: KV_HEADS,
+            head_dim: HEAD_DIM,
+            q: &q[t * ql..(t + 1) * ql],
+            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            mask: Mask::Causal {
+                positions: &positions,
+                qpos: (depth + t) as i32,
+            },
+        })
+        .collect();
+    let mut out = vec![0.0; TILE_TOKENS * ql];
+    let mut scratch = Scratch::default();
+    let level = kvserve_core::quant::simd::level();
+    bencher
+        .counter(ItemsCount::new(n_kv * TILE_TOKENS * KV_HEADS))
+        .bench_local(|| {
+            if tile {
+                attend_tile_at(
+                    level,
+                    &store,
+                    &table,
+                    n_kv,
+                    &queries,
+                    &mut out,
+                    &mut scratch,
+                )
+                .unwrap();
+            } else {
+                for (query, o) in queries.iter().zip(out.chunks_exact_mut(ql)) {
+                    attend_at(level, &store, &table, n_kv, query, o, &mut scratch).unwrap();
+                }
             }
         });
 }

@@ -585,20 +585,25 @@ pub(super) struct SplitPlan {
     per: usize,
 }
 
-/// The split plans of a pass (per layer group; `None`: one task per token) and
-/// the chunk states' buffer.
+/// How a pass's attention is cut into tasks: per layer group a split plan (`None`: tiles of
+/// tokens), and the tiles.
+pub(super) struct PassPlan {
+    plans: Vec<Option<SplitPlan>>,
+    /// Runs of consecutive tokens of one sequence (`start..end`), at most [`tile_tokens`]
+    /// long: one task each when a layer group has no split plan.
+    tiles: Vec<(usize, usize)>,
+}
+
+/// The split plans of a pass, its tiles, and the chunk states' buffer.
 pub(super) struct AttnSplit<'a> {
     plans: Vec<Option<SplitPlan>>,
+    tiles: Vec<(usize, usize)>,
     part: SharedSlice<'a, f32>,
 }
 
 impl<'a> AttnSplit<'a> {
     /// The plans of `batch`'s pass over `kv`, and the values the chunk-state buffer needs.
-    pub(super) fn plan(
-        model: &Model,
-        kv: &[GroupKv<'_>],
-        batch: &Batch,
-    ) -> (Vec<Option<SplitPlan>>, usize) {
+    pub(super) fn plan(model: &Model, kv: &[GroupKv<'_>], batch: &Batch) -> (PassPlan, usize) {
         let c = &model.config;
         let plans: Vec<Option<SplitPlan>> = (0..kv.len())
             .map(|gi| split_plan(model, gi, &kv[gi], batch))
@@ -609,15 +614,43 @@ impl<'a> AttnSplit<'a> {
             .map(|p| p.first[p.first.len() - 1] * c.n_head * (c.head_dim + 2))
             .max()
             .unwrap_or(0);
-        (plans, len)
+        let tiles = tiles(batch, tile_tokens(batch.len(), model.team.threads()));
+        (PassPlan { plans, tiles }, len)
     }
 
-    pub(super) fn new(plans: Vec<Option<SplitPlan>>, part: &'a mut [f32]) -> AttnSplit<'a> {
+    pub(super) fn new(plan: PassPlan, part: &'a mut [f32]) -> AttnSplit<'a> {
         AttnSplit {
-            plans,
+            plans: plan.plans,
+            tiles: plan.tiles,
             part: SharedSlice::new(part),
         }
     }
+}
+
+/// Tokens per attention tile for a pass of `n` tokens on `threads` members: at most
+/// [`attention::TILE_TOKENS`], and few enough that there are about four tiles per member
+/// (a prompt's tiles differ in cost: later tokens see more cells).
+fn tile_tokens(n: usize, threads: usize) -> usize {
+    (n / (SPLIT_TASKS_PER_MEMBER * threads.max(1))).clamp(1, attention::TILE_TOKENS)
+}
+
+/// `batch`'s runs of consecutive tokens of one sequence, cut into tiles of at most `size`
+/// tokens (of nearly equal length within a run).
+fn tiles(batch: &Batch, size: usize) -> Vec<(usize, usize)> {
+    let n = batch.len();
+    let mut out = Vec::with_capacity(n.div_ceil(size.max(1)));
+    let mut start = 0;
+    while start < n {
+        let seq = batch.seq_ids[start];
+        let end = (start..n).find(|&t| batch.seq_ids[t] != seq).unwrap_or(n);
+        let pieces = (end - start).div_ceil(size.max(1));
+        for p in 0..pieces {
+            let (a, b) = ((end - start) * p / pieces, (end - start) * (p + 1) / pieces);
+            out.push((start + a, start + b));
+        }
+        start = end;
+    }
+    out
 }
 
 /// The attention mask of token `t` of `batch` in a layer of kind `kind` (its sequence's
@@ -662,9 +695,11 @@ fn split_plan(model: &Model, gi: usize, kv: &GroupKv<'_>, batch: &Batch) -> Opti
 
 /// Steps 4 and 5 of a layer, shared by every architecture: one task stores the batch's keys and
 /// values of layer `li` at its planned cells in the layer's group; then attention runs as one
-/// task per token: its query heads read each cached key and value once (a block's rows, every
-/// KV head side by side, in one pass), over the token's own sequence only, with the layer's
-/// mask (causal, or causal within the layer's window). `qkva` = [q, k, v, attn output].
+/// task per tile (consecutive tokens of one sequence, [`tiles`]; a decode step's tiles are its
+/// tokens): its query heads read each cached key and value once (a block's rows, every KV head
+/// side by side, in one pass; once for the whole tile, `attention::attend_tile`), over the
+/// token's own sequence only, with the layer's mask (causal, or causal within the layer's
+/// window). A token's bits do not depend on its tile. `qkva` = [q, k, v, attn output].
 ///
 /// A small batch whose sequences are deep (fewer tokens than [`SPLIT_TASKS_PER_MEMBER`] per
 /// member, some token with more than one chunk of cells) is split further: one task per
@@ -720,21 +755,38 @@ pub(super) unsafe fn store_and_attend<'a>(
         (view, query)
     };
     let Some(plan) = &split.plans[gi] else {
-        w.for_tasks(n, |t| {
+        let tiles = &split.tiles;
+        w.for_tasks(tiles.len(), |ti| {
+            let (t0, t1) = tiles[ti];
             // SAFETY: the storage and q are read-only in this step (taken inside the task: a
             // late member must not hold them while a later step writes them).
             let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
-            let (view, query) = query(q_r, t);
-            // SAFETY: token t's row of attn belongs to this task only.
-            let out = unsafe { attn.slice_mut(t * qd..(t + 1) * qd) };
-            attention::attend(
-                store,
-                &view.blocks,
-                view.positions.len(),
-                &query,
-                out,
-                scratch,
-            )
+            // SAFETY: the rows of tokens t0..t1 of attn belong to this task only.
+            let out = unsafe { attn.slice_mut(t0 * qd..t1 * qd) };
+            if t1 - t0 == 1 {
+                let (view, query) = query(q_r, t0);
+                attention::attend(
+                    store,
+                    &view.blocks,
+                    view.positions.len(),
+                    &query,
+                    out,
+                    scratch,
+                )
+            } else {
+                // One sequence's tokens: each block's K/V read once for all of them, each
+                // token's bits those of `attend`.
+                let view = query(q_r, t0).0;
+                let queries: Vec<Query> = (t0..t1).map(|t| query(q_r, t).1).collect();
+                attention::attend_tile(
+                    store,
+                    &view.blocks,
+                    view.positions.len(),
+                    &queries,
+                    out,
+                    scratch,
+                )
+            }
             .expect("query shapes were validated at load");
         });
         return;

@@ -61,6 +61,9 @@ use crate::error::{invalid, Result};
 use crate::quant::simd::{self, SimdLevel};
 use half::f16;
 
+mod tile;
+pub use tile::{attend_tile, attend_tile_at, TILE_TOKENS};
+
 /// Which of the `n_kv` cells a query sees.
 #[derive(Clone, Copy)]
 pub enum Mask<'a> {
@@ -132,6 +135,8 @@ pub struct Scratch {
     run: Vec<usize>,
     /// The masked cells of the block being computed.
     hidden: Vec<usize>,
+    /// The buffers of [`attend_tile`].
+    tile: tile::TileScratch,
 }
 
 /// Cells per chunk (rounded down to whole blocks, at least one block). Attention over a
@@ -223,6 +228,7 @@ fn attend_chunked(
         part,
         run,
         hidden,
+        ..
     } = scratch;
     max.clear();
     max.resize(g, f32::NEG_INFINITY);
