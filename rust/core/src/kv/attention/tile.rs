@@ -20,10 +20,7 @@
 //! Gemma 3's geometry); anything else runs the single-token kernel token by token, which gives
 //! the same bits by definition.
 
-use super::{
-    attend_chunked, chunk_blocks, exp_shift_sum, finish, fold_chunk, partial_len, row_max,
-    Geometry, Query, Scratch,
-};
+use super::{attend_chunked, chunk_blocks, Geometry, Query, Scratch};
 use crate::error::{invalid, Result};
 use crate::kv::storage::{KvStorage, KvType};
 use crate::quant::simd::{self, SimdLevel};
@@ -32,20 +29,29 @@ use crate::quant::simd::{self, SimdLevel};
 /// transposition widely, few enough that a prompt's tiles still spread over the team.
 pub const TILE_TOKENS: usize = 16;
 
-/// Buffers of the tile path, kept in [`Scratch`].
+/// Buffers of the tile path, kept in [`Scratch`]. Per (KV head, row vector): `hd x 16`
+/// values of transposed queries, chunk output and folded output, and 16 of each max and sum.
 #[derive(Default, Debug)]
 pub(super) struct TileScratch {
-    /// One 16-cell piece of a block's keys of one KV head, transposed (`head_dim` x 16).
-    kt: Vec<f32>,
-    /// A block's values of one KV head as f32 (`block_size` x `head_dim`).
+    qt: Vec<f32>,
+    co: Vec<f32>,
+    cm: Vec<f32>,
+    cs: Vec<f32>,
+    fo: Vec<f32>,
+    fm: Vec<f32>,
+    fs: Vec<f32>,
+    /// Per row vector, each lane's score scale.
+    scale: Vec<f32>,
+    /// A block's keys and values of one KV head as f32 (`block_size x head_dim`).
+    kf: Vec<f32>,
     vf: Vec<f32>,
-    /// The scores of the tokens that see the block: per token `group x n`.
-    scores: Vec<f32>,
-    /// Per token, its current chunk's softmax state (`partial_len` values).
-    state: Vec<f32>,
-    /// Per token, the running max and sum over its folded chunks (one per head).
-    max: Vec<f32>,
-    sum: Vec<f32>,
+    /// Per cell of the block, 16 rows' scores, then weights.
+    sb: Vec<f32>,
+    /// Per row vector: the lanes whose token sees the block; per (row vector, cell): the
+    /// lanes for which the cell is masked; the lanes whose chunk ends at the block.
+    seen: Vec<u16>,
+    hid: Vec<u16>,
+    fold: Vec<u16>,
     /// Per token, visible blocks in its current chunk.
     count: Vec<usize>,
     /// The tokens that see the block, and their masked cells (`hidden[at[w]..at[w + 1]]`).
@@ -130,7 +136,7 @@ pub(super) fn tile_chunked(
     #[cfg(target_arch = "x86_64")]
     {
         let geo = Geometry::check(store, table, n_kv, q0, ql)?;
-        tiled(lvl, &geo, store, table, n_kv, queries, out, scratch, chunk);
+        tiled(&geo, store, table, n_kv, queries, out, scratch, chunk);
     }
     Ok(())
 }
@@ -145,20 +151,10 @@ pub(super) fn fast_path(lvl: SimdLevel, ty: KvType, head_dim: usize, tokens: usi
         && tokens > 1
 }
 
-/// Empties a chunk state: output 0, max `-inf`, sum 0 (as `run_blocks` starts a chunk).
-fn empty_state(st: &mut [f32], heads: usize, hd: usize) {
-    let (o, rest) = st.split_at_mut(heads * hd);
-    let (m, s) = rest.split_at_mut(heads);
-    o.fill(0.0);
-    m.fill(f32::NEG_INFINITY);
-    s.fill(0.0);
-}
-
 /// The AVX-512 tile path (F32/F16, `head_dim` a multiple of 16, `lvl` at least AVX-512).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 fn tiled(
-    lvl: SimdLevel,
     geo: &Geometry,
     store: &KvStorage,
     table: &[u32],
@@ -177,33 +173,74 @@ fn tiled(
         store.block_size(),
         queries.len(),
     );
-    let (seg, ql, plen) = (ty.row_bytes(hd), gt * hd, partial_len(gt, hd));
+    let (kvh, seg, ql) = (q0.kv_heads, ty.row_bytes(hd), gt * hd);
+    // Row r = token * g + head of the group; vector r / 16, lane r % 16 (every KV head alike).
+    let nr = nq * g;
+    let nv = nr.div_ceil(16);
     let TileScratch {
-        kt,
+        qt,
+        co,
+        cm,
+        cs,
+        fo,
+        fm,
+        fs,
+        scale,
+        kf,
         vf,
-        scores,
-        state,
-        max,
-        sum,
+        sb,
+        seen,
+        hid,
+        fold,
         count,
         who,
         hidden,
         at,
     } = &mut scratch.tile;
-    kt.resize(hd * 16, 0.0);
-    vf.resize(bs * hd, 0.0);
-    scores.resize(nq * g * bs, 0.0);
-    state.resize(nq * plen, 0.0);
-    for st in state.chunks_exact_mut(plen) {
-        empty_state(st, gt, hd);
+    let vecs = kvh * nv;
+    let big = vecs * hd * 16;
+    qt.resize(big, 0.0);
+    for buf in [&mut *co, &mut *fo] {
+        buf.clear();
+        buf.resize(big, 0.0);
     }
-    max.clear();
-    max.resize(nq * gt, f32::NEG_INFINITY);
-    sum.clear();
-    sum.resize(nq * gt, 0.0);
+    for (buf, x) in [
+        (&mut *cm, f32::NEG_INFINITY),
+        (&mut *fm, f32::NEG_INFINITY),
+        (&mut *cs, 0.0),
+        (&mut *fs, 0.0),
+    ] {
+        buf.clear();
+        buf.resize(vecs * 16, x);
+    }
+    scale.clear();
+    scale.resize(nv * 16, 0.0);
+    for r in 0..nr {
+        scale[r] = queries[r / g].scale;
+    }
+    kf.resize(bs * hd, 0.0);
+    vf.resize(bs * hd, 0.0);
+    sb.resize(bs * 16, 0.0);
+    seen.resize(nv, 0);
+    hid.resize(nv * bs, 0);
+    fold.resize(nv, 0);
     count.clear();
     count.resize(nq, 0);
-    out.fill(0.0);
+    // The queries, transposed: per (KV head, vector), dimension d of its 16 rows.
+    let row_q = |kh: usize, r: usize| -> Option<&[f32]> {
+        (r < nr).then(|| {
+            let (i, h) = (r / g, r % g);
+            &queries[i].q[(kh * g + h) * hd..(kh * g + h + 1) * hd]
+        })
+    };
+    for kh in 0..kvh {
+        for v in 0..nv {
+            let rows: [Option<&[f32]>; 16] = std::array::from_fn(|l| row_q(kh, v * 16 + l));
+            let dst = &mut qt[(kh * nv + v) * hd * 16..][..hd * 16];
+            // SAFETY: AVX-512 (the caller's `fast_path`); each row holds hd values, dst hd x 16.
+            unsafe { x86::transpose_in(&rows, hd, dst) };
+        }
+    }
     let layer = q0.layer;
     for bi in 0..geo.nb {
         let base = bi * bs;
@@ -226,162 +263,168 @@ fn tiled(
         if who.is_empty() {
             continue;
         }
+        seen.fill(0);
+        hid[..nv * n].fill(0);
+        for (wi, &i) in who.iter().enumerate() {
+            for h in 0..g {
+                let r = i * g + h;
+                let (v, bit) = (r / 16, 1u16 << (r % 16));
+                seen[v] |= bit;
+                for &j in &hidden[at[wi]..at[wi + 1]] {
+                    hid[v * n + j] |= bit;
+                }
+            }
+        }
         let blk = table[bi] as usize;
         let (krows, vrows) = (store.rows(layer, blk, false), store.rows(layer, blk, true));
-        let rows = who.len() * g;
-        for kh in 0..q0.kv_heads {
+        for kh in 0..kvh {
             let off = geo.seg_off + kh * seg;
             assert!((n - 1) * geo.stride + off + seg <= krows.len().min(vrows.len()));
-            // Scores of every (token, head) row, 16 cells at a time.
-            for j0 in (0..n).step_by(16) {
-                let m = 16.min(n - j0);
-                // SAFETY: `lvl` is at least AVX-512 and capped at `simd::detect()`; the
-                // assert keeps the m segments of head_dim values from cell j0 inside `krows`;
-                // kt holds head_dim x 16 values.
-                unsafe {
-                    let k = krows.as_ptr().add(off + j0 * geo.stride);
-                    if ty == KvType::F32 {
-                        x86::transpose_keys::<0>(k, geo.stride, m, hd, kt.as_mut_ptr());
-                    } else {
-                        x86::transpose_keys::<1>(k, geo.stride, m, hd, kt.as_mut_ptr());
-                    }
-                }
-                let sp = scores.as_mut_ptr();
-                let mut r0 = 0;
-                while r0 < rows {
-                    let rr = (rows - r0).min(4);
-                    // Rows past `rr` repeat valid ones and are not passed on.
-                    let row = |r: usize| {
-                        let (wi, h) = ((r0 + r) % rows / g, (r0 + r) % g);
-                        let qi = &queries[who[wi]];
-                        let qp = qi.q[(kh * g + h) * hd..].as_ptr();
-                        // SAFETY: (wi * g + h) * n + j0 < who.len() * g * n <= scores.len().
-                        (qp, qi.scale, unsafe { sp.add((wi * g + h) * n + j0) })
-                    };
-                    let q: [(*const f32, f32, *mut f32); 4] = std::array::from_fn(row);
-                    // SAFETY: as above; rows r0..r0 + rr are distinct (token, head) pairs, each
-                    // with head_dim query values and m score slots from cell j0 of its row of
-                    // n (the rows past rr are not touched).
-                    unsafe {
-                        match rr {
-                            1 => x86::scores_rows::<1>(kt.as_ptr(), hd, first(&q), m),
-                            2 => x86::scores_rows::<2>(kt.as_ptr(), hd, first(&q), m),
-                            3 => x86::scores_rows::<3>(kt.as_ptr(), hd, first(&q), m),
-                            _ => x86::scores_rows::<4>(kt.as_ptr(), hd, q, m),
-                        }
-                    }
-                    r0 += rr;
-                }
-            }
-            // Masks and the online softmax, per token and head, as `run_blocks` does them.
-            for (wi, &i) in who.iter().enumerate() {
-                let sc = &mut scores[wi * g * n..(wi + 1) * g * n];
-                for &j in &hidden[at[wi]..at[wi + 1]] {
-                    for h in 0..g {
-                        sc[h * n + j] = f32::NEG_INFINITY;
-                    }
-                }
-                let st = &mut state[i * plen..(i + 1) * plen];
-                let (o, rest) = st.split_at_mut(gt * hd);
-                let (mx, sm) = rest.split_at_mut(gt);
-                for h in 0..g {
-                    let hh = kh * g + h;
-                    let row = &mut sc[h * n..(h + 1) * n];
-                    let block_max = row_max(row);
-                    let old = mx[hh];
-                    let new = old.max(block_max);
-                    if new == f32::NEG_INFINITY {
-                        row.fill(0.0);
-                        continue;
-                    }
-                    if new != old {
-                        let c = (old - new).exp();
-                        sm[hh] *= c;
-                        for x in &mut o[hh * hd..(hh + 1) * hd] {
-                            *x *= c;
-                        }
-                    }
-                    sm[hh] += exp_shift_sum(lvl, row, new);
-                    mx[hh] = new;
-                }
-            }
-            // SAFETY: as above for `vrows`; vf holds block_size x head_dim values.
+            // SAFETY: AVX-512 (`fast_path`); the assert keeps the n segments of hd values
+            // inside `krows` and `vrows`; kf and vf hold block_size x hd values.
             unsafe {
-                let v = vrows.as_ptr().add(off);
+                let (k, v) = (krows.as_ptr().add(off), vrows.as_ptr().add(off));
                 if ty == KvType::F32 {
+                    x86::values_f32::<0>(k, geo.stride, n, hd, kf.as_mut_ptr());
                     x86::values_f32::<0>(v, geo.stride, n, hd, vf.as_mut_ptr());
                 } else {
+                    x86::values_f32::<1>(k, geo.stride, n, hd, kf.as_mut_ptr());
                     x86::values_f32::<1>(v, geo.stride, n, hd, vf.as_mut_ptr());
                 }
             }
-            let (wp, ap) = (scores.as_ptr(), state.as_mut_ptr());
-            let mut r0 = 0;
-            while r0 < rows {
-                let rr = (rows - r0).min(4);
-                let row = |r: usize| {
-                    let (wi, h) = ((r0 + r) % rows / g, (r0 + r) % g);
-                    let i = who[wi];
-                    // SAFETY: row wi * g + h of n weights lies inside `scores`, and head
-                    // kh * g + h's outputs inside token i's chunk state in `state`.
-                    unsafe {
-                        (
-                            wp.add((wi * g + h) * n),
-                            ap.add(i * plen + (kh * g + h) * hd),
-                        )
-                    }
+            for v in (0..nv).filter(|&v| seen[v] != 0) {
+                let x = kh * nv + v;
+                let st = x86::State {
+                    o: co[x * hd * 16..][..hd * 16].as_mut_ptr(),
+                    m: cm[x * 16..][..16].as_mut_ptr(),
+                    s: cs[x * 16..][..16].as_mut_ptr(),
                 };
-                let r: [(*const f32, *mut f32); 4] = std::array::from_fn(row);
-                // SAFETY: as above; each row's n weights and head_dim outputs are in `scores`
-                // and `state`, and rows r0..r0 + rr are distinct (token, head) pairs.
+                // SAFETY: AVX-512 (`fast_path`); qt's vector holds hd x 16 values, kf and vf
+                // n x hd, sb n x 16, hid n masks from v * n, the state hd x 16 + 16 + 16.
                 unsafe {
-                    match rr {
-                        1 => x86::accum_rows::<1>(vf.as_ptr(), hd, n, first(&r)),
-                        2 => x86::accum_rows::<2>(vf.as_ptr(), hd, n, first(&r)),
-                        3 => x86::accum_rows::<3>(vf.as_ptr(), hd, n, first(&r)),
-                        _ => x86::accum_rows::<4>(vf.as_ptr(), hd, n, r),
-                    }
+                    x86::scores_t(
+                        qt[x * hd * 16..].as_ptr(),
+                        hd,
+                        kf.as_ptr(),
+                        n,
+                        scale[v * 16..].as_ptr(),
+                        &hid[v * n..(v + 1) * n],
+                        sb.as_mut_ptr(),
+                    );
+                    x86::softmax_t(sb.as_mut_ptr(), n, seen[v], hd, &st);
+                    x86::values_t(sb.as_ptr(), n, vf.as_ptr(), hd, st.o);
                 }
-                r0 += rr;
             }
         }
+        // Chunk ends: fold the chunk state of the tokens that saw `chunk` visible blocks.
+        fold.fill(0);
         for &i in who.iter() {
             count[i] += 1;
             if count[i] == chunk {
-                let st = &mut state[i * plen..(i + 1) * plen];
-                let (mx, sm) = (
-                    &mut max[i * gt..(i + 1) * gt],
-                    &mut sum[i * gt..(i + 1) * gt],
-                );
-                fold_chunk(gt, hd, st, mx, sm, &mut out[i * ql..(i + 1) * ql]);
-                empty_state(st, gt, hd);
                 count[i] = 0;
+                for h in 0..g {
+                    let r = i * g + h;
+                    fold[r / 16] |= 1 << (r % 16);
+                }
+            }
+        }
+        fold_lanes(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
+    }
+    // The last chunks, then normalization and the outputs in token-major rows.
+    fold.fill(0);
+    for (i, &c) in count.iter().enumerate() {
+        if c > 0 {
+            for h in 0..g {
+                let r = i * g + h;
+                fold[r / 16] |= 1 << (r % 16);
             }
         }
     }
-    for i in 0..nq {
-        let o = &mut out[i * ql..(i + 1) * ql];
-        if count[i] > 0 {
-            let st = &state[i * plen..(i + 1) * plen];
-            let (mx, sm) = (
-                &mut max[i * gt..(i + 1) * gt],
-                &mut sum[i * gt..(i + 1) * gt],
-            );
-            fold_chunk(gt, hd, st, mx, sm, o);
+    fold_lanes(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
+    for kh in 0..kvh {
+        for v in 0..nv {
+            let x = kh * nv + v;
+            let mut rows: [Option<&mut [f32]>; 16] = Default::default();
+            let mut rest = &mut out[..];
+            let mut taken = 0;
+            for (l, slot) in rows.iter_mut().enumerate() {
+                let r = v * 16 + l;
+                if r >= nr {
+                    break;
+                }
+                let (i, h) = (r / g, r % g);
+                let at = i * ql + (kh * g + h) * hd;
+                let tail = std::mem::take(&mut rest);
+                let (_, from) = tail.split_at_mut(at - taken);
+                let (row, after) = from.split_at_mut(hd);
+                *slot = Some(row);
+                rest = after;
+                taken = at + hd;
+            }
+            // SAFETY: AVX-512 (`fast_path`); the state holds hd x 16 + 16 values, each row hd.
+            unsafe {
+                x86::finish_out(
+                    fo[x * hd * 16..][..hd * 16].as_mut_ptr(),
+                    fs[x * 16..][..16].as_ptr(),
+                    hd,
+                    &mut rows,
+                )
+            };
         }
-        finish(hd, &sum[i * gt..(i + 1) * gt], o);
     }
 }
 
-/// The first `R` of four row descriptions.
+/// Folds the chunk state of the lanes in `fold` (per row vector, every KV head) into the
+/// folded state and empties it (`fold_chunk`, then `empty_state`, lane by lane).
 #[cfg(target_arch = "x86_64")]
-fn first<T: Copy, const R: usize>(rows: &[T; 4]) -> [T; R] {
-    std::array::from_fn(|r| rows[r])
+#[allow(clippy::too_many_arguments)]
+fn fold_lanes(
+    fold: &[u16],
+    kvh: usize,
+    nv: usize,
+    hd: usize,
+    co: &mut [f32],
+    cm: &mut [f32],
+    cs: &mut [f32],
+    fo: &mut [f32],
+    fm: &mut [f32],
+    fs: &mut [f32],
+) {
+    for kh in 0..kvh {
+        for (v, &mask) in fold.iter().enumerate().take(nv) {
+            if mask == 0 {
+                continue;
+            }
+            let x = kh * nv + v;
+            let chunk = x86::State {
+                o: co[x * hd * 16..][..hd * 16].as_mut_ptr(),
+                m: cm[x * 16..][..16].as_mut_ptr(),
+                s: cs[x * 16..][..16].as_mut_ptr(),
+            };
+            let folded = x86::State {
+                o: fo[x * hd * 16..][..hd * 16].as_mut_ptr(),
+                m: fm[x * 16..][..16].as_mut_ptr(),
+                s: fs[x * 16..][..16].as_mut_ptr(),
+            };
+            // SAFETY: AVX-512 (`fast_path`); both states hold hd x 16 + 16 + 16 values.
+            unsafe { x86::fold_t(mask, hd, &chunk, &folded) };
+        }
+    }
 }
 
-/// AVX-512 kernels of the tile path. `T`: 0 = F32, 1 = F16 segments.
+/// AVX-512 kernels of the tile path: 16 rows in the lanes of each vector.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::x86::exp_neg512;
     use std::arch::x86_64::*;
+
+    /// One softmax state of 16 rows: `o` (`hd` vectors: dimension `d` of the 16 rows'
+    /// outputs), `m` (16 maxima), `s` (16 sums).
+    pub(super) struct State {
+        pub o: *mut f32,
+        pub m: *mut f32,
+        pub s: *mut f32,
+    }
 
     /// 16 values of a segment from element `i`, as f32.
     ///
@@ -449,30 +492,26 @@ mod x86 {
         }
     }
 
-    /// `kt[d * 16 + j]` = value `d` of the key segment of cell `j < m` (at `rows + j *
-    /// stride`), 0 for the cells `m..16`; `d < hd`.
+    /// `dst[d * 16 + l]` = value `d` of row `l` (0 for a missing row).
     ///
     /// # Safety
-    /// AVX-512F and F16C available; `m <= 16`; `hd` a multiple of 16; `m` segments of `hd`
-    /// values of type `T` at `rows + j * stride`; `kt` holds `hd * 16` values.
+    /// AVX-512F available; `hd` a multiple of 16; each present row holds `hd` values and
+    /// `dst` `hd * 16`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn transpose_keys<const T: u8>(
-        rows: *const u8,
-        stride: usize,
-        m: usize,
-        hd: usize,
-        kt: *mut f32,
-    ) {
+    pub(super) unsafe fn transpose_in(rows: &[Option<&[f32]>; 16], hd: usize, dst: &mut [f32]) {
+        assert!(dst.len() >= hd * 16 && rows.iter().flatten().all(|r| r.len() >= hd));
         for d0 in (0..hd).step_by(16) {
             let mut r = [_mm512_setzero_ps(); 16];
-            for (j, rj) in r.iter_mut().enumerate().take(m) {
-                // SAFETY: cell j < m's segment holds values d0..d0 + 16 (caller).
-                *rj = unsafe { load16::<T>(rows.add(j * stride), d0) };
+            for (l, row) in rows.iter().enumerate() {
+                if let Some(row) = row {
+                    // SAFETY: d0 + 16 <= hd <= row.len() (assert).
+                    r[l] = unsafe { _mm512_loadu_ps(row.as_ptr().add(d0)) };
+                }
             }
             transpose16(&mut r);
             for (i, ri) in r.iter().enumerate() {
-                // SAFETY: row d0 + i < hd of kt (caller).
-                unsafe { _mm512_storeu_ps(kt.add((d0 + i) * 16), *ri) };
+                // SAFETY: (d0 + i) * 16 + 16 <= hd * 16 <= dst.len() (assert).
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add((d0 + i) * 16), *ri) };
             }
         }
     }
@@ -500,136 +539,284 @@ mod x86 {
         }
     }
 
-    /// The scores of `R` query rows over the 16 cells of `kt` (`rows[r]`: the row's `hd`
-    /// query values, its scale, and where its `m` scores go): per row, lane `l` of
-    /// accumulator `A_l` sums `kt[c + l] * q[c + l]` for `c = 0, 16, ...` by fused
-    /// multiply-adds, and `B_l = A_l + A_{l+8}` are added as `((B0 + B1) + (B2 + B3)) +
-    /// ((B4 + B5) + (B6 + B7))`: for every cell, the single-token kernel's arithmetic in its
-    /// order.
+    /// Scores of 16 rows (transposed queries `qt`, `hd x 16`) for the `n` cells of `kf`
+    /// (`n x hd` keys): `sb[j * 16 + l]` = row `l`'s scaled score of cell `j`, `-inf` where
+    /// `hid[j]` has lane `l`. Per row and cell the single-token kernel's arithmetic in its
+    /// order (see the module documentation).
     ///
     /// # Safety
-    /// AVX-512F available; `kt` holds `hd * 16` values, `hd` a multiple of 16; each row's
-    /// query holds `hd` values and its output `m <= 16` writable values.
+    /// AVX-512F available; `hd` a multiple of 16; `qt` holds `hd * 16` values, `kf` `n * hd`,
+    /// `scale` 16, `sb` `n * 16`; `hid` has `n` masks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn scores_rows<const R: usize>(
-        kt: *const f32,
+    pub(super) unsafe fn scores_t(
+        qt: *const f32,
         hd: usize,
-        rows: [(*const f32, f32, *mut f32); R],
-        m: usize,
-    ) {
-        let zero = _mm512_setzero_ps();
-        let (mut pend_b, mut pend_c, mut pend_d) = ([zero; R], [zero; R], [zero; R]);
-        let mut s = [zero; R];
-        for l in 0..8 {
-            let (mut a, mut b) = ([zero; R], [zero; R]);
-            for c in (0..hd).step_by(16) {
-                // SAFETY: rows c + l and c + l + 8 < hd of kt; query values c + l (+ 8) < hd.
-                unsafe {
-                    let k0 = _mm512_loadu_ps(kt.add((c + l) * 16));
-                    let k1 = _mm512_loadu_ps(kt.add((c + l + 8) * 16));
-                    for r in 0..R {
-                        let q = rows[r].0;
-                        a[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(*q.add(c + l)), a[r]);
-                        b[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(*q.add(c + l + 8)), b[r]);
-                    }
-                }
-            }
-            for r in 0..R {
-                let bl = _mm512_add_ps(a[r], b[r]);
-                if l % 2 == 0 {
-                    pend_b[r] = bl;
-                    continue;
-                }
-                let c = _mm512_add_ps(pend_b[r], bl);
-                if l % 4 == 1 {
-                    pend_c[r] = c;
-                    continue;
-                }
-                let d = _mm512_add_ps(pend_c[r], c);
-                if l == 3 {
-                    pend_d[r] = d;
-                } else {
-                    s[r] = _mm512_add_ps(pend_d[r], d);
-                }
-            }
-        }
-        let keep: u16 = if m >= 16 { 0xFFFF } else { (1u16 << m) - 1 };
-        for r in 0..R {
-            let (_, scale, out) = rows[r];
-            // SAFETY: m writable values at out (caller).
-            unsafe { _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(s[r], _mm512_set1_ps(scale))) };
-        }
-    }
-
-    /// The value pass of `R` rows (`rows[r]`: the row's `n` weights and its `hd` outputs)
-    /// over the `n` cells of `vf`: each output column adds `w_j * v_j` by fused multiply-adds
-    /// in cell order, skipping zero weights, with 64 columns of each row in registers: the
-    /// single-token kernel's arithmetic in its order.
-    ///
-    /// # Safety
-    /// AVX-512F available; `vf` holds `n * hd` values, `hd` a multiple of 16; each row's
-    /// weights hold `n` values and its outputs `hd`, and no two rows' outputs overlap.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn accum_rows<const R: usize>(
-        vf: *const f32,
-        hd: usize,
+        kf: *const f32,
         n: usize,
-        rows: [(*const f32, *mut f32); R],
+        scale: *const f32,
+        hid: &[u16],
+        sb: *mut f32,
     ) {
-        for c0 in (0..hd).step_by(64) {
-            // SAFETY: as the caller guarantees, for columns c0..c0 + 16 KN.
-            unsafe {
-                match (hd - c0) / 16 {
-                    1 => accum_cols::<R, 1>(vf, hd, c0, n, rows),
-                    2 => accum_cols::<R, 2>(vf, hd, c0, n, rows),
-                    3 => accum_cols::<R, 3>(vf, hd, c0, n, rows),
-                    _ => accum_cols::<R, 4>(vf, hd, c0, n, rows),
-                }
+        let mut j = 0;
+        // SAFETY: cells j.. (4 or fewer) within the bounds the caller guarantees.
+        unsafe {
+            let sc = _mm512_loadu_ps(scale);
+            while j + 4 <= n {
+                scores_cells::<4>(qt, hd, kf, j, sc, hid, sb);
+                j += 4;
+            }
+            match n - j {
+                3 => scores_cells::<3>(qt, hd, kf, j, sc, hid, sb),
+                2 => scores_cells::<2>(qt, hd, kf, j, sc, hid, sb),
+                1 => scores_cells::<1>(qt, hd, kf, j, sc, hid, sb),
+                _ => {}
             }
         }
     }
 
-    /// [`accum_rows`] for the `16 * KN` columns from `c0` (the sizes are constants, so the
-    /// `R x KN` accumulators stay in registers).
+    /// [`scores_t`] for the `J` cells from `j0` (each transposed query vector loaded once
+    /// for all of them).
     ///
     /// # Safety
-    /// As [`accum_rows`], with columns `c0..c0 + 16 * KN` inside `hd`.
+    /// As [`scores_t`], with cells `j0..j0 + J` inside the `n`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    unsafe fn accum_cols<const R: usize, const KN: usize>(
-        vf: *const f32,
+    unsafe fn scores_cells<const J: usize>(
+        qt: *const f32,
         hd: usize,
-        c0: usize,
-        n: usize,
-        rows: [(*const f32, *mut f32); R],
+        kf: *const f32,
+        j0: usize,
+        sc: __m512,
+        hid: &[u16],
+        sb: *mut f32,
     ) {
-        // SAFETY: columns c0..c0 + 16 KN of each row's outputs and of each cell's values, and
-        // each row's n weights, are within the bounds the caller guarantees.
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); KN]; R];
-            for (r, ar) in acc.iter_mut().enumerate() {
-                for (k, a) in ar.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(rows[r].1.add(c0 + 16 * k));
-                }
-            }
-            for j in 0..n {
-                let w: [f32; R] = std::array::from_fn(|r| *rows[r].0.add(j));
-                if w.iter().all(|&x| x == 0.0) {
-                    continue;
-                }
-                let row = vf.add(j * hd + c0);
-                let v: [__m512; KN] = std::array::from_fn(|k| _mm512_loadu_ps(row.add(16 * k)));
-                for (r, ar) in acc.iter_mut().enumerate() {
-                    let live = if w[r] != 0.0 { 0xFFFF } else { 0 };
-                    let wv = _mm512_set1_ps(w[r]);
-                    for (k, a) in ar.iter_mut().enumerate() {
-                        *a = _mm512_mask3_fmadd_ps(wv, v[k], *a, live);
+        let zero = _mm512_setzero_ps();
+        let (mut pend_b, mut pend_c, mut pend_d) = ([zero; J], [zero; J], [zero; J]);
+        let mut s = [zero; J];
+        for l in 0..8 {
+            let (mut a, mut b) = ([zero; J], [zero; J]);
+            for c in (0..hd).step_by(16) {
+                // SAFETY: rows c + l (+ 8) < hd of qt; key values c + l (+ 8) of cells
+                // j0..j0 + J inside kf (caller).
+                unsafe {
+                    let qa = _mm512_loadu_ps(qt.add((c + l) * 16));
+                    let qb = _mm512_loadu_ps(qt.add((c + l + 8) * 16));
+                    for jj in 0..J {
+                        let k = kf.add((j0 + jj) * hd + c + l);
+                        a[jj] = _mm512_fmadd_ps(qa, _mm512_set1_ps(*k), a[jj]);
+                        b[jj] = _mm512_fmadd_ps(qb, _mm512_set1_ps(*k.add(8)), b[jj]);
                     }
                 }
             }
-            for (r, ar) in acc.iter().enumerate() {
-                for (k, a) in ar.iter().enumerate() {
-                    _mm512_storeu_ps(rows[r].1.add(c0 + 16 * k), *a);
+            for jj in 0..J {
+                let bl = _mm512_add_ps(a[jj], b[jj]);
+                if l % 2 == 0 {
+                    pend_b[jj] = bl;
+                    continue;
+                }
+                let c = _mm512_add_ps(pend_b[jj], bl);
+                if l % 4 == 1 {
+                    pend_c[jj] = c;
+                    continue;
+                }
+                let d = _mm512_add_ps(pend_c[jj], c);
+                if l == 3 {
+                    pend_d[jj] = d;
+                } else {
+                    s[jj] = _mm512_add_ps(pend_d[jj], d);
+                }
+            }
+        }
+        for (jj, sj) in s.iter().enumerate() {
+            let j = j0 + jj;
+            let x = _mm512_mask_mov_ps(
+                _mm512_mul_ps(*sj, sc),
+                hid[j],
+                _mm512_set1_ps(f32::NEG_INFINITY),
+            );
+            // SAFETY: cell j's 16 scores inside sb (caller).
+            unsafe { _mm512_storeu_ps(sb.add(j * 16), x) };
+        }
+    }
+
+    /// The online softmax step of a block for the lanes in `seen` (`run_blocks`' per head,
+    /// lane by lane): block max, rescale of the state when it grows (by the same scalar
+    /// `exp`), weights `exp(x - max)` in place of the scores of `sb` (0 for lanes that do not
+    /// take part), their sum added to the state's.
+    ///
+    /// # Safety
+    /// AVX-512F available; `sb` holds `n * 16` values; the state `hd * 16 + 16 + 16`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State) {
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        // SAFETY: within the bounds the caller guarantees.
+        unsafe {
+            let mut bm = ninf;
+            for j in 0..n {
+                let x = _mm512_loadu_ps(sb.add(j * 16));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                bm = _mm512_max_ps(bm, _mm512_mask_mov_ps(x, nan, ninf));
+            }
+            let old = _mm512_loadu_ps(st.m);
+            let new = _mm512_max_ps(old, bm);
+            let live = seen & _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(new, ninf);
+            let grow = live & _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(new, old);
+            if grow != 0 {
+                let (mut o, mut nw) = ([0f32; 16], [0f32; 16]);
+                _mm512_storeu_ps(o.as_mut_ptr(), old);
+                _mm512_storeu_ps(nw.as_mut_ptr(), new);
+                let c: [f32; 16] = std::array::from_fn(|l| {
+                    if grow >> l & 1 == 1 {
+                        (o[l] - nw[l]).exp()
+                    } else {
+                        1.0
+                    }
+                });
+                let c = _mm512_loadu_ps(c.as_ptr());
+                let s = _mm512_loadu_ps(st.s);
+                _mm512_storeu_ps(st.s, _mm512_mask_mul_ps(s, grow, s, c));
+                for d in 0..hd {
+                    let p = st.o.add(d * 16);
+                    let x = _mm512_loadu_ps(p);
+                    _mm512_storeu_ps(p, _mm512_mask_mul_ps(x, grow, x, c));
+                }
+            }
+            // Weights, and their sum per lane in the order of `exp_shift_sum512` over the
+            // block's cells (cells past 16 added lane-wise first, then `hsum16`'s tree).
+            let mut u = [_mm512_setzero_ps(); 16];
+            for j in 0..n {
+                let p = sb.add(j * 16);
+                let x = _mm512_loadu_ps(p);
+                let e = _mm512_maskz_mov_ps(live, exp_neg512(_mm512_sub_ps(x, new)));
+                _mm512_storeu_ps(p, e);
+                u[j % 16] = _mm512_add_ps(u[j % 16], e);
+            }
+            let a: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(u[i], u[i + 8]));
+            let b: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 4]));
+            let c0 = _mm512_add_ps(b[0], b[2]);
+            let c1 = _mm512_add_ps(b[1], b[3]);
+            let sum = _mm512_add_ps(c0, c1);
+            let s = _mm512_loadu_ps(st.s);
+            _mm512_storeu_ps(st.s, _mm512_mask_add_ps(s, live, s, sum));
+            _mm512_storeu_ps(st.m, _mm512_mask_mov_ps(old, live, new));
+        }
+    }
+
+    /// The value pass of 16 rows: output `o[d]` (lane `l`: row `l`'s column `d`) takes
+    /// `w_j * v_j[d]` by fused multiply-adds in cell order, lanes with a zero weight left
+    /// alone.
+    ///
+    /// # Safety
+    /// AVX-512F available; `hd` a multiple of 16; `sb` holds `n * 16` weights, `vf` `n * hd`
+    /// values, `o` `hd * 16`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn values_t(
+        sb: *const f32,
+        n: usize,
+        vf: *const f32,
+        hd: usize,
+        o: *mut f32,
+    ) {
+        for d0 in (0..hd).step_by(16) {
+            // SAFETY: output vectors d0..d0 + 16, weights of cells j < n and their values
+            // d0..d0 + 16, within the bounds the caller guarantees.
+            unsafe {
+                let mut acc: [__m512; 16] =
+                    std::array::from_fn(|k| _mm512_loadu_ps(o.add((d0 + k) * 16)));
+                for j in 0..n {
+                    let w = _mm512_loadu_ps(sb.add(j * 16));
+                    let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(w, _mm512_setzero_ps());
+                    if nz == 0 {
+                        continue;
+                    }
+                    let v = vf.add(j * hd + d0);
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_mask3_fmadd_ps(w, _mm512_set1_ps(*v.add(k)), *a, nz);
+                    }
+                }
+                for (k, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(o.add((d0 + k) * 16), *a);
+                }
+            }
+        }
+    }
+
+    /// `fold_chunk` then `empty_state` for the lanes in `mask`: `folded <- folded (+) chunk`
+    /// (lanes whose chunk max is `-inf` unchanged), by the same scalar `exp` factors.
+    ///
+    /// # Safety
+    /// AVX-512F available; both states hold `hd * 16 + 16 + 16` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State) {
+        // SAFETY: within the bounds the caller guarantees.
+        unsafe {
+            let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+            let (pm, fm) = (_mm512_loadu_ps(chunk.m), _mm512_loadu_ps(folded.m));
+            let live = mask & _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(pm, ninf);
+            if live != 0 {
+                let m = _mm512_max_ps(fm, pm);
+                let (mut a, mut b) = ([1f32; 16], [1f32; 16]);
+                let (mut mv, mut pv, mut fv) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+                _mm512_storeu_ps(mv.as_mut_ptr(), m);
+                _mm512_storeu_ps(pv.as_mut_ptr(), pm);
+                _mm512_storeu_ps(fv.as_mut_ptr(), fm);
+                for l in (0..16).filter(|l| live >> l & 1 == 1) {
+                    a[l] = (fv[l] - mv[l]).exp();
+                    b[l] = (pv[l] - mv[l]).exp();
+                }
+                let (a, b) = (_mm512_loadu_ps(a.as_ptr()), _mm512_loadu_ps(b.as_ptr()));
+                let fold =
+                    |x: __m512, y: __m512| _mm512_add_ps(_mm512_mul_ps(x, a), _mm512_mul_ps(y, b));
+                let (fs, ps) = (_mm512_loadu_ps(folded.s), _mm512_loadu_ps(chunk.s));
+                _mm512_storeu_ps(folded.s, _mm512_mask_mov_ps(fs, live, fold(fs, ps)));
+                _mm512_storeu_ps(folded.m, _mm512_mask_mov_ps(fm, live, m));
+                for d in 0..hd {
+                    let (f, p) = (folded.o.add(d * 16), chunk.o.add(d * 16));
+                    let x = _mm512_loadu_ps(f);
+                    let y = _mm512_loadu_ps(p);
+                    _mm512_storeu_ps(f, _mm512_mask_mov_ps(x, live, fold(x, y)));
+                }
+            }
+            let zero = _mm512_setzero_ps();
+            _mm512_storeu_ps(chunk.m, _mm512_mask_mov_ps(pm, mask, ninf));
+            let s = _mm512_loadu_ps(chunk.s);
+            _mm512_storeu_ps(chunk.s, _mm512_mask_mov_ps(s, mask, zero));
+            for d in 0..hd {
+                let p = chunk.o.add(d * 16);
+                _mm512_storeu_ps(p, _mm512_mask_mov_ps(_mm512_loadu_ps(p), mask, zero));
+            }
+        }
+    }
+
+    /// `finish` of 16 rows (each output divided by its sum, all zeros for a sum of 0), then
+    /// the rows back in row-major order: `rows[l][d]` = value `d` of lane `l` (absent rows
+    /// skipped).
+    ///
+    /// # Safety
+    /// AVX-512F available; `hd` a multiple of 16; `o` holds `hd * 16` values and `s` 16;
+    /// each present row `hd`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn finish_out(
+        o: *mut f32,
+        s: *const f32,
+        hd: usize,
+        rows: &mut [Option<&mut [f32]>; 16],
+    ) {
+        assert!(rows.iter().flatten().all(|r| r.len() >= hd));
+        // SAFETY: within the bounds the caller guarantees and the assert.
+        unsafe {
+            let s = _mm512_loadu_ps(s);
+            let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, _mm512_setzero_ps());
+            let inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.0), s);
+            for d0 in (0..hd).step_by(16) {
+                let mut r: [__m512; 16] = std::array::from_fn(|i| {
+                    _mm512_mul_ps(_mm512_loadu_ps(o.add((d0 + i) * 16)), inv)
+                });
+                transpose16(&mut r);
+                for (l, row) in rows.iter_mut().enumerate() {
+                    if let Some(row) = row {
+                        _mm512_storeu_ps(row.as_mut_ptr().add(d0), r[l]);
+                    }
                 }
             }
         }
