@@ -326,12 +326,11 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
     // Slot results of the canonical order (`legacy::vec_dot_scalar`), lanes = tokens. Blocks
     // are visited slot-major (s, s + 8, ...), so one register accumulator per (row, group)
     // suffices; the order of the f32 operations per slot is the canonical one.
-    let mut slots = [[[_mm512_setzero_ps(); 8]; G]; R];
-    // SAFETY: b < nb, g < G, k < 8 and r < R keep every access inside the ranges above.
-    unsafe {
-        for s in 0..nb.min(8) {
-            let mut facc = [[_mm512_setzero_ps(); G]; R];
-            let mut b = s;
+    let slot = |s: usize| -> [[__m512; G]; R] {
+        let mut facc = [[_mm512_setzero_ps(); G]; R];
+        let mut b = s;
+        // SAFETY: b < nb, g < G, k < 8 and r < R keep every access inside the ranges above.
+        unsafe {
             while b < nb {
                 let mut da = [_mm512_setzero_ps(); G];
                 let mut sa = [_mm512_setzero_ps(); G];
@@ -371,22 +370,21 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
                 }
                 b += 8;
             }
-            for r in 0..R {
-                for g in 0..G {
-                    slots[r][g][s] = facc[r][g];
-                }
-            }
         }
-        for r in 0..R {
-            for g in 0..G {
-                let a = &mut slots[r][g];
-                for h in [4, 2, 1] {
-                    for j in 0..h {
-                        a[j] = _mm512_add_ps(a[j], a[j + h]);
-                    }
-                }
-                _mm512_storeu_ps(out[r][g].as_mut_ptr(), a[0]);
-            }
+        facc
+    };
+    // The slots' tree ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), folded as the slots
+    // come (as in `tile_unpacked`: no array of every slot, no memset per call).
+    let add = |x: [[__m512; G]; R], y: [[__m512; G]; R]| -> [[__m512; G]; R] {
+        std::array::from_fn(|r| std::array::from_fn(|g| _mm512_add_ps(x[r][g], y[r][g])))
+    };
+    let b0 = add(add(slot(0), slot(4)), add(slot(2), slot(6)));
+    let b1 = add(add(slot(1), slot(5)), add(slot(3), slot(7)));
+    let sum = add(b0, b1);
+    for (o, v) in out.iter_mut().zip(sum) {
+        for (og, vg) in o.iter_mut().zip(v) {
+            // SAFETY: 16 floats at `og`.
+            unsafe { _mm512_storeu_ps(og.as_mut_ptr(), vg) };
         }
     }
 }
@@ -462,12 +460,12 @@ pub(crate) unsafe fn tile_unpacked<const R: usize>(
     out: &mut [[f32; 16]; 4],
 ) {
     let flip = _mm512_set1_epi8(-128);
-    let mut slots = [[_mm512_setzero_ps(); 8]; R];
-    // SAFETY: b < nb, k < 8 and r < R keep every access inside the ranges of the contract.
-    unsafe {
-        for s in 0..nb.min(8) {
-            let mut facc = [_mm512_setzero_ps(); R];
-            let mut b = s;
+    // Slot `s` of each row: blocks s, s + 8, ... (0 past `nb`).
+    let slot = |s: usize| -> [__m512; R] {
+        let mut facc = [_mm512_setzero_ps(); R];
+        let mut b = s;
+        // SAFETY: b < nb, k < 8 and r < R keep every access inside the ranges of the contract.
+        unsafe {
             while b < nb {
                 let da = _mm512_loadu_ps(pd.add(b * 16));
                 let sa = _mm512_loadu_ps(ps.add(b * 16));
@@ -489,19 +487,21 @@ pub(crate) unsafe fn tile_unpacked<const R: usize>(
                 }
                 b += 8;
             }
-            for r in 0..R {
-                slots[r][s] = facc[r];
-            }
         }
-        for r in 0..R {
-            let a = &mut slots[r];
-            for h in [4, 2, 1] {
-                for j in 0..h {
-                    a[j] = _mm512_add_ps(a[j], a[j + h]);
-                }
-            }
-            _mm512_storeu_ps(out[r].as_mut_ptr(), a[0]);
-        }
+        facc
+    };
+    // The slots' tree ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), folded as the slots
+    // come: an array of every slot indexed by a run-time slot lived in memory and was zeroed
+    // by a 2 KiB memset per call (~4% of a prompt step).
+    let add = |x: [__m512; R], y: [__m512; R]| -> [__m512; R] {
+        std::array::from_fn(|r| _mm512_add_ps(x[r], y[r]))
+    };
+    let b0 = add(add(slot(0), slot(4)), add(slot(2), slot(6)));
+    let b1 = add(add(slot(1), slot(5)), add(slot(3), slot(7)));
+    let sum = add(b0, b1);
+    for (o, v) in out.iter_mut().zip(sum) {
+        // SAFETY: 16 floats at `o`.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
     }
 }
 
@@ -595,10 +595,11 @@ pub(crate) unsafe fn tile8<const T: u8, const R: usize>(
     out: &mut [[f32; NARROW_LANES]; R],
 ) {
     let ts = block_bytes(T);
-    let mut slots = [[_mm256_setzero_ps(); 8]; R];
-    // SAFETY: b < nb, k < 8 and r < R keep every access inside the ranges above.
-    unsafe {
-        for s in 0..nb.min(8) {
+    // Slot `s` (blocks s, s + 8, ...; 0 past `nb`), folded as the slots come by the tree
+    // ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) (as in `tile_unpacked`).
+    let slot = |s: usize| -> [__m256; R] {
+        // SAFETY: b < nb, k < 8 and r < R keep every access inside the ranges above.
+        unsafe {
             let mut facc = [_mm256_setzero_ps(); R];
             let mut b = s;
             while b < nb {
@@ -625,19 +626,17 @@ pub(crate) unsafe fn tile8<const T: u8, const R: usize>(
                 }
                 b += 8;
             }
-            for r in 0..R {
-                slots[r][s] = facc[r];
-            }
+            facc
         }
-        for r in 0..R {
-            let a = &mut slots[r];
-            for h in [4, 2, 1] {
-                for j in 0..h {
-                    a[j] = _mm256_add_ps(a[j], a[j + h]);
-                }
-            }
-            _mm256_storeu_ps(out[r].as_mut_ptr(), a[0]);
-        }
+    };
+    let add = |x: [__m256; R], y: [__m256; R]| -> [__m256; R] {
+        std::array::from_fn(|i| _mm256_add_ps(x[i], y[i]))
+    };
+    let b0 = add(add(slot(0), slot(4)), add(slot(2), slot(6)));
+    let b1 = add(add(slot(1), slot(5)), add(slot(3), slot(7)));
+    for (o, v) in out.iter_mut().zip(add(b0, b1)) {
+        // SAFETY: 8 floats at `o`.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
     }
 }
 
@@ -736,10 +735,11 @@ pub(crate) unsafe fn tile4<const T: u8, const P: usize>(
     out: &mut [[f32; 2 * NARROW4_LANES]; P],
 ) {
     let ts = block_bytes(T);
-    let mut slots = [[_mm256_setzero_ps(); 8]; P];
-    // SAFETY: b < nb, k < 8 and p < P keep every access inside the ranges above.
-    unsafe {
-        for s in 0..nb.min(8) {
+    // Slot `s` (blocks s, s + 8, ...; 0 past `nb`), folded as the slots come by the tree
+    // ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) (as in `tile_unpacked`).
+    let slot = |s: usize| -> [__m256; P] {
+        // SAFETY: b < nb, k < 8 and p < P keep every access inside the ranges above.
+        unsafe {
             let mut facc = [_mm256_setzero_ps(); P];
             let mut b = s;
             while b < nb {
@@ -768,18 +768,16 @@ pub(crate) unsafe fn tile4<const T: u8, const P: usize>(
                 }
                 b += 8;
             }
-            for p in 0..P {
-                slots[p][s] = facc[p];
-            }
+            facc
         }
-        for p in 0..P {
-            let a = &mut slots[p];
-            for h in [4, 2, 1] {
-                for j in 0..h {
-                    a[j] = _mm256_add_ps(a[j], a[j + h]);
-                }
-            }
-            _mm256_storeu_ps(out[p].as_mut_ptr(), a[0]);
-        }
+    };
+    let add = |x: [__m256; P], y: [__m256; P]| -> [__m256; P] {
+        std::array::from_fn(|i| _mm256_add_ps(x[i], y[i]))
+    };
+    let b0 = add(add(slot(0), slot(4)), add(slot(2), slot(6)));
+    let b1 = add(add(slot(1), slot(5)), add(slot(3), slot(7)));
+    for (o, v) in out.iter_mut().zip(add(b0, b1)) {
+        // SAFETY: 8 floats at `o`.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
     }
 }
