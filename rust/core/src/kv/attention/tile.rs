@@ -151,6 +151,85 @@ pub(super) fn fast_path(lvl: SimdLevel, ty: KvType, head_dim: usize, tokens: usi
         && tokens > 1
 }
 
+/// The positions of a block's cells `base..base + n` in one positions slice: the least and
+/// the greatest of those `>= 0` (`i32::MAX`/`i32::MIN` when none), and whether any is `< 0`
+/// (an empty cell).
+#[derive(Clone, Copy)]
+struct BlockPositions {
+    of: (*const i32, usize),
+    lo: i32,
+    hi: i32,
+    empty: bool,
+}
+
+impl BlockPositions {
+    fn of(positions: &[i32], base: usize, n: usize) -> BlockPositions {
+        let (mut lo, mut hi, mut empty) = (i32::MAX, i32::MIN, false);
+        for &p in &positions[base..base + n] {
+            if p < 0 {
+                empty = true;
+            } else {
+                lo = lo.min(p);
+                hi = hi.max(p);
+            }
+        }
+        BlockPositions {
+            of: (positions.as_ptr(), positions.len()),
+            lo,
+            hi,
+            empty,
+        }
+    }
+}
+
+/// Whether `mask` hides every cell of `base..base + n` (`Some(true)`), none (`Some(false)`),
+/// or some (`None`: ask cell by cell), from the block's positions (computed once per
+/// positions slice in `stats`). The same answers as [`super::Mask::visible`] per cell.
+fn block_hidden(
+    mask: &super::Mask,
+    base: usize,
+    n: usize,
+    stats: &mut Option<BlockPositions>,
+) -> Option<bool> {
+    use super::Mask;
+    let (positions, qpos, window) = match *mask {
+        Mask::All => return Some(false),
+        Mask::Custom(_) => return None,
+        Mask::Causal { positions, qpos } => (positions, qpos, None),
+        Mask::Window {
+            positions,
+            qpos,
+            window,
+        } => (positions, qpos, Some(window)),
+    };
+    let st = match stats {
+        Some(st) if st.of == (positions.as_ptr(), positions.len()) => *st,
+        _ => *stats.insert(BlockPositions::of(positions, base, n)),
+    };
+    let q = i64::from(qpos);
+    // No cell at or before the query (or none at all): all hidden.
+    if i64::from(st.lo) > q {
+        return Some(true);
+    }
+    match window {
+        None => (!st.empty && i64::from(st.hi) <= q).then_some(false),
+        Some(w) => {
+            // `qpos - p` as the per-cell test computes it, in i32: only where it cannot wrap.
+            let (d_lo, d_hi) = (q - i64::from(st.lo), q - i64::from(st.hi));
+            let fits = |d: i64| i32::try_from(d).is_ok();
+            if !fits(d_lo) || !fits(d_hi) {
+                return None;
+            }
+            let w = i64::from(w);
+            if d_hi >= w {
+                // Every cell is at least `window` before the query (or after it).
+                return Some(true);
+            }
+            (!st.empty && d_hi >= 0 && d_lo < w).then_some(false)
+        }
+    }
+}
+
 /// The AVX-512 tile path (F32/F16, `head_dim` a multiple of 16, `lvl` at least AVX-512).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
@@ -250,7 +329,17 @@ fn tiled(
         hidden.clear();
         at.clear();
         at.push(0);
+        let mut stats: Option<BlockPositions> = None;
         for (i, q) in queries.iter().enumerate() {
+            match block_hidden(&q.mask, base, n, &mut stats) {
+                Some(true) => continue,
+                Some(false) => {
+                    who.push(i);
+                    at.push(hidden.len());
+                    continue;
+                }
+                None => {}
+            }
             let before = hidden.len();
             hidden.extend((0..n).filter(|&j| !q.mask.visible(base + j)));
             if hidden.len() - before == n {

@@ -277,3 +277,67 @@ fn bad_tiles_are_errors() {
     assert!(attend_tile(&s, &table, 400, &same, &mut out, &mut scratch).is_err());
     attend_tile(&s, &table, 40, &same, &mut out, &mut scratch).unwrap();
 }
+
+/// `block_hidden`'s answers agree with `Mask::visible` cell by cell: random positions (empty
+/// cells, gaps, blocks after the query), causal and window masks, and extreme positions and
+/// windows where `qpos - p` would wrap.
+#[test]
+fn block_hidden_agrees_with_the_per_cell_mask() {
+    let mut rng = Rng(0xB10C);
+    let mut decided = 0;
+    for case in 0..4000 {
+        let n = 1 + rng.below(16);
+        let extreme = case % 10 == 0;
+        let positions: Vec<i32> = (0..n)
+            .map(|_| match rng.below(8) {
+                0 => -1,
+                _ if extreme => [i32::MIN, i32::MAX, 0, -7][rng.below(4)],
+                _ => rng.range(0, 60),
+            })
+            .collect();
+        let qpos = if extreme {
+            [i32::MIN, i32::MAX, 0, 30][rng.below(4)]
+        } else {
+            rng.range(-3, 70)
+        };
+        let window = if extreme {
+            [i32::MAX, 1, 0, -4][rng.below(4)]
+        } else {
+            rng.range(1, 40)
+        };
+        for mask in [
+            Mask::Causal {
+                positions: &positions,
+                qpos,
+            },
+            Mask::Window {
+                positions: &positions,
+                qpos,
+                window,
+            },
+            Mask::All,
+        ] {
+            // The per-cell test wraps in release builds only where the fast one answers None.
+            let per_cell = |j: usize| -> Option<bool> {
+                let p = positions[j];
+                match mask {
+                    Mask::Window { .. } if p >= 0 && p <= qpos => {
+                        i32::checked_sub(qpos, p).map(|d| d < window).map(|v| !v)
+                    }
+                    _ => Some(!mask.visible(j)),
+                }
+            };
+            let hidden: Option<Vec<bool>> = (0..n).map(per_cell).collect();
+            let mut stats = None;
+            match (block_hidden(&mask, 0, n, &mut stats), hidden) {
+                (None, _) => {}
+                (Some(all), Some(h)) => {
+                    decided += 1;
+                    assert!(h.iter().all(|&x| x == all), "{positions:?} {qpos} {window}");
+                }
+                (Some(_), None) => panic!("answered where qpos - p wraps: {positions:?} {qpos}"),
+            }
+        }
+    }
+    assert!(decided > 4000, "decided {decided}");
+}
