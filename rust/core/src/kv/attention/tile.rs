@@ -912,5 +912,6 @@ mod x86 {
     }
 }
 
-#[cfg(test)]
+// The crate's test RNG is not built for loom.
+#[cfg(all(test, not(loom)))]
 mod tests;
