@@ -34,16 +34,84 @@ pub fn rms_norm_rows(x: &mut [f32], dim: usize, w: &[f32], eps: f32) {
     }
 }
 
+/// SiLU, `x / (1 + exp(-x))`, with the exponential of [`exp_f32_wide`] (the scalar twin of
+/// the SIMD kernel of [`swiglu`]).
 #[inline]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + exp_f32_wide(-x))
 }
+
+/// Lowest level of each SIMD kernel of [`swiglu`] (see `quant::simd::coverage`).
+#[cfg(test)]
+pub(crate) const SWIGLU_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
 
 /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU), in place in `gate`.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    swiglu_level(gate, up, crate::quant::simd::level())
+}
+
+/// [`swiglu`] with the kernels of `level` (capped to what the CPU has); every level gives the
+/// same bits.
+pub(crate) fn swiglu_level(gate: &mut [f32], up: &[f32], level: SimdLevel) {
+    assert_eq!(gate.len(), up.len(), "swiglu: gate and up differ in length");
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::simd::cap(level) >= SimdLevel::Avx2 {
+        // SAFETY: AVX2 and FMA were detected on this CPU; both slices hold gate.len() values.
+        unsafe { x86::swiglu_avx2(gate, up) };
+        return;
+    }
+    let _ = level;
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = silu(*g) * u;
     }
+}
+
+/// Bounds of the f64 argument of [`exp_f32_wide`]: beyond them the f32 result is 0 or
+/// infinite anyway, and inside them the f64 steps neither overflow nor underflow.
+const WIDE_EXP_BOUND: f64 = 150.0;
+const LOG2E_F64: f64 = std::f64::consts::LOG2_E;
+/// ln 2 split so that `n * WIDE_LN2_HI` is exact for `|n| < 2^21` (the high part ends in 21
+/// zero bits; fdlibm's split), and the rest.
+const WIDE_LN2_HI: f64 = f64::from_bits(0x3FE6_2E42_FEE0_0000);
+const WIDE_LN2_LO: f64 = f64::from_bits(0x3DEA_39EF_3579_3C76);
+/// Taylor coefficients `1/k!` of `exp(r)` for `k = 11` down to `0`: on `|r| <= ln2 / 2` the
+/// remainder is under `1e-14` relative.
+const WIDE_EXP_C: [f64; 12] = [
+    1.0 / 39_916_800.0,
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
+/// `exp(x)` computed in f64 and rounded once to f32: within about `1e-14` relative before
+/// that rounding, so it is the correctly rounded f32 except for arguments within that distance
+/// of a tie (libm's `expf`, whose worst error is about 0.5 ulp, agrees with it on nearly every
+/// argument; [`exp_f32`], ~2 ulp, is for kernels that must stay in f32). `x = n ln2 + r`, a
+/// degree-11 polynomial in `r`, times `2^n` built in the exponent bits; only `+`, `*`, fused
+/// multiply-adds, rounding and bit operations, so the SIMD kernels repeat it exactly. NaN
+/// gives NaN; overflow gives infinity, underflow 0 or a subnormal, as f32 `exp` does.
+#[inline]
+pub fn exp_f32_wide(x: f32) -> f32 {
+    let x = (x as f64).clamp(-WIDE_EXP_BOUND, WIDE_EXP_BOUND);
+    let n = (x * LOG2E_F64).round_ties_even();
+    let r = n.mul_add(-WIDE_LN2_HI, x);
+    let r = n.mul_add(-WIDE_LN2_LO, r);
+    let mut p = WIDE_EXP_C[0];
+    for &c in &WIDE_EXP_C[1..] {
+        p = p.mul_add(r, c);
+    }
+    // n is an integer in -217..=217 here: n + 1023 is a normal exponent (a NaN x: n as i64
+    // is 0, and p stays NaN).
+    let scale = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (p * scale) as f32
 }
 
 /// GELU, tanh approximation (ggml's `ggml_gelu`; ggml reads it from an f16 table, this
@@ -208,7 +276,10 @@ mod x86 {
         Some(mi)
     }
 
-    use super::{gelu_tanh, EXP_HI, EXP_LO, EXP_P, GELU_A, GELU_M2C, LN2_HI, LN2_LO, LOG2E};
+    use super::{
+        gelu_tanh, EXP_HI, EXP_LO, EXP_P, GELU_A, GELU_M2C, LN2_HI, LN2_LO, LOG2E, LOG2E_F64,
+        WIDE_EXP_BOUND, WIDE_EXP_C, WIDE_LN2_HI, WIDE_LN2_LO,
+    };
     use std::arch::x86_64::*;
 
     /// [`super::exp_f32`] on 8 lanes, operation for operation.
@@ -238,6 +309,66 @@ mod x86 {
             _mm256_set1_epi32(127),
         ));
         _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+    }
+
+    /// [`super::exp_f32_wide`] of 4 lanes (f32 arguments widened to f64), the same steps.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp4_wide(x: __m128) -> __m128 {
+        // Clamp as the scalar code: a NaN lane stays NaN (the comparisons are false for it).
+        let (lo, hi) = (
+            _mm256_set1_pd(-WIDE_EXP_BOUND),
+            _mm256_set1_pd(WIDE_EXP_BOUND),
+        );
+        let x = _mm256_cvtps_pd(x);
+        let x = _mm256_blendv_pd(x, lo, _mm256_cmp_pd::<_CMP_LT_OQ>(x, lo));
+        let x = _mm256_blendv_pd(x, hi, _mm256_cmp_pd::<_CMP_GT_OQ>(x, hi));
+        let n = _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_pd(x, _mm256_set1_pd(LOG2E_F64)),
+        );
+        let r = _mm256_fmadd_pd(n, _mm256_set1_pd(-WIDE_LN2_HI), x);
+        let r = _mm256_fmadd_pd(n, _mm256_set1_pd(-WIDE_LN2_LO), r);
+        let mut p = _mm256_set1_pd(WIDE_EXP_C[0]);
+        for &c in &WIDE_EXP_C[1..] {
+            p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c));
+        }
+        // n + 1.5 * 2^52 holds n in its low mantissa bits (|n| < 2^51); adding 1023 and
+        // shifting by 52 leaves (n + 1023) in the exponent field (806..=1240: sign bit 0).
+        let magic = _mm256_set1_pd(6_755_399_441_055_744.0);
+        let bits = _mm256_castpd_si256(_mm256_add_pd(n, magic));
+        let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(bits, _mm256_set1_epi64x(1023)));
+        _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)))
+    }
+
+    /// `gate = silu(gate) * up`, 8 lanes at a time (the exponential 4 lanes at a time in
+    /// f64), the tail with the scalar twin.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available; `up.len() >= gate.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len();
+        let body = n - n % 8;
+        let one = _mm256_set1_ps(1.0);
+        let sign = _mm256_set1_ps(-0.0);
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 <= body <= gate.len() <= up.len().
+            unsafe {
+                let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+                let u = _mm256_loadu_ps(up.as_ptr().add(i));
+                let m = _mm256_xor_ps(x, sign);
+                let lo = exp4_wide(_mm256_castps256_ps128(m));
+                let hi = exp4_wide(_mm256_extractf128_ps::<1>(m));
+                let e = _mm256_set_m128(hi, lo);
+                let g = _mm256_div_ps(x, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(g, u));
+            }
+            i += 8;
+        }
+        for j in body..n {
+            gate[j] = super::silu(gate[j]) * up[j];
+        }
     }
 
     /// `gate = gelu_tanh(gate) * up`, 8 lanes at a time, the tail with the scalar twin.
@@ -415,6 +546,87 @@ mod tests {
             }
         }
         coverage::report("geglu", &GEGLU_KERNELS, &kernels);
+    }
+
+    /// `exp_f32_wide` is the f32 rounding of the f64 `exp` (libm's, within an f64 ulp) on
+    /// every argument of a fine sweep but near-ties, and within 1 ulp of libm's `expf`; it
+    /// overflows, underflows and keeps NaN as f32 `exp` does.
+    #[test]
+    fn exp_f32_wide_is_rounded_f64_exp() {
+        let ulps = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).abs();
+        let (mut off_f64, mut off_libm, mut n) = (0, 0, 0);
+        for i in -1_100_000..=1_000_000 {
+            let x = i as f32 / 10_000.0;
+            let got = exp_f32_wide(x);
+            let want = (x as f64).exp() as f32;
+            assert!(ulps(got, want) <= 1, "{x}: {got} vs {want}");
+            off_f64 += (got != want) as usize;
+            let libm = x.exp();
+            assert!(ulps(got, libm) <= 1, "{x}: {got} vs libm {libm}");
+            off_libm += (got != libm) as usize;
+            n += 1;
+        }
+        eprintln!("exp_f32_wide: {off_f64} of {n} off the rounded f64 exp, {off_libm} off libm");
+        assert!(
+            off_f64 * 100_000 <= n,
+            "{off_f64} of {n} differ from the rounded f64 exp"
+        );
+        assert!(
+            off_libm * 100 <= n,
+            "{off_libm} of {n} differ from libm's expf"
+        );
+        assert_eq!(exp_f32_wide(89.0), f32::INFINITY);
+        assert_eq!(exp_f32_wide(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp_f32_wide(-104.0), 0.0);
+        assert_eq!(exp_f32_wide(f32::NEG_INFINITY), 0.0);
+        let sub = exp_f32_wide(-100.0);
+        assert!(sub > 0.0 && !sub.is_normal() && ulps(sub, (-100f64).exp() as f32) <= 1);
+        assert!(exp_f32_wide(f32::NAN).is_nan());
+        assert_eq!(exp_f32_wide(0.0), 1.0);
+        assert_eq!(WIDE_LN2_HI.to_bits() & 0x1F_FFFF, 0);
+        let ln2 = WIDE_LN2_HI + WIDE_LN2_LO;
+        assert!((ln2 - std::f64::consts::LN_2).abs() <= f64::EPSILON * 0.5);
+    }
+
+    /// The SwiGLU SIMD kernel against its scalar twin (`silu(g) * u` per element), bit for
+    /// bit, over lengths that leave every tail and values from tiny to beyond the clamps; a
+    /// NaN stays NaN.
+    #[test]
+    fn swiglu_kernels_match_scalar_twin() {
+        use crate::quant::simd::coverage;
+        let kernels = coverage::simd_kernels(&SWIGLU_KERNELS);
+        let mut seed = 11u64;
+        let mut f = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        };
+        for len in [0usize, 1, 7, 8, 9, 31, 640, 2051] {
+            let gate: Vec<f32> = (0..len)
+                .map(|i| f() * [0.01f32, 1.0, 8.0, 100.0, 300.0][i % 5])
+                .collect();
+            let up: Vec<f32> = (0..len).map(|_| f() * 3.0).collect();
+            let twin: Vec<u32> = gate
+                .iter()
+                .zip(&up)
+                .map(|(&g, &u)| (silu(g) * u).to_bits())
+                .collect();
+            for &level in std::iter::once(&SimdLevel::Scalar).chain(&kernels) {
+                let mut got = gate.clone();
+                swiglu_level(&mut got, &up, level);
+                let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, twin, "len {len} {}", level.name());
+            }
+        }
+        for &level in std::iter::once(&SimdLevel::Scalar).chain(&kernels) {
+            let mut g = vec![1.0f32; 9];
+            g[3] = f32::NAN;
+            g[8] = f32::NAN;
+            swiglu_level(&mut g, &[2.0; 9], level);
+            assert!(g[3].is_nan() && g[8].is_nan() && g[0] == silu(1.0) * 2.0);
+        }
+        coverage::report("swiglu", &SWIGLU_KERNELS, &kernels);
     }
 
     #[test]
