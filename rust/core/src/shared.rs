@@ -73,6 +73,15 @@ impl<'a, T> SharedSlice<'a, T> {
         unsafe { self.slice(0..self.len) }
     }
 
+    /// A raw pointer to element `i` (`i <= len()`, checked), for kernels that write a strided
+    /// set of elements that no slice could cover without taking in other threads' elements.
+    /// Writing through it is unsafe: only elements in bounds that the writer owns, under the
+    /// same contract as [`Self::slice_mut`].
+    pub fn ptr_at(&self, i: usize) -> *mut T {
+        assert!(i <= self.len, "SharedSlice index {i} of {}", self.len);
+        self.ptr.wrapping_add(i)
+    }
+
     /// # Safety
     /// `i < len()` (checked only in debug builds: this is the hot path of matmul output
     /// scatter), and no other thread accesses element `i` concurrently.

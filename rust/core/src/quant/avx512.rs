@@ -389,6 +389,80 @@ pub(crate) unsafe fn tile<const T: u8, const R: usize, const G: usize>(
     }
 }
 
+/// Stores the first `rows` (1 to 4) rows of a tile's results (`res[row][lane]`, one lane per
+/// token) transposed: token lane `l < lanes` gets `res[0..rows][l]` at `dst + l * stride`. Four
+/// rows go through two unpacks and a shuffle to one 4-float store per token, where the scalar
+/// twin [`store_transposed_scalar`] makes `rows` stores per token.
+///
+/// # Safety
+/// The features in the attribute are available; `dst + l * stride + i` is writable for every
+/// `l < lanes` and `i < rows`, and nothing else accesses those elements meanwhile.
+#[target_feature(enable = "avx512f,avx512vl")]
+pub(crate) unsafe fn store_transposed(
+    res: &[[f32; 16]; 4],
+    rows: usize,
+    lanes: usize,
+    dst: *mut f32,
+    stride: usize,
+) {
+    debug_assert!((1..=4).contains(&rows) && lanes <= 16);
+    // SAFETY: each row of `res` holds 16 floats.
+    let [a, b, c, d] = res.map(|r| unsafe { _mm512_loadu_ps(r.as_ptr()) });
+    // Per 128-bit lane j: [a b a b] pairs, then [a b c d] of token 4j + k in u[k].
+    let (t0, t1) = (_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    let (t2, t3) = (_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    let u = [
+        _mm512_shuffle_ps::<0x44>(t0, t2),
+        _mm512_shuffle_ps::<0xEE>(t0, t2),
+        _mm512_shuffle_ps::<0x44>(t1, t3),
+        _mm512_shuffle_ps::<0xEE>(t1, t3),
+    ];
+    let mask = (1u8 << rows) - 1;
+    for (k, &uk) in u.iter().enumerate() {
+        let q = [
+            _mm512_castps512_ps128(uk),
+            _mm512_extractf32x4_ps::<1>(uk),
+            _mm512_extractf32x4_ps::<2>(uk),
+            _mm512_extractf32x4_ps::<3>(uk),
+        ];
+        for (j, &v) in q.iter().enumerate() {
+            let l = 4 * j + k;
+            if l < lanes {
+                // SAFETY: l < lanes: the caller's contract covers dst + l * stride + 0..rows,
+                // and the mask writes only those `rows` floats.
+                unsafe {
+                    let p = dst.add(l * stride);
+                    if rows == 4 {
+                        _mm_storeu_ps(p, v);
+                    } else {
+                        _mm_mask_storeu_ps(p, mask, v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Scalar twin of [`store_transposed`] (the matmul wrote its tiles this way before).
+///
+/// # Safety
+/// As [`store_transposed`], without the features.
+#[cfg(test)]
+pub(crate) unsafe fn store_transposed_scalar(
+    res: &[[f32; 16]; 4],
+    rows: usize,
+    lanes: usize,
+    dst: *mut f32,
+    stride: usize,
+) {
+    for l in 0..lanes {
+        for (i, r) in res.iter().enumerate().take(rows) {
+            // SAFETY: the caller's contract covers dst + l * stride + i.
+            unsafe { *dst.add(l * stride + i) = r[l] };
+        }
+    }
+}
+
 /// One legacy block of one weight row unpacked for [`tile_unpacked`]: the 32 integer weights
 /// `q` (0..16 or 0..32, so they fit the signed operand of `vpdpbusd`), `d`, `m_eff` (as
 /// `legacy::unpack_block` returns them) and `corr = 128 * sum(q)`.

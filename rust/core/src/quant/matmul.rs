@@ -607,7 +607,7 @@ mod narrow {
 mod tiled {
     use super::*;
     use crate::quant::avx2::{T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0};
-    use crate::quant::avx512::{tile, tile_unpacked, unpack_ublock, UBlock};
+    use crate::quant::avx512::{store_transposed, tile, tile_unpacked, unpack_ublock, UBlock};
     use crate::quant::q8::GROUP;
     use crate::quant::GgmlType;
 
@@ -760,15 +760,12 @@ mod tiled {
                         _ => tile_unpacked::<1>(&rows, nb, l, d, s, &mut res),
                     }
                 };
-                for lane in 0..GROUP.min(n - g * GROUP) {
-                    let at = (g * GROUP + lane) * w.rows + r;
-                    // SAFETY: token g * 16 + lane < n and rows r..r+rn: inside `out`; the
-                    // caller owns this tile exclusively.
-                    let dst = unsafe { out.slice_mut(at..at + rn) };
-                    for (i, o) in dst.iter_mut().enumerate() {
-                        *o = res[i][lane];
-                    }
-                }
+                let lanes = GROUP.min(n - g * GROUP);
+                let at = g * GROUP * w.rows + r;
+                assert!(at + (lanes - 1) * w.rows + rn <= out.len());
+                // SAFETY: level Avx512Vnni (caller); tokens g * 16 + 0..lanes (< n) x rows
+                // r..r+rn lie inside `out` (asserted) and the caller owns this tile exclusively.
+                unsafe { store_transposed(&res, rn, lanes, out.ptr_at(at), w.rows) };
             }
             r += rn;
         }
@@ -888,6 +885,49 @@ mod tests {
         GgmlType::Q5_1,
         GgmlType::Q8_0,
     ];
+
+    /// `avx512::store_transposed` against its scalar twin: every row count and lane count,
+    /// a stride wider than the rows, and nothing written outside the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn store_transposed_matches_scalar_twin() {
+        use crate::quant::avx512::{store_transposed, store_transposed_scalar};
+        use crate::quant::simd::{coverage, SimdLevel};
+        const STARTS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
+        let kernels = coverage::simd_kernels(&STARTS);
+        let mut rng = Rng(3);
+        let mut res = [[0f32; 16]; 4];
+        for row in res.iter_mut() {
+            for v in row.iter_mut() {
+                *v = rng.f();
+            }
+        }
+        let stride = 7;
+        for rows in 1..=4 {
+            for lanes in 1..=16 {
+                let mut want = vec![-9.0f32; 16 * stride + 3];
+                // SAFETY: lanes x rows at stride 7 from index 1 lie inside the buffer.
+                unsafe {
+                    store_transposed_scalar(&res, rows, lanes, want.as_mut_ptr().add(1), stride)
+                };
+                for l in 0..16 {
+                    for i in 0..stride {
+                        let v = want[1 + l * stride + i];
+                        assert_eq!(v == -9.0, l >= lanes || i >= rows, "twin wrote {l} {i}");
+                    }
+                }
+                for _ in &kernels {
+                    let mut got = vec![-9.0f32; 16 * stride + 3];
+                    // SAFETY: AVX-512 detected (simd_kernels); same region as above.
+                    unsafe {
+                        store_transposed(&res, rows, lanes, got.as_mut_ptr().add(1), stride)
+                    };
+                    assert_eq!(got, want, "rows {rows} lanes {lanes}");
+                }
+            }
+        }
+        coverage::report("store_transposed", &STARTS, &kernels);
+    }
 
     /// `task_region(i)` names exactly the output elements task `i` writes, for every plan (per
     /// row, narrow and wide tiles): the regions partition the output (redoable team steps copy
