@@ -919,9 +919,7 @@ mod tests {
                 for _ in &kernels {
                     let mut got = vec![-9.0f32; 16 * stride + 3];
                     // SAFETY: AVX-512 detected (simd_kernels); same region as above.
-                    unsafe {
-                        store_transposed(&res, rows, lanes, got.as_mut_ptr().add(1), stride)
-                    };
+                    unsafe { store_transposed(&res, rows, lanes, got.as_mut_ptr().add(1), stride) };
                     assert_eq!(got, want, "rows {rows} lanes {lanes}");
                 }
             }
