@@ -102,6 +102,9 @@ pub struct QuantizedActs {
     pub(crate) k: Vec<BlockQ8K>,
     /// F32: `n_tokens * cols` values.
     pub(crate) f: Vec<f32>,
+    /// Where the groups go while [`QuantizedActs::prepare_wide_q8`]'s layout is being filled
+    /// by parallel tasks (None otherwise).
+    pub(crate) wide: Option<WideQ8>,
 }
 
 impl Default for QuantizedActs {
@@ -118,6 +121,7 @@ impl Default for QuantizedActs {
             ps: Vec::new(),
             k: Vec::new(),
             f: Vec::new(),
+            wide: None,
         }
     }
 }
@@ -141,10 +145,111 @@ impl QuantizedActs {
         act_kind(ty) == Some(self.kind)
     }
 
+    /// Lays these out for `n_tokens` rows of `cols` activations in the Q8 format of weights of
+    /// type `for_type`, packed wide, without computing them: then each group of 16 tokens is
+    /// filled by [`WideQ8::fill_group`] (from [`Self::wide`]), by as many tasks as groups, in
+    /// any order or in parallel; the result is what [`quantize_acts_impl`] with `Pack::Wide`
+    /// gives. The buffers keep their old contents where they do not grow (every byte the
+    /// groups own is rewritten, padding lanes included), so no memset per call.
+    pub(crate) fn prepare_wide_q8(
+        &mut self,
+        n_tokens: usize,
+        cols: usize,
+        for_type: GgmlType,
+    ) -> Result<()> {
+        if act_kind(for_type) != Some(ActKind::Q8) || !cols.is_multiple_of(QK) || n_tokens == 0 {
+            return Err(invalid(format!(
+                "no wide Q8 layout for {n_tokens} tokens x {cols} columns of {}",
+                for_type.name()
+            )));
+        }
+        let nb = cols / QK;
+        let groups = n_tokens.div_ceil(GROUP);
+        self.kind = ActKind::Q8;
+        self.n_tokens = n_tokens;
+        self.cols = cols;
+        self.pack = Pack::Wide;
+        self.qs.resize(n_tokens * cols, 0);
+        self.ds.resize(2 * n_tokens * nb, 0.0);
+        self.packed.resize(groups * nb * 8, Line([0; 64]));
+        self.pd.resize(groups * nb * GROUP, 0.0);
+        self.ps.resize(groups * nb * GROUP, 0.0);
+        self.wide = Some(WideQ8 {
+            qs: self.qs.as_mut_ptr(),
+            ds: self.ds.as_mut_ptr(),
+            packed: self.packed.as_mut_ptr(),
+            pd: self.pd.as_mut_ptr(),
+            ps: self.ps.as_mut_ptr(),
+            n_tokens,
+            cols,
+        });
+        Ok(())
+    }
+
     /// Whether a packed copy was built (either width).
     #[cfg(test)]
     pub(crate) fn has_packed(&self) -> bool {
         self.pack != Pack::None
+    }
+}
+
+/// The buffers of a [`QuantizedActs`] laid out by [`QuantizedActs::prepare_wide_q8`], as raw
+/// pointers, so that tasks on several threads can each fill their own groups of 16 tokens
+/// (no `&mut` to the whole buffers exists meanwhile). Valid until the buffers are touched
+/// again: the next `prepare_wide_q8` or `quantize_acts_into` replaces or clears it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WideQ8 {
+    qs: *mut i8,
+    ds: *mut f32,
+    packed: *mut Line,
+    pd: *mut f32,
+    ps: *mut f32,
+    n_tokens: usize,
+    cols: usize,
+}
+
+// SAFETY: the pointers are only dereferenced by `fill_group`, whose callers guarantee that the
+// buffers live and that no two threads fill the same group (the groups' regions are disjoint).
+unsafe impl Send for WideQ8 {}
+// SAFETY: as above; `&WideQ8` only copies the pointers.
+unsafe impl Sync for WideQ8 {}
+
+impl WideQ8 {
+    /// Groups of 16 tokens to fill.
+    pub(crate) fn groups(&self) -> usize {
+        self.n_tokens.div_ceil(GROUP)
+    }
+
+    /// Quantizes tokens `16g..16g+16` of `x` (`n_tokens * cols` values, token-major) and packs
+    /// their group, at SIMD level `level` (every level gives the same bits).
+    ///
+    /// # Safety
+    /// The `QuantizedActs` this came from is alive and its buffers untouched since
+    /// `prepare_wide_q8`; no other thread fills group `g` or reads the buffers meanwhile.
+    /// Panics if `g` is not a group or `x` has the wrong length.
+    pub(crate) unsafe fn fill_group(&self, x: &[f32], g: usize, level: SimdLevel) {
+        let (n, cols) = (self.n_tokens, self.cols);
+        assert!(
+            g < self.groups() && x.len() == n * cols,
+            "fill_group {g} of {n} x {cols}"
+        );
+        let nb = cols / QK;
+        let t0 = g * GROUP;
+        let lanes = (n - t0).min(GROUP);
+        // SAFETY: the regions of group g in the buffers `prepare_wide_q8` sized (qs: its tokens'
+        // rows; ds: their blocks' pairs; packed, pd, ps: the group's blocks) lie inside them and
+        // belong to this call alone (contract).
+        let (qs, ds, packed, pd, ps) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.qs.add(t0 * cols), lanes * cols),
+                std::slice::from_raw_parts_mut(self.ds.add(2 * t0 * nb), 2 * lanes * nb),
+                std::slice::from_raw_parts_mut(self.packed.add(g * nb * 8), nb * 8),
+                std::slice::from_raw_parts_mut(self.pd.add(g * nb * GROUP), nb * GROUP),
+                std::slice::from_raw_parts_mut(self.ps.add(g * nb * GROUP), nb * GROUP),
+            )
+        };
+        quantize_blocks(&x[t0 * cols..(t0 + lanes) * cols], qs, ds, level);
+        pack_group(qs, ds, lanes, nb, packed, pd, ps);
     }
 }
 
@@ -258,6 +363,7 @@ pub(crate) fn quantize_acts_impl(
     a.kind = kind;
     a.n_tokens = n_tokens;
     a.cols = cols;
+    a.wide = None;
     a.pack = Pack::None;
     a.packed.clear();
     a.pd.clear();
@@ -485,25 +591,55 @@ fn pack_q8(a: &mut QuantizedActs) {
     a.pd.resize(groups * nb * GROUP, 0.0);
     a.ps.resize(groups * nb * GROUP, 0.0);
     for g in 0..groups {
-        let lanes = (n - g * GROUP).min(GROUP);
-        for b in 0..nb {
-            let gb = g * nb + b;
-            let lines = &mut a.packed[gb * 8..gb * 8 + 8];
-            for lane in 0..lanes {
-                let off = (g * GROUP + lane) * cols + b * QK;
-                let src: &[i8; 32] = a.qs[off..off + QK].try_into().expect("32-byte block");
-                for (k, line) in lines.iter_mut().enumerate() {
-                    line.0[4 * lane..4 * lane + 4].copy_from_slice(&src[4 * k..4 * k + 4]);
-                }
-            }
-            for lane in 0..lanes {
-                let t = g * GROUP + lane;
-                a.pd[gb * GROUP + lane] = a.ds[2 * (t * nb + b)];
-                a.ps[gb * GROUP + lane] = a.ds[2 * (t * nb + b) + 1];
-            }
-        }
+        let (t0, lanes) = (g * GROUP, (n - g * GROUP).min(GROUP));
+        pack_group(
+            &a.qs[t0 * cols..(t0 + lanes) * cols],
+            &a.ds[2 * t0 * nb..2 * (t0 + lanes) * nb],
+            lanes,
+            nb,
+            &mut a.packed[g * nb * 8..(g + 1) * nb * 8],
+            &mut a.pd[g * nb * GROUP..(g + 1) * nb * GROUP],
+            &mut a.ps[g * nb * GROUP..(g + 1) * nb * GROUP],
+        );
     }
     a.pack = Pack::Wide;
+}
+
+/// Packs one group of `lanes` (at most 16) tokens, their quants `qs` (token-major, `nb`
+/// blocks each) and block pairs `ds`, into the group's `nb * 8` lines and `nb * 16` scales
+/// (layout of [`QuantizedActs::packed`]); the padding lanes get zeros.
+fn pack_group(
+    qs: &[i8],
+    ds: &[f32],
+    lanes: usize,
+    nb: usize,
+    packed: &mut [Line],
+    pd: &mut [f32],
+    ps: &mut [f32],
+) {
+    let cols = nb * QK;
+    for b in 0..nb {
+        let lines = &mut packed[b * 8..b * 8 + 8];
+        for lane in 0..lanes {
+            let off = lane * cols + b * QK;
+            let src: &[i8; 32] = qs[off..off + QK].try_into().expect("32-byte block");
+            for (k, line) in lines.iter_mut().enumerate() {
+                line.0[4 * lane..4 * lane + 4].copy_from_slice(&src[4 * k..4 * k + 4]);
+            }
+        }
+        for line in lines.iter_mut() {
+            line.0[4 * lanes..].fill(0);
+        }
+        for lane in 0..GROUP {
+            let (d, s) = if lane < lanes {
+                (ds[2 * (lane * nb + b)], ds[2 * (lane * nb + b) + 1])
+            } else {
+                (0.0, 0.0)
+            };
+            pd[b * GROUP + lane] = d;
+            ps[b * GROUP + lane] = s;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -530,6 +666,61 @@ mod tests {
         let (d, s) = quantize_block(&[0.0; 32], &mut q);
         assert_eq!((d, s), (0.0, 0.0));
         assert!(q.iter().all(|&v| v == 0));
+    }
+
+    /// The wide layout filled group by group (`prepare_wide_q8` + `fill_group`, in reverse
+    /// order, over buffers that held a larger, different input before) is byte for byte the
+    /// one `quantize_acts_impl` builds, padding lanes included, at every SIMD level.
+    #[test]
+    fn wide_layout_by_groups_matches_whole() {
+        let ty = GgmlType::Q4_1;
+        let mut a = QuantizedActs::new();
+        let junk: Vec<f32> = (0..100 * 576)
+            .map(|i| ((i * 13 % 97) as f32) - 48.0)
+            .collect();
+        a.prepare_wide_q8(100, 576, ty).unwrap();
+        let fill = a.wide.unwrap();
+        for g in 0..fill.groups() {
+            // SAFETY: `a` is alive and untouched since prepare; one group at a time.
+            unsafe { fill.fill_group(&junk, g, simd::level()) };
+        }
+        for (n, cols) in [
+            (17usize, 64usize),
+            (32, 576),
+            (33, 576),
+            (100, 576),
+            (5, 64),
+        ] {
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            for level in [SimdLevel::Scalar, simd::level()] {
+                let mut want = QuantizedActs::new();
+                quantize_acts_impl(&mut want, &x, n, cols, ty, Pack::Wide).unwrap();
+                a.prepare_wide_q8(n, cols, ty).unwrap();
+                let fill = a.wide.unwrap();
+                assert_eq!(fill.groups(), n.div_ceil(GROUP));
+                for g in (0..fill.groups()).rev() {
+                    // SAFETY: as above.
+                    unsafe { fill.fill_group(&x, g, level) };
+                }
+                assert_eq!(
+                    (a.n_tokens, a.cols, a.kind, a.pack),
+                    (n, cols, ActKind::Q8, Pack::Wide)
+                );
+                assert_eq!(a.qs, want.qs, "{n} x {cols}");
+                assert_eq!(a.ds, want.ds);
+                assert_eq!(a.pd, want.pd);
+                assert_eq!(a.ps, want.ps);
+                let bytes = |v: &[Line]| v.iter().flat_map(|l| l.0).collect::<Vec<i8>>();
+                assert_eq!(bytes(&a.packed), bytes(&want.packed), "{n} x {cols}");
+            }
+        }
+        assert!(a.prepare_wide_q8(16, 48, ty).is_err());
+        assert!(a.prepare_wide_q8(16, 64, GgmlType::Q4_K).is_err());
+        assert!(a.prepare_wide_q8(0, 64, ty).is_err());
+        quantize_acts_impl(&mut a, &[0.0; 64], 1, 64, ty, Pack::None).unwrap();
+        assert!(a.wide.is_none());
     }
 
     #[test]
