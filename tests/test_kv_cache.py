@@ -51,11 +51,20 @@ def test_seq_add_shift_decodes_as_if_computed_at_new_positions(core: _core.Model
     assert (shifted.seq_pos_min(0), shifted.seq_pos_max(0)) == (d, n - 1 + d)
     got = _run(shifted, nxt, n + d)
 
-    fresh = core.new_context(256)
-    _run(fresh, toks, d)
-    want = _run(fresh, nxt, n + d)
-    # Rotating a stored f16 key adds one more f16 rounding; everything else is the same.
-    _close(got, want, 0.02)
+    def fresh(pos0: int) -> np.ndarray:
+        ctx = core.new_context(256)
+        _run(ctx, toks, pos0)
+        return _run(ctx, nxt, n + pos0)
+
+    want = fresh(d)
+    # The tolerance is the model's own spread: the same prompt computed fresh 1-2 positions
+    # further is the same math (RoPE is relative) but other roundings, and this model turns
+    # them into ~2% of its largest logit (measured: 0.46-0.53 of 26; the shift 0.56, and 0.56
+    # with f32 K/V too, so it is not the f16 re-encoding). A shift that rotated wrongly lands
+    # far outside it (the stale keys below: ~0.63 of the scale).
+    spread = max(float(np.abs(fresh(d + k) - want).max()) for k in (-2, -1, 1, 2))
+    diff = float(np.abs(got - want).max())
+    assert diff <= 1.5 * spread, f"max |diff| {diff:.4g} > 1.5 x spread {spread:.4g}"
     assert int(got.argmax()) == int(want.argmax())
 
     # Without the K-shift the keys would sit at the old positions: visibly different.
