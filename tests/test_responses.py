@@ -558,8 +558,17 @@ def test_streamed_tool_responses_have_the_same_items(live: Live) -> None:
                 "temperature": 0}  # fmt: skip
         whole = _respond(url, body)
         content, made = _reply(whole)
-        assert len(made) == calls and (content is None) == (calls > 0), whole["output"]
-        assert whole["status"] == ("completed" if calls else "incomplete")
+        assert (content is None) == (calls > 0), whole["output"]
+        if calls:
+            # Whether this 135M model stops after its calls or repeats them up to the limit
+            # turns on the last digits of its logits (greedy), which differ between builds
+            # and hosts: either is a valid response, and the stream must give the same one.
+            assert len(made) >= 1 and {name for name, _ in made} == {"get_weather"}, made
+            assert whole["status"] in ("completed", "incomplete")
+        else:
+            assert not made and whole["status"] == "incomplete"
+        if whole["status"] == "incomplete":
+            assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
         events = _events(url, body)
         final = events[-1].response
         assert events[-1].type == f"response.{whole['status']}"
