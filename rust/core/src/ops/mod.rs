@@ -10,11 +10,12 @@ pub use rope::{Rope, RopeScaling};
 
 use crate::quant::SimdLevel;
 
-/// `out = x / sqrt(mean(x^2) + eps) * w`, one row. The sum runs in f64 like ggml.
+/// `out = x / sqrt(mean(x^2) + eps) * w`, one row. The sum runs in f64 like ggml
+/// ([`sum_sq`]).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert_eq!(x.len(), w.len());
     debug_assert_eq!(x.len(), out.len());
-    let sum: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let sum = sum_sq(x);
     let mean = (sum / x.len() as f64) as f32;
     let scale = 1.0 / (mean + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
@@ -25,13 +26,55 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// In-place RMSNorm of every `dim`-sized row of `x` with weight `w`.
 pub fn rms_norm_rows(x: &mut [f32], dim: usize, w: &[f32], eps: f32) {
     for row in x.chunks_exact_mut(dim) {
-        let sum: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let sum = sum_sq(row);
         let mean = (sum / dim as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for (v, &g) in row.iter_mut().zip(w) {
             *v = *v * scale * g;
         }
     }
+}
+
+/// Lowest level of each SIMD kernel of [`sum_sq`] (see `quant::simd::coverage`).
+#[cfg(test)]
+pub(crate) const SUM_SQ_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
+
+/// `sum(x[i]^2)` in f64: eight interleaved partial sums (element `i` of the body, the first
+/// `len - len % 8`, goes to sum `i % 8`; each square rounded, then added), folded as
+/// `((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))`, then the tail added in order. One
+/// running sum (the order before) was a chain of dependent f64 adds, ~1.5% of a prompt step
+/// for two norms a layer; eight sums let the SIMD kernel keep two vectors of four.
+pub fn sum_sq(x: &[f32]) -> f64 {
+    sum_sq_level(x, crate::quant::simd::level())
+}
+
+/// [`sum_sq`] with the kernels of `level` (capped to what the CPU has); every level gives the
+/// same bits.
+pub(crate) fn sum_sq_level(x: &[f32], level: SimdLevel) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::simd::cap(level) >= SimdLevel::Avx2 {
+        // SAFETY: AVX2 was detected on this CPU.
+        return unsafe { x86::sum_sq_avx2(x) };
+    }
+    let _ = level;
+    let body = x.len() - x.len() % 8;
+    let mut acc = [0f64; 8];
+    for c in x[..body].chunks_exact(8) {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v as f64 * v as f64;
+        }
+    }
+    sum_sq_tail(acc, &x[body..])
+}
+
+/// The fold of [`sum_sq`]'s eight sums and its tail.
+#[inline]
+fn sum_sq_tail(acc: [f64; 8], tail: &[f32]) -> f64 {
+    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for &v in tail {
+        s += v as f64 * v as f64;
+    }
+    s
 }
 
 /// SiLU, `x / (1 + exp(-x))`, with the exponential of [`exp_f32_wide`] (the scalar twin of
@@ -309,6 +352,33 @@ mod x86 {
             _mm256_set1_epi32(127),
         ));
         _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+    }
+
+    /// [`super::sum_sq`]: sums 0-3 in one vector, 4-7 in another, the same fold and tail.
+    ///
+    /// # Safety
+    /// AVX2 is available.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn sum_sq_avx2(x: &[f32]) -> f64 {
+        let body = x.len() - x.len() % 8;
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 <= body <= x.len().
+            let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) };
+            let a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            let b = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+            lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+            hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+            i += 8;
+        }
+        let mut acc = [0f64; 8];
+        // SAFETY: 4 f64 each at acc[0..4] and acc[4..8].
+        unsafe {
+            _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+            _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+        }
+        super::sum_sq_tail(acc, &x[body..])
     }
 
     /// [`super::exp_f32_wide`] of 4 lanes (f32 arguments widened to f64), the same steps.
@@ -627,6 +697,33 @@ mod tests {
             assert!(g[3].is_nan() && g[8].is_nan() && g[0] == silu(1.0) * 2.0);
         }
         coverage::report("swiglu", &SWIGLU_KERNELS, &kernels);
+    }
+
+    /// The sum-of-squares SIMD kernel against its scalar twin, bit for bit, over lengths that
+    /// leave every tail and values of every magnitude; both within rounding of the plain sum.
+    #[test]
+    fn sum_sq_kernels_match_scalar_twin() {
+        use crate::quant::simd::coverage;
+        let kernels = coverage::simd_kernels(&SUM_SQ_KERNELS);
+        let mut seed = 13u64;
+        let mut f = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        };
+        for len in [0usize, 1, 7, 8, 9, 31, 576, 1537, 2048] {
+            let x: Vec<f32> = (0..len)
+                .map(|i| f() * [1e-3f32, 1.0, 30.0, 1e4][i % 4])
+                .collect();
+            let twin = sum_sq_level(&x, SimdLevel::Scalar);
+            let plain: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+            assert!((twin - plain).abs() <= 1e-12 * plain.max(1e-30), "{len}");
+            for &level in &kernels {
+                assert_eq!(sum_sq_level(&x, level).to_bits(), twin.to_bits(), "{len}");
+            }
+        }
+        coverage::report("sum_sq", &SUM_SQ_KERNELS, &kernels);
     }
 
     #[test]
