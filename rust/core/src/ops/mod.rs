@@ -96,16 +96,44 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 /// [`swiglu`] with the kernels of `level` (capped to what the CPU has); every level gives the
 /// same bits.
 pub(crate) fn swiglu_level(gate: &mut [f32], up: &[f32], level: SimdLevel) {
-    assert_eq!(gate.len(), up.len(), "swiglu: gate and up differ in length");
+    glu_level(Glu::Swi, gate, up, level)
+}
+
+/// The gated activations of the FFN, `gate[i] = act(gate[i]) * up[i]`.
+#[derive(Clone, Copy, Debug)]
+enum Glu {
+    /// SiLU: [`swiglu`].
+    Swi,
+    /// GELU (tanh): [`geglu`].
+    Ge,
+}
+
+/// `glu` with the kernels of `level` (capped to what the CPU has): the AVX2 kernel, else the
+/// activation's scalar twin value by value (the same bits).
+fn glu_level(glu: Glu, gate: &mut [f32], up: &[f32], level: SimdLevel) {
+    assert_eq!(
+        gate.len(),
+        up.len(),
+        "{glu:?}GLU: gate and up differ in length"
+    );
     #[cfg(target_arch = "x86_64")]
     if crate::quant::simd::cap(level) >= SimdLevel::Avx2 {
         // SAFETY: AVX2 and FMA were detected on this CPU; both slices hold gate.len() values.
-        unsafe { x86::swiglu_avx2(gate, up) };
+        unsafe {
+            match glu {
+                Glu::Swi => x86::swiglu_avx2(gate, up),
+                Glu::Ge => x86::geglu_avx2(gate, up),
+            }
+        };
         return;
     }
     let _ = level;
+    let act = match glu {
+        Glu::Swi => silu,
+        Glu::Ge => gelu_tanh,
+    };
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
+        *g = act(*g) * u;
     }
 }
 
@@ -224,17 +252,7 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
 /// [`geglu`] with the kernels of `level` (capped to what the CPU has); every level gives the
 /// same bits.
 pub(crate) fn geglu_level(gate: &mut [f32], up: &[f32], level: SimdLevel) {
-    assert_eq!(gate.len(), up.len(), "geglu: gate and up differ in length");
-    #[cfg(target_arch = "x86_64")]
-    if crate::quant::simd::cap(level) >= SimdLevel::Avx2 {
-        // SAFETY: AVX2 and FMA were detected on this CPU; both slices hold gate.len() values.
-        unsafe { x86::geglu_avx2(gate, up) };
-        return;
-    }
-    let _ = level;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu_tanh(*g) * u;
-    }
+    glu_level(Glu::Ge, gate, up, level)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -585,37 +603,66 @@ mod tests {
         assert!(exp_f32(88.0).is_finite() && exp_f32(-87.0) > 0.0);
     }
 
-    /// The GeGLU SIMD kernel against its scalar twin (`gelu_tanh(g) * u` per element), bit for
-    /// bit, over lengths that leave every tail and values from tiny to beyond the clamps.
-    #[test]
-    fn geglu_kernels_match_scalar_twin() {
+    /// `level_fn`'s SIMD kernels (from `starts`) against the scalar twin `act(g) * u` per
+    /// element, bit for bit, over lengths that leave every tail and gates of the magnitudes in
+    /// `scales` (from tiny to beyond the exponentials' clamps); a NaN gate stays NaN.
+    fn check_glu_twin(
+        what: &str,
+        starts: &[SimdLevel],
+        level_fn: fn(&mut [f32], &[f32], SimdLevel),
+        act: fn(f32) -> f32,
+        scales: &[f32],
+        mut seed: u64,
+    ) {
         use crate::quant::simd::coverage;
-        let kernels = coverage::simd_kernels(&GEGLU_KERNELS);
-        let mut seed = 7u64;
+        let kernels = coverage::simd_kernels(starts);
         let mut f = || {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             ((seed >> 33) % 2_000_001) as f32 / 1_000_000.0 - 1.0
         };
+        let levels: Vec<SimdLevel> = std::iter::once(SimdLevel::Scalar)
+            .chain(kernels.clone())
+            .collect();
         for len in [0usize, 1, 7, 8, 9, 31, 640, 2051] {
-            let gate: Vec<f32> = (0..len)
-                .map(|i| f() * [0.01f32, 1.0, 4.0, 100.0][i % 4])
-                .collect();
+            let gate: Vec<f32> = (0..len).map(|i| f() * scales[i % scales.len()]).collect();
             let up: Vec<f32> = (0..len).map(|_| f() * 3.0).collect();
             let twin: Vec<u32> = gate
                 .iter()
                 .zip(&up)
-                .map(|(&g, &u)| (gelu_tanh(g) * u).to_bits())
+                .map(|(&g, &u)| (act(g) * u).to_bits())
                 .collect();
-            for &level in std::iter::once(&SimdLevel::Scalar).chain(&kernels) {
+            for &level in &levels {
                 let mut got = gate.clone();
-                geglu_level(&mut got, &up, level);
+                level_fn(&mut got, &up, level);
                 let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, twin, "len {len} {}", level.name());
+                assert_eq!(got, twin, "{what} len {len} {}", level.name());
             }
         }
-        coverage::report("geglu", &GEGLU_KERNELS, &kernels);
+        for &level in &levels {
+            let mut g = vec![1.0f32; 9];
+            g[3] = f32::NAN;
+            g[8] = f32::NAN;
+            level_fn(&mut g, &[2.0; 9], level);
+            assert!(
+                g[3].is_nan() && g[8].is_nan() && g[0] == act(1.0) * 2.0,
+                "{what}"
+            );
+        }
+        coverage::report(what, starts, &kernels);
+    }
+
+    #[test]
+    fn geglu_kernels_match_scalar_twin() {
+        check_glu_twin(
+            "geglu",
+            &GEGLU_KERNELS,
+            geglu_level,
+            gelu_tanh,
+            &[0.01, 1.0, 4.0, 100.0],
+            7,
+        );
     }
 
     /// `exp_f32_wide` is the f32 rounding of the f64 `exp` (libm's, within an f64 ulp) on
@@ -658,45 +705,10 @@ mod tests {
         assert!((ln2 - std::f64::consts::LN_2).abs() <= f64::EPSILON * 0.5);
     }
 
-    /// The SwiGLU SIMD kernel against its scalar twin (`silu(g) * u` per element), bit for
-    /// bit, over lengths that leave every tail and values from tiny to beyond the clamps; a
-    /// NaN stays NaN.
     #[test]
     fn swiglu_kernels_match_scalar_twin() {
-        use crate::quant::simd::coverage;
-        let kernels = coverage::simd_kernels(&SWIGLU_KERNELS);
-        let mut seed = 11u64;
-        let mut f = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) % 2_000_001) as f32 / 1_000_000.0 - 1.0
-        };
-        for len in [0usize, 1, 7, 8, 9, 31, 640, 2051] {
-            let gate: Vec<f32> = (0..len)
-                .map(|i| f() * [0.01f32, 1.0, 8.0, 100.0, 300.0][i % 5])
-                .collect();
-            let up: Vec<f32> = (0..len).map(|_| f() * 3.0).collect();
-            let twin: Vec<u32> = gate
-                .iter()
-                .zip(&up)
-                .map(|(&g, &u)| (silu(g) * u).to_bits())
-                .collect();
-            for &level in std::iter::once(&SimdLevel::Scalar).chain(&kernels) {
-                let mut got = gate.clone();
-                swiglu_level(&mut got, &up, level);
-                let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, twin, "len {len} {}", level.name());
-            }
-        }
-        for &level in std::iter::once(&SimdLevel::Scalar).chain(&kernels) {
-            let mut g = vec![1.0f32; 9];
-            g[3] = f32::NAN;
-            g[8] = f32::NAN;
-            swiglu_level(&mut g, &[2.0; 9], level);
-            assert!(g[3].is_nan() && g[8].is_nan() && g[0] == silu(1.0) * 2.0);
-        }
-        coverage::report("swiglu", &SWIGLU_KERNELS, &kernels);
+        let scales = [0.01, 1.0, 8.0, 100.0, 300.0];
+        check_glu_twin("swiglu", &SWIGLU_KERNELS, swiglu_level, silu, &scales, 11);
     }
 
     /// The sum-of-squares SIMD kernel against its scalar twin, bit for bit, over lengths that
