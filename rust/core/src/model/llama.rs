@@ -659,9 +659,10 @@ impl<'a> AttnSplit<'a> {
 
 /// Tokens per attention tile for a pass of `n` tokens on `threads` members: at most
 /// [`attention::TILE_TOKENS`], and few enough that there are about four tiles per member (a
-/// prompt's tiles differ in cost: later tokens see more cells). When every token already has
-/// at least `n` cells before it (`deep`), the tiles cost about the same and one tile per
-/// member is enough: tiles of a few tokens each left most of the kernel's lanes empty and
+/// prompt's tiles differ in cost: later tokens see more cells). When every token's position
+/// is at least `n` (`deep`: normally that many cells come before it, a proxy that costs
+/// nothing to check; a wrong guess costs balance, never bits), the tiles cost about the same
+/// and one tile per member is enough: tiles of a few tokens each left most of the kernel's lanes empty and
 /// converted each block's K/V for few rows (steps of 14 to 100 tokens at depth 1,536 ran
 /// 20-40% slower per token).
 fn tile_tokens(n: usize, threads: usize, deep: bool) -> usize {
