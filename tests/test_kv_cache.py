@@ -233,6 +233,42 @@ def test_results_do_not_depend_on_the_rest_of_the_batch(core: _core.Model) -> No
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rows_that_want_no_logits_change_no_bits(
+    core: _core.Model, arch: str, request: pytest.FixtureRequest
+) -> None:
+    """The last layer computes only the rows that want logits (``model::llama::Outputs``): those
+    rows get the bits of a pass in which every row wants logits, whichever others want them too,
+    and a chunk that wants none still stores the last layer's K/V for the steps after it."""
+    if arch == "gemma3":
+        core = _core.Model(request.getfixturevalue("gemma_path"), threads=2)
+    prompt = core.tokenize(PROMPT * 4, add_special=True)
+    n = len(prompt)
+    assert n >= 48, "long enough for the prompt kernels (wide activations)"
+    every = _run(core.new_context(512), prompt, 0, all_logits=True)  # nothing to leave out
+
+    for want in (
+        [i == n - 1 for i in range(n)],
+        [i % 5 == 0 or i == n - 1 for i in range(n)],
+        [i >= n - 20 for i in range(n)],
+    ):
+        ctx = core.new_context(512)
+        out = ctx.decode(prompt, list(range(n)), [0] * n, want)
+        got = np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab)
+        np.testing.assert_array_equal(got, every[np.array(want)])
+
+    ctx = core.new_context(512)
+    half = n // 2
+    out = ctx.decode(prompt[:half], list(range(half)), [0] * half, [False] * half)
+    assert out.n_rows == 0
+    np.testing.assert_array_equal(_run(ctx, prompt[half:], half, all_logits=True), every[half:])
+    # A decode step after it reads the last layer's K/V of every row.
+    step = _run(ctx, [int(every[-1].argmax())], n)
+    again = core.new_context(512)
+    _run(again, prompt, 0, all_logits=True)
+    np.testing.assert_array_equal(step, _run(again, [int(every[-1].argmax())], n))
+
+
 def test_kv_types_and_sizing_by_bytes(core: _core.Model, model_path: Path) -> None:
     toks = core.tokenize(PROMPT * 3, add_special=True)
     logits = {}

@@ -73,6 +73,17 @@ impl<'a, T> SharedSlice<'a, T> {
         unsafe { self.slice(0..self.len) }
     }
 
+    /// The first `len` elements (`len <= len()`, checked) as a slice of their own, under the
+    /// same contract: it narrows what its users may touch and shares nothing new.
+    pub fn prefix(&self, len: usize) -> SharedSlice<'_, T> {
+        assert!(len <= self.len, "SharedSlice prefix {len} of {}", self.len);
+        SharedSlice {
+            ptr: self.ptr,
+            len,
+            _borrow: PhantomData,
+        }
+    }
+
     /// A raw pointer to element `i` (`i <= len()`, checked), for kernels that write a strided
     /// set of elements that no slice could cover without taking in other threads' elements.
     /// Writing through it is unsafe: only elements in bounds that the writer owns, under the

@@ -11,8 +11,8 @@
 
 use super::config::{Config, LayerKind};
 use super::llama::{
-    group_kv, matrix, project, store_and_attend, vector, AttnSplit, PassBuffers, PassViews,
-    WeightRef,
+    group_kv, matrix, project, store_and_attend_rows, vector, AttnSplit, Outputs, PassBuffers,
+    PassViews, WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -120,8 +120,9 @@ pub(crate) fn forward(
     };
     let cs_global = angles(&c.rope);
     let cs_local = c.rope_local.as_ref().map(angles);
-    let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
-    let n_out = out_rows.len();
+    let outputs = Outputs::of(batch);
+    let n_out = outputs.rows.len();
+    let out_rows = outputs.head_rows();
 
     let mut bufs = PassBuffers::new(model, x, n, n_out, qd);
     let PassViews {
@@ -143,6 +144,9 @@ pub(crate) fn forward(
     let (plans, part_len) = AttnSplit::plan(model, &kv, batch);
     let mut part_buf = vec![0.0f32; part_len];
     let split = AttnSplit::new(plans, &mut part_buf);
+    let (last_plans, last_len) = outputs.plan(model, &kv);
+    let mut last_part = vec![0.0f32; last_len];
+    let last_split = AttnSplit::new(last_plans, &mut last_part);
     let eps = c.rms_eps;
 
     // Safety pattern as in `llama::forward`: each step is a set of tasks; a task writes only the
@@ -197,21 +201,27 @@ pub(crate) fn forward(
                 rope.apply(qr, hd, a);
                 rope.apply(kr, hd, a);
             });
-            // 4-5. Store K and V, attention (windowed on local layers).
-            // SAFETY: every member calls this in step; q, k, v are not written during it.
-            unsafe {
-                store_and_attend(
+            // 4-5. Store K and V, attention (windowed on local layers); in the last layer only
+            // for the rows that want logits when some do not (`llama::Outputs`): `n` is then
+            // the rows the rest of the layer computes.
+            // SAFETY: every member calls this in step; q, k, v, x are not written during it.
+            let n = unsafe {
+                store_and_attend_rows(
                     w,
                     model,
                     &kv,
                     li,
                     batch,
-                    [&q, &k, &v, &attn],
-                    &split,
+                    &outputs,
+                    [&q, &k, &v, &attn, &x],
+                    [&split, &last_split],
                     c.attn_scale,
                     &mut scratch,
                 )
             };
+            if n == 0 {
+                break; // nothing wants logits: the K/V were all the layer had to give
+            }
             // 6. Output projection.
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };

@@ -366,8 +366,9 @@ pub(super) const REDO_MAX_TOKENS: usize = 16;
 /// within 4 MiB.
 const REDO_MAX_OUTPUTS: usize = 1 << 20;
 
-/// `outs[i] = x W_i^T` for every weight in `ws` (same input width): one task quantizes `x` (`n`
-/// rows) once per activation format, then the team runs all the products as one set of tasks.
+/// `outs[i] = x W_i^T` for every weight in `ws` (same input width), over the first `n` rows of
+/// `x`: one task quantizes them once per activation format, then the team runs all the products
+/// as one set of tasks.
 ///
 /// `acts` holds one activation buffer per `project` call of the pass (each call takes the next,
 /// `Worker::next_call`) or a single one that every call reuses. With one per call, nothing
@@ -418,7 +419,7 @@ pub(super) unsafe fn project(
             unsafe {
                 let a = &acts.slice(slot..slot + 1)[0][0];
                 let fill = a.wide.expect("laid out by the previous step");
-                fill.fill_group(x.all(), g, level);
+                fill.fill_group(&x.all()[..n * cols], g, level);
             }
         });
     } else {
@@ -426,7 +427,15 @@ pub(super) unsafe fn project(
             // SAFETY: one task alone writes `acts[slot]`, in a step of its own (and with one
             // buffer per call, no earlier call's task still reads it); `x` is read-only
             // (contract).
-            unsafe { quantize_for(&mut acts.slice_mut(slot..slot + 1)[0], ws, x.all(), n, cols) };
+            unsafe {
+                quantize_for(
+                    &mut acts.slice_mut(slot..slot + 1)[0],
+                    ws,
+                    &x.all()[..n * cols],
+                    n,
+                    cols,
+                )
+            };
         });
     }
     matmuls(model, w, ws, acts, slot, acts.len() > 1, n, outs);
@@ -460,6 +469,15 @@ pub(super) fn matmuls(
     }
     let counts = &counts[..ws.len()];
     let n_tasks = counts.iter().sum();
+    // The first `n` rows of each output (a pass's last layer may compute fewer rows than its
+    // buffers hold: `Outputs`).
+    let outs: Vec<SharedSlice<'_, f32>> = outs
+        .iter()
+        .zip(ws)
+        .map(|(o, wr)| o.prefix(n * wr.rows))
+        .collect();
+    let outs: Vec<&SharedSlice<'_, f32>> = outs.iter().collect();
+    let outs = &outs[..];
     // The jobs of this step are built by the first task this member runs (the activations may
     // be read only inside tasks), writing into `outs` or, for a redoable step, into `privs`.
     // SAFETY (of every `acts.slice` below): inside a task of this step: the previous step wrote
@@ -612,6 +630,7 @@ pub(super) struct SplitPlan {
 
 /// How a pass's attention is cut into tasks: per layer group a split plan (`None`: tiles of
 /// tokens), and the tiles.
+#[derive(Default)]
 pub(super) struct PassPlan {
     plans: Vec<Option<SplitPlan>>,
     /// Runs of consecutive tokens of one sequence (`start..end`), at most [`tile_tokens`]
@@ -765,21 +784,58 @@ pub(super) unsafe fn store_and_attend<'a>(
     scratch: &mut attention::Scratch,
 ) {
     let [q, k, v, attn] = qkva;
-    let c = &model.config;
+    // SAFETY: the caller's contract (every member, in step; k and v not written).
+    unsafe {
+        store_kv(w, model, kv, li, k, v);
+        attend(w, model, kv, li, batch, [q, attn], split, scale, scratch);
+    }
+}
+
+/// Step 4 of a layer: one task stores the batch's keys and values of layer `li` at its planned
+/// cells in the layer's group.
+///
+/// # Safety
+/// Every member calls this at the same step; nobody writes k or v during the call.
+pub(super) unsafe fn store_kv(
+    w: &Worker<'_>,
+    model: &Model,
+    kv: &[GroupKv<'_>],
+    li: usize,
+    k: &SharedSlice<'_, f32>,
+    v: &SharedSlice<'_, f32>,
+) {
     let (gi, kl) = model.kv_slot(li);
-    let group_kv = &kv[gi];
-    let GroupKv {
-        storage,
-        cells,
-        views,
-        ..
-    } = group_kv;
-    let (qd, hd) = (c.q_dim(), c.head_dim);
-    let n = batch.len();
+    let GroupKv { storage, cells, .. } = &kv[gi];
     w.single(|| {
         // SAFETY: only this task touches the storage in this step; k and v are read-only.
         unsafe { PagedCache::write(&mut storage.slice_mut(0..1)[0], kl, cells, k.all(), v.all()) };
     });
+}
+
+/// Step 5 of a layer: attention of every token of `batch` (query rows `q`, output rows `attn`,
+/// by token index) over the cells of its sequence, as [`store_and_attend`] describes, with the
+/// tiles and split plans of `split` (made for `batch`).
+///
+/// # Safety
+/// Every member calls this at the same step; nobody writes q or the storage during the call,
+/// and the rows of `attn` and `split`'s chunk states are written only here.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn attend<'a>(
+    w: &Worker<'_>,
+    model: &Model,
+    kv: &'a [GroupKv<'a>],
+    li: usize,
+    batch: &'a Batch,
+    [q, attn]: [&'a SharedSlice<'a, f32>; 2],
+    split: &AttnSplit<'_>,
+    scale: f32,
+    scratch: &mut attention::Scratch,
+) {
+    let c = &model.config;
+    let (gi, kl) = model.kv_slot(li);
+    let GroupKv { storage, views, .. } = &kv[gi];
+    let (qd, hd) = (c.q_dim(), c.head_dim);
+    let n = batch.len();
     let kind = c.layer_kinds[li];
     // The query of token t (every head; q is read-only in this step).
     let query = |q_r: &'a [f32], t: usize| -> (&'a SeqView, Query<'a>) {
@@ -971,6 +1027,129 @@ pub(super) unsafe fn output_head(
     unsafe { project(model, w, acts, hs, out_rows.len(), &[output], &[out]) };
 }
 
+/// The rows of a pass that want logits, and what the last layer computes. After the last
+/// layer's K/V store, a token's attention, output projection and FFN feed only its own logits
+/// (llama.cpp's output ids): a prompt chunk wants one row or none, so the last layer then
+/// computes those rows alone. Every row's arithmetic is per token (attention per token, matmuls
+/// batch-invariant: `quant::legacy`), so the logits are bit for bit those of the full layer.
+pub(super) struct Outputs {
+    /// The batch rows that want logits, in order.
+    pub rows: Vec<usize>,
+    /// When some row wants none: the batch of those rows alone (possibly empty), whose
+    /// attention the last layer computes (into rows `0..rows.len()`, see [`compact_rows`]).
+    pub last: Option<Batch>,
+}
+
+impl Outputs {
+    pub(super) fn of(batch: &Batch) -> Outputs {
+        let rows: Vec<usize> = (0..batch.len()).filter(|&t| batch.logits[t]).collect();
+        let last = (rows.len() < batch.len()).then(|| Batch {
+            tokens: rows.iter().map(|&t| batch.tokens[t]).collect(),
+            positions: rows.iter().map(|&t| batch.positions[t]).collect(),
+            seq_ids: rows.iter().map(|&t| batch.seq_ids[t]).collect(),
+            logits: vec![true; rows.len()],
+        });
+        Outputs { rows, last }
+    }
+
+    /// The attention plan of the last layer's rows ([`AttnSplit::plan`] of `last`; empty
+    /// without them).
+    pub(super) fn plan(&self, model: &Model, kv: &[GroupKv<'_>]) -> (PassPlan, usize) {
+        match &self.last {
+            Some(b) if !b.is_empty() => AttnSplit::plan(model, kv, b),
+            _ => (PassPlan::default(), 0),
+        }
+    }
+
+    /// The rows of the final residual stream the output head reads: `rows`, or their places
+    /// `0..rows.len()` once the last layer has compacted them.
+    pub(super) fn head_rows(&self) -> Vec<usize> {
+        if self.last.is_some() {
+            (0..self.rows.len()).collect()
+        } else {
+            self.rows.clone()
+        }
+    }
+}
+
+/// Moves row `rows[i]` of `buf` (rows of `width` values) to row `i`, for each `i` in order.
+/// `rows` is increasing, so `rows[i] >= i`: row `i` is written only after every row that
+/// moves from it has been read.
+///
+/// # Safety
+/// One task alone touches `buf` during the call; it holds `rows`' rows.
+pub(super) unsafe fn compact_rows(buf: &SharedSlice<'_, f32>, width: usize, rows: &[usize]) {
+    let Some(&top) = rows.last() else { return };
+    // SAFETY: the caller's contract; rows `0..=top` are inside `buf`.
+    let all = unsafe { buf.slice_mut(0..(top + 1) * width) };
+    for (i, &t) in rows.iter().enumerate() {
+        debug_assert!(t >= i, "output rows are increasing");
+        if t != i {
+            all.copy_within(t * width..(t + 1) * width, i * width);
+        }
+    }
+}
+
+/// Steps 4 and 5 of layer `li` of a pass whose rows want logits as `outputs` says: store and
+/// attend every row (`split`), or, in the last layer when some rows want none, store every
+/// row's K/V, move the rows that want logits to the first rows of `q` and `x` and attend them
+/// alone (`last_split`, made for `outputs.last`). Returns how many rows the rest of the layer
+/// computes (0: none; then nothing after this layer needs computing either).
+///
+/// # Safety
+/// As [`store_and_attend`]'s; besides, nobody reads or writes `x` during the call.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn store_and_attend_rows<'a>(
+    w: &Worker<'_>,
+    model: &Model,
+    kv: &'a [GroupKv<'a>],
+    li: usize,
+    batch: &'a Batch,
+    outputs: &'a Outputs,
+    [q, k, v, attn, x]: [&'a SharedSlice<'a, f32>; 5],
+    [split, last_split]: [&AttnSplit<'_>; 2],
+    scale: f32,
+    scratch: &mut attention::Scratch,
+) -> usize {
+    let c = &model.config;
+    match &outputs.last {
+        Some(sub) if li + 1 == c.n_layer => {
+            // SAFETY: the caller's contract.
+            unsafe { store_kv(w, model, kv, li, k, v) };
+            if sub.is_empty() {
+                return 0;
+            }
+            w.single(|| {
+                // SAFETY: one task alone touches q and x in this step.
+                unsafe {
+                    compact_rows(q, c.q_dim(), &outputs.rows);
+                    compact_rows(x, c.n_embd, &outputs.rows);
+                }
+            });
+            // SAFETY: the caller's contract, over the moved rows.
+            unsafe { attend(w, model, kv, li, sub, [q, attn], last_split, scale, scratch) };
+            sub.len()
+        }
+        _ => {
+            // SAFETY: the caller's contract.
+            unsafe {
+                store_and_attend(
+                    w,
+                    model,
+                    kv,
+                    li,
+                    batch,
+                    [q, k, v, attn],
+                    split,
+                    scale,
+                    scratch,
+                )
+            };
+            batch.len()
+        }
+    }
+}
+
 /// Runs one batch through the model, storing its keys and values at the cells each layer group
 /// planned (`io`: per group its storage, the cells, and each batch sequence's blocks and
 /// positions, including the new cells).
@@ -999,8 +1178,8 @@ pub(crate) fn forward(
     for (t, chunk) in cs.chunks_exact_mut(half).enumerate() {
         c.rope.cos_sin(batch.positions[t] as f32, chunk);
     }
-    let out_rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
-    let n_out = out_rows.len();
+    let outputs = Outputs::of(batch);
+    let n_out = outputs.rows.len();
 
     let mut bufs = PassBuffers::new(model, x, n, n_out, qd);
     let PassViews {
@@ -1022,6 +1201,11 @@ pub(crate) fn forward(
     let (plans, part_len) = AttnSplit::plan(model, &kv, batch);
     let mut part_buf = vec![0.0f32; part_len];
     let split = AttnSplit::new(plans, &mut part_buf);
+    // The last layer's attention over the rows that want logits (when some do not).
+    let (last_plans, last_len) = outputs.plan(model, &kv);
+    let mut last_part = vec![0.0f32; last_len];
+    let last_split = AttnSplit::new(last_plans, &mut last_part);
+    let head_rows = outputs.head_rows();
 
     let scale = c.attn_scale;
 
@@ -1097,24 +1281,29 @@ pub(crate) fn forward(
                 c.rope.apply(qr, hd, angles);
                 c.rope.apply(kr, hd, angles);
             });
-            // 4-5. Store K and V, attention.
-            // SAFETY: every member calls this in step; q, k, v are not written during it.
-            unsafe {
-                store_and_attend(
+            // 4-5. Store K and V, attention: in the last layer, only for the rows that want
+            // logits when some do not (`Outputs`).
+            // SAFETY: every member calls this in step; q, k, v, x are not written during it.
+            let rows = unsafe {
+                store_and_attend_rows(
                     w,
                     model,
                     &kv,
                     li,
                     batch,
-                    [&q, &k, &v, &attn],
-                    &split,
+                    &outputs,
+                    [&q, &k, &v, &attn, &x],
+                    [&split, &last_split],
                     scale,
                     &mut scratch,
                 )
             };
+            if rows == 0 {
+                break; // nothing wants logits: the K/V were all the layer had to give
+            }
             // 6. Output projection.
             // SAFETY: every member calls this in step; attn is not written during it.
-            unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };
+            unsafe { project(model, w, &acts, &attn, rows, &[&layer.wo], &[&o]) };
             // 7. Residual, then h = norm(x) for the FFN, per token.
             // SAFETY: every member calls this in step; nothing else uses these buffers.
             unsafe {
@@ -1122,7 +1311,7 @@ pub(crate) fn forward(
                     model,
                     w,
                     &acts,
-                    n,
+                    rows,
                     &layer.ffn_norm,
                     [&layer.w_gate, &layer.w_up, &layer.w_down],
                     &ffn,
@@ -1137,7 +1326,7 @@ pub(crate) fn forward(
                 w,
                 &acts,
                 &x,
-                &out_rows,
+                &head_rows,
                 (&wts.output_norm, &wts.output),
                 &hs,
                 &out,
