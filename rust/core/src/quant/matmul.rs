@@ -135,9 +135,9 @@ enum Plan {
     /// most 8) tokens of the narrow packed activations (either width).
     #[cfg(target_arch = "x86_64")]
     Narrow { chunk: usize },
-    /// One token: rows split into chunks of `chunk` (a multiple of 16); each full group of 16
-    /// rows from the interleaved copy (`x16::dot16`), the rows past the last full group one
-    /// by one.
+    /// One to `x16::TOKENS` tokens: rows split into chunks of `chunk` (a multiple of 16); each
+    /// full group of 16 rows from the interleaved copy for all the tokens at once
+    /// (`x16::dot16`, `x16::dot16_tokens`), the rows past the last full group one by one.
     #[cfg(target_arch = "x86_64")]
     Rows16 { chunk: usize },
     /// Tiles of `row_chunk` rows x `group_chunk` 16-token groups (packed VNNI activations).
@@ -177,7 +177,7 @@ fn plan(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if level >= SimdLevel::Avx512Vnni && n == 1 && x16 {
+        if level >= SimdLevel::Avx512Vnni && n <= super::x16::TOKENS && x16 {
             let chunk = rows.div_ceil(target).next_multiple_of(super::x16::ROWS);
             return (Plan::Rows16 { chunk }, rows.div_ceil(chunk));
         }
@@ -363,7 +363,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             #[cfg(target_arch = "x86_64")]
             Plan::Rows16 { .. } => {
                 let (r, _) = self.task_tile(i);
-                // SAFETY: forwarded contract; this task owns rows r (one token).
+                // SAFETY: forwarded contract; this task owns rows r (every token).
                 unsafe { rows16(w, a, self.out, r.start, r.end, self.level) };
             }
             #[cfg(target_arch = "x86_64")]
@@ -391,12 +391,13 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
     }
 }
 
-/// Rows `r0..r1` (`r0` a multiple of 16) times the one token of `a`: the full groups of 16
-/// rows from `w.x16`, the rest row by row (the same bits either way).
+/// Rows `r0..r1` (`r0` a multiple of 16) times the tokens of `a` (at most `x16::TOKENS`):
+/// the full groups of 16 rows from `w.x16`, every token at once, the rest row by row and token
+/// by token (the same bits either way).
 ///
 /// # Safety
 /// Only at level Avx512Vnni with `w.x16` set (the `Rows16` plan); the caller owns rows r0..r1
-/// of `out` exclusively.
+/// of `out` (every token) exclusively.
 #[cfg(target_arch = "x86_64")]
 unsafe fn rows16(
     w: &QMatrix,
@@ -406,40 +407,88 @@ unsafe fn rows16(
     r1: usize,
     level: SimdLevel,
 ) {
-    use super::x16::{dot16, group_block_bytes, ROWS, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
+    // SAFETY: forwarded contract.
+    unsafe {
+        match a.n_tokens {
+            1 => rows16_t::<1>(w, a, out, r0, r1, level),
+            2 => rows16_t::<2>(w, a, out, r0, r1, level),
+            3 => rows16_t::<3>(w, a, out, r0, r1, level),
+            4 => rows16_t::<4>(w, a, out, r0, r1, level),
+            5 => rows16_t::<5>(w, a, out, r0, r1, level),
+            6 => rows16_t::<6>(w, a, out, r0, r1, level),
+            7 => rows16_t::<7>(w, a, out, r0, r1, level),
+            _ => rows16_t::<8>(w, a, out, r0, r1, level),
+        }
+    }
+}
+
+/// [`rows16`] for `NT` tokens.
+///
+/// # Safety
+/// As [`rows16`]'s; `a` holds `NT` tokens.
+#[cfg(target_arch = "x86_64")]
+unsafe fn rows16_t<const NT: usize>(
+    w: &QMatrix,
+    a: &QuantizedActs,
+    out: &SharedSlice<f32>,
+    r0: usize,
+    r1: usize,
+    level: SimdLevel,
+) {
+    use super::x16::{
+        dot16, dot16_tokens, group_block_bytes, ROWS, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0,
+    };
+    assert!(NT == a.n_tokens && NT <= super::x16::TOKENS);
     let x16 = w.x16.expect("the Rows16 plan has the interleaved copy");
-    let nb = w.cols / 32;
+    let (rows, nb) = (w.rows, w.cols / 32);
     let gbb = nb * group_block_bytes(w.ty);
-    let full = (w.rows / ROWS * ROWS).min(r1);
-    // The token's quants and scales (a one-token Q8 activation: `serves` was checked).
-    let (qa, ds) = (&a.qs[..w.cols], &a.ds[..2 * nb]);
-    let mut vals = [0f32; ROWS];
+    let full = (rows / ROWS * ROWS).min(r1);
+    // The tokens' quants and scales (Q8 activations: `serves` was checked).
+    let (qs, ds) = (&a.qs[..NT * w.cols], &a.ds[..2 * NT * nb]);
+    let qa: [*const i8; NT] = std::array::from_fn(|t| qs[t * w.cols..].as_ptr());
+    let da: [*const f32; NT] = std::array::from_fn(|t| ds[2 * t * nb..].as_ptr());
+    let mut vals = [[0f32; ROWS]; NT];
     let mut r = r0;
     while r + ROWS <= full {
         let grp = &x16[r / ROWS * gbb..][..gbb];
         // SAFETY: the plan is taken at level Avx512Vnni only (never above detection); `grp`
-        // covers the group's nb blocks, qa and ds one token's nb blocks.
+        // covers the group's nb blocks, each token's quants and scales its nb blocks.
         unsafe {
-            let (g, q, d) = (grp.as_ptr(), qa.as_ptr(), ds.as_ptr());
-            match w.ty {
-                super::GgmlType::Q4_0 => dot16::<T_Q4_0>(g, nb, q, d, &mut vals),
-                super::GgmlType::Q4_1 => dot16::<T_Q4_1>(g, nb, q, d, &mut vals),
-                super::GgmlType::Q5_0 => dot16::<T_Q5_0>(g, nb, q, d, &mut vals),
-                _ => dot16::<T_Q8_0>(g, nb, q, d, &mut vals),
+            let g = grp.as_ptr();
+            if NT == 1 {
+                let v = &mut vals[0];
+                match w.ty {
+                    super::GgmlType::Q4_0 => dot16::<T_Q4_0>(g, nb, qa[0], da[0], v),
+                    super::GgmlType::Q4_1 => dot16::<T_Q4_1>(g, nb, qa[0], da[0], v),
+                    super::GgmlType::Q5_0 => dot16::<T_Q5_0>(g, nb, qa[0], da[0], v),
+                    _ => dot16::<T_Q8_0>(g, nb, qa[0], da[0], v),
+                }
+            } else {
+                let v = &mut vals;
+                match w.ty {
+                    super::GgmlType::Q4_0 => dot16_tokens::<T_Q4_0, NT>(g, nb, &qa, &da, v),
+                    super::GgmlType::Q4_1 => dot16_tokens::<T_Q4_1, NT>(g, nb, &qa, &da, v),
+                    super::GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(g, nb, &qa, &da, v),
+                    _ => dot16_tokens::<T_Q8_0, NT>(g, nb, &qa, &da, v),
+                }
             }
         };
-        for (k, &v) in vals.iter().enumerate() {
-            // SAFETY: r + k < rows (one token): inside `out`; the caller owns these rows.
-            unsafe { out.write(r + k, v) };
+        for (t, vt) in vals.iter().enumerate() {
+            for (k, &v) in vt.iter().enumerate() {
+                // SAFETY: r + k < rows, t < NT: inside `out`; the caller owns these rows.
+                unsafe { out.write(t * rows + r + k, v) };
+            }
         }
         r += ROWS;
     }
     for r in r..r1 {
-        // Not `dot_row_tokens`: a second caller makes the compiler stop inlining it into the
-        // per-row path, which then measured ~15% slower on Gemma 3's decode.
-        let v = super::dot_row(w.ty, w.row(r), a, 0, level);
-        // SAFETY: as above.
-        unsafe { out.write(r, v) };
+        for t in 0..NT {
+            // Not `dot_row_tokens`: a second caller makes the compiler stop inlining it into
+            // the per-row path, which then measured ~15% slower on Gemma 3's decode.
+            let v = super::dot_row(w.ty, w.row(r), a, t, level);
+            // SAFETY: as above.
+            unsafe { out.write(t * rows + r, v) };
+        }
     }
 }
 
