@@ -9,11 +9,12 @@
 //! the 16 rows against 4 broadcast activation bytes advances 16 exact block sums at once, and
 //! the rows' scales load as 16 contiguous f16 values. About 40 operations per group of 16 rows
 //! and one block, 2.5 per row (Q8_0: 8 quant loads and dot products instead of 4 and 8 with the
-//! nibble split). A decode step of 2 to [`TOKENS`] sequences takes the same layout
-//! ([`dot16_tokens`]): the quant bytes are loaded and split once per block for every token,
-//! and each token adds its 8 `vpdpbusd`s and its scaling. On the development host that made
-//! SmolLM2's decode step at B = 2 ~1.9x faster than the narrow tiles over the GGUF rows, B = 4
-//! ~1.6x, B = 8 1.15-1.7x (B = 1 unchanged).
+//! nibble split). Several tokens take the same layout, [`TOKENS`] at a time
+//! ([`dot16_tokens`]): the quant bytes are loaded and split once per block for all of them,
+//! and each token adds its 8 `vpdpbusd`s and its scaling. On the development host that beat
+//! the narrow and wide tiles over the GGUF rows at every batch size (SmolLM2's step at B = 2
+//! ~1.9x, B = 4 ~1.6x, B = 9 ~2x, B = 16-64 1.3-1.5x, B = 128-384 1.1-1.2x, a prompt's 512-token
+//! chunks 1.07x), so the copy, made for decode, now serves prefill too.
 //!
 //! # Layout
 //!
@@ -297,9 +298,8 @@ pub(crate) unsafe fn dot16<const T: u8>(
     }
 }
 
-/// Tokens [`dot16_tokens`] takes at once: the `Rows16` plan serves batches up to this size
-/// (the narrow tiles' range), so a decode step of a few sequences streams the interleaved copy
-/// once for all of them.
+/// Tokens [`dot16_tokens`] takes at once (the matmul's `Rows16` plan takes a batch this many
+/// at a time, each group of rows staying in L1 meanwhile); from 3 on, the slots spill.
 pub(crate) const TOKENS: usize = 8;
 
 /// [`dot16`] of one group for `NT` tokens at once (2 to [`TOKENS`]): each block's quant bytes
@@ -613,9 +613,10 @@ mod tests {
         assert!(repack(GgmlType::Q5_1, 16, 32, &vec![0; 16 * 24]).is_none());
     }
 
-    /// One to [`TOKENS`] tokens through the matmul with the copy (full groups from it, the last
-    /// rows from the GGUF rows, tasks of several groups on 1 to 3 threads) give the bits of the
-    /// matmul without it, for every type; more tokens ignore the copy.
+    /// Any number of tokens through the matmul with the copy (full groups from it, [`TOKENS`]
+    /// at a time, the last rows from the GGUF rows, tasks of several groups on 1 to 3 threads)
+    /// give the bits of the matmul without it (the per-row, narrow and wide kernels), for every
+    /// type.
     #[test]
     fn matmul_with_the_copy_gives_the_same_bits() {
         for ty in [
@@ -629,7 +630,7 @@ mod tests {
             let x16 = repack(ty, rows, cols, &data).unwrap();
             let plain = QMatrix::new(ty, rows, cols, &data).unwrap();
             let copied = plain.with_x16(&x16).unwrap();
-            for n in [1, 2, 3, 5, 8, 9] {
+            for n in [1, 2, 3, 5, 8, 9, 17, 40] {
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
                     .collect();
