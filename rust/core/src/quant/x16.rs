@@ -9,8 +9,8 @@
 //! the 16 rows against 4 broadcast activation bytes advances 16 exact block sums at once, and
 //! the rows' scales load as 16 contiguous f16 values. About 40 operations per group of 16 rows
 //! and one block, 2.5 per row (Q8_0: 8 quant loads and dot products instead of 4 and 8 with the
-//! nibble split). Several tokens take the same layout, [`TOKENS`] at a time
-//! ([`dot16_tokens`]): the quant bytes are loaded and split once per block for all of them,
+//! nibble split). Several tokens take the same layout, `TOKENS` at a time
+//! (`dot16_tokens`): the quant bytes are loaded and split once per block for all of them,
 //! and each token adds its 8 `vpdpbusd`s and its scaling. On the development host that beat
 //! the narrow and wide tiles over the GGUF rows at every batch size (SmolLM2's step at B = 2
 //! ~1.9x, B = 4 ~1.6x, B = 9 ~2x, B = 16-64 1.3-1.5x, B = 128-384 1.1-1.2x, a prompt's 512-token
