@@ -232,17 +232,28 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Activations of one input, quantized once per format the consuming weights need.
 pub(super) type Acts = [QuantizedActs; quant::N_ACT_FORMATS];
 
-/// Quantizes `x` (`n` rows of `cols`) for every weight in `ws` (once per format).
-fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: usize) {
+/// Quantizes `x` (`n` rows of `cols`) for every weight in `ws` (once per format); without the
+/// packed copies when every weight takes the interleaved copy (`copy`, see [`takes_copy`]).
+fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: usize, copy: bool) {
     let mut done = [false; quant::N_ACT_FORMATS];
     for w in ws {
         let f = quant::act_format_index(w.ty);
         if !done[f] {
-            quant::quantize_acts_into(&mut acts[f], x, n, cols, w.ty)
-                .expect("weight shapes and types were validated at load");
+            if copy {
+                quant::q8::quantize_acts_impl(&mut acts[f], x, n, cols, w.ty, quant::q8::Pack::None)
+            } else {
+                quant::quantize_acts_into(&mut acts[f], x, n, cols, w.ty)
+            }
+            .expect("weight shapes and types were validated at load");
             done[f] = true;
         }
     }
+}
+
+/// Whether every weight of `ws` takes the interleaved copy at `level` (the matmul's `Rows16`
+/// plan: VNNI and a copy), so that its activations need no packed layout.
+fn takes_copy(model: &Model, ws: &[&WeightRef], level: quant::simd::SimdLevel) -> bool {
+    level >= quant::simd::SimdLevel::Avx512Vnni && ws.iter().all(|w| model.mat(w).x16.is_some())
 }
 
 /// The per-batch buffers of a forward pass (every architecture's pass takes the same set; a
@@ -394,6 +405,7 @@ pub(super) unsafe fn project(
     );
     let cols = ws[0].cols;
     let level = quant::simd::level();
+    let copy = takes_copy(model, ws, level);
     let wide = ws[0].ty;
     if n >= 2 * quant::q8::GROUP
         && quant::q8::Pack::for_tokens(n, level) == quant::q8::Pack::Wide
@@ -408,7 +420,7 @@ pub(super) unsafe fn project(
             // SAFETY: one task alone writes `acts[slot]` in this step (and with one buffer per
             // call, no earlier call's task still reads it).
             let a = unsafe { &mut acts.slice_mut(slot..slot + 1)[0][0] };
-            a.prepare_wide_q8(n, cols, wide)
+            a.prepare_wide_q8(n, cols, wide, !copy)
                 .expect("weight shapes and types were validated at load");
         });
         let groups = n.div_ceil(quant::q8::GROUP);
@@ -434,6 +446,7 @@ pub(super) unsafe fn project(
                     &x.all()[..n * cols],
                     n,
                     cols,
+                    copy,
                 )
             };
         });

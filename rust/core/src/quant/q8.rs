@@ -151,11 +151,15 @@ impl QuantizedActs {
     /// any order or in parallel; the result is what [`quantize_acts_impl`] with `Pack::Wide`
     /// gives. The buffers keep their old contents where they do not grow (every byte the
     /// groups own is rewritten, padding lanes included), so no memset per call.
+    ///
+    /// Without `pack` the groups are quantized only (token-major `qs` and `ds`, `Pack::None`):
+    /// for weights that all take the interleaved copy (`x16`), which reads nothing else.
     pub(crate) fn prepare_wide_q8(
         &mut self,
         n_tokens: usize,
         cols: usize,
         for_type: GgmlType,
+        pack: bool,
     ) -> Result<()> {
         if act_kind(for_type) != Some(ActKind::Q8) || !cols.is_multiple_of(QK) || n_tokens == 0 {
             return Err(invalid(format!(
@@ -168,12 +172,13 @@ impl QuantizedActs {
         self.kind = ActKind::Q8;
         self.n_tokens = n_tokens;
         self.cols = cols;
-        self.pack = Pack::Wide;
+        self.pack = if pack { Pack::Wide } else { Pack::None };
         self.qs.resize(n_tokens * cols, 0);
         self.ds.resize(2 * n_tokens * nb, 0.0);
-        self.packed.resize(groups * nb * 8, Line([0; 64]));
-        self.pd.resize(groups * nb * GROUP, 0.0);
-        self.ps.resize(groups * nb * GROUP, 0.0);
+        let packs = if pack { groups } else { 0 };
+        self.packed.resize(packs * nb * 8, Line([0; 64]));
+        self.pd.resize(packs * nb * GROUP, 0.0);
+        self.ps.resize(packs * nb * GROUP, 0.0);
         self.wide = Some(WideQ8 {
             qs: self.qs.as_mut_ptr(),
             ds: self.ds.as_mut_ptr(),
@@ -182,6 +187,7 @@ impl QuantizedActs {
             ps: self.ps.as_mut_ptr(),
             n_tokens,
             cols,
+            pack,
         });
         Ok(())
     }
@@ -206,6 +212,8 @@ pub(crate) struct WideQ8 {
     ps: *mut f32,
     n_tokens: usize,
     cols: usize,
+    /// Whether the groups are packed too (else the packed buffers are empty).
+    pack: bool,
 }
 
 // SAFETY: the pointers are only dereferenced by `fill_group`, whose callers guarantee that the
@@ -221,7 +229,7 @@ impl WideQ8 {
     }
 
     /// Quantizes tokens `16g..16g+16` of `x` (`n_tokens * cols` values, token-major) and packs
-    /// their group, at SIMD level `level` (every level gives the same bits).
+    /// their group (when laid out to), at SIMD level `level` (every level gives the same bits).
     ///
     /// # Safety
     /// The `QuantizedActs` this came from is alive and its buffers untouched since
@@ -237,18 +245,26 @@ impl WideQ8 {
         let t0 = g * GROUP;
         let lanes = (n - t0).min(GROUP);
         // SAFETY: the regions of group g in the buffers `prepare_wide_q8` sized (qs: its tokens'
-        // rows; ds: their blocks' pairs; packed, pd, ps: the group's blocks) lie inside them and
-        // belong to this call alone (contract).
-        let (qs, ds, packed, pd, ps) = unsafe {
+        // rows; ds: their blocks' pairs) lie inside them and belong to this call alone
+        // (contract).
+        let (qs, ds) = unsafe {
             (
                 std::slice::from_raw_parts_mut(self.qs.add(t0 * cols), lanes * cols),
                 std::slice::from_raw_parts_mut(self.ds.add(2 * t0 * nb), 2 * lanes * nb),
+            )
+        };
+        quantize_blocks(&x[t0 * cols..(t0 + lanes) * cols], qs, ds, level);
+        if !self.pack {
+            return;
+        }
+        // SAFETY: as above, for the group's blocks in packed, pd and ps (sized when `pack`).
+        let (packed, pd, ps) = unsafe {
+            (
                 std::slice::from_raw_parts_mut(self.packed.add(g * nb * 8), nb * 8),
                 std::slice::from_raw_parts_mut(self.pd.add(g * nb * GROUP), nb * GROUP),
                 std::slice::from_raw_parts_mut(self.ps.add(g * nb * GROUP), nb * GROUP),
             )
         };
-        quantize_blocks(&x[t0 * cols..(t0 + lanes) * cols], qs, ds, level);
         pack_group(qs, ds, lanes, nb, packed, pd, ps);
     }
 }
@@ -678,7 +694,7 @@ mod tests {
         let junk: Vec<f32> = (0..100 * 576)
             .map(|i| ((i * 13 % 97) as f32) - 48.0)
             .collect();
-        a.prepare_wide_q8(100, 576, ty).unwrap();
+        a.prepare_wide_q8(100, 576, ty, true).unwrap();
         let fill = a.wide.unwrap();
         for g in 0..fill.groups() {
             // SAFETY: `a` is alive and untouched since prepare; one group at a time.
@@ -697,7 +713,22 @@ mod tests {
             for level in [SimdLevel::Scalar, simd::level()] {
                 let mut want = QuantizedActs::new();
                 quantize_acts_impl(&mut want, &x, n, cols, ty, Pack::Wide).unwrap();
-                a.prepare_wide_q8(n, cols, ty).unwrap();
+                // Quantized only (for weights that take the interleaved copy): the same
+                // token-major quants and scales, nothing packed.
+                a.prepare_wide_q8(n, cols, ty, false).unwrap();
+                let fill = a.wide.unwrap();
+                for g in 0..fill.groups() {
+                    // SAFETY: as above.
+                    unsafe { fill.fill_group(&x, g, level) };
+                }
+                assert_eq!(a.pack, Pack::None);
+                assert!(a.packed.is_empty() && a.pd.is_empty() && a.ps.is_empty());
+                assert_eq!(
+                    (&a.qs, &a.ds),
+                    (&want.qs, &want.ds),
+                    "{n} x {cols} unpacked"
+                );
+                a.prepare_wide_q8(n, cols, ty, true).unwrap();
                 let fill = a.wide.unwrap();
                 assert_eq!(fill.groups(), n.div_ceil(GROUP));
                 for g in (0..fill.groups()).rev() {
@@ -716,9 +747,9 @@ mod tests {
                 assert_eq!(bytes(&a.packed), bytes(&want.packed), "{n} x {cols}");
             }
         }
-        assert!(a.prepare_wide_q8(16, 48, ty).is_err());
-        assert!(a.prepare_wide_q8(16, 64, GgmlType::Q4_K).is_err());
-        assert!(a.prepare_wide_q8(0, 64, ty).is_err());
+        assert!(a.prepare_wide_q8(16, 48, ty, true).is_err());
+        assert!(a.prepare_wide_q8(16, 64, GgmlType::Q4_K, true).is_err());
+        assert!(a.prepare_wide_q8(0, 64, ty, true).is_err());
         quantize_acts_impl(&mut a, &[0.0; 64], 1, 64, ty, Pack::None).unwrap();
         assert!(a.wide.is_none());
     }
