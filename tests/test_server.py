@@ -2495,8 +2495,11 @@ def test_sigterm_under_load_ends_every_stream_cleanly(model_path: Path, tmp_path
     uvicorn's margin; no temporary session file remains; a restarted server restores the
     saved session and continues it."""
     sessions = tmp_path / "sessions"
-    args = ["--model", str(model_path), "--threads", "2", "--parallel", "4", "--ctx-size", "512"]
-    args += ["--session-dir", str(sessions), "--shutdown-grace", "3"]
+    # The long streams want ~4,000 tokens: at least ~8 s of decoding at 4 ways even on a
+    # machine twice as fast as this one, well past the 2 s grace.
+    grace = 2
+    args = ["--model", str(model_path), "--threads", "2", "--parallel", "4", "--ctx-size", "4096"]
+    args += ["--session-dir", str(sessions), "--shutdown-grace", str(grace)]
     srv = Server(args, tmp_path / "a.log")
     chat = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8}
     try:
@@ -2504,7 +2507,8 @@ def test_sigterm_under_load_ends_every_stream_cleanly(model_path: Path, tmp_path
         assert r.status_code == 200, r.text
         assert httpx.post(f"{srv.url}/v1/sessions/s/save").status_code == 200
         ends: dict[str, list[str]] = {}
-        started = threading.Semaphore(0)
+        names = ["long0", "long1", "long2", "short"]
+        started = {name: threading.Event() for name in names}
 
         def stream(name: str, max_tokens: int) -> None:
             body = {"prompt": STORY, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
@@ -2517,7 +2521,7 @@ def test_sigterm_under_load_ends_every_stream_cleanly(model_path: Path, tmp_path
                     for x in resp.iter_lines():
                         if x.startswith("data: "):
                             lines.append(x)
-                            started.release()
+                            started[name].set()
             except httpx.HTTPError as e:
                 lines.append(f"cut: {e!r}")
             ends[name] = lines
@@ -2527,13 +2531,13 @@ def test_sigterm_under_load_ends_every_stream_cleanly(model_path: Path, tmp_path
                 with contextlib.suppress(httpx.HTTPError):
                     httpx.post(f"{srv.url}/v1/sessions/s/save", timeout=10)
 
-        threads = [threading.Thread(target=stream, args=(f"long{i}", 400)) for i in range(3)]
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 4000)) for i in range(3)]
         threads.append(threading.Thread(target=stream, args=("short", 16)))
         threads.append(threading.Thread(target=saver))
         for t in threads:
             t.start()
-        for _ in range(4):  # every stream has sent its first chunk
-            assert started.acquire(timeout=60)
+        for name in names:  # every stream has sent its first chunk
+            assert started[name].wait(timeout=60), name
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
@@ -2542,8 +2546,8 @@ def test_sigterm_under_load_ends_every_stream_cleanly(model_path: Path, tmp_path
         stopped = time.monotonic() - t0
     finally:
         srv.stop()
-    assert stopped < 3 + 2 + 3, f"exited {stopped:.1f} s after SIGTERM"
-    assert sorted(ends) == ["long0", "long1", "long2", "short"]
+    assert stopped < grace + 2 + 3, f"exited {stopped:.1f} s after SIGTERM"
+    assert sorted(ends) == names
     for name, lines in ends.items():
         assert lines and lines[-1] == "data: [DONE]", (name, lines[-3:])
         errors = [json.loads(x[6:])["error"] for x in lines[:-1] if '"error"' in x]
