@@ -68,12 +68,18 @@ fn pool(threads: usize) -> rayon::ThreadPool {
         .expect("a rayon pool")
 }
 
-/// `matmul_q` on a pool of `T` threads; counts multiply-adds (rows x cols x tokens).
+/// `matmul_q` on a pool of `T` threads, with the interleaved copy (`quant::x16`) as the
+/// engine loads it (every batch size takes it at AVX-512 VNNI); counts multiply-adds (rows x
+/// cols x tokens).
 #[divan::bench(args = CASES, consts = [1, 2], max_time = 2)]
 fn matmul_q_threads<const T: usize>(bencher: Bencher, c: Case) {
     let mut rng = Rng(4);
     let data = random_weights(c.ty, c.rows, c.cols, &mut rng);
-    let w = QMatrix::new(c.ty, c.rows, c.cols, &data).unwrap();
+    let x16 = kvserve_core::quant::x16::repack(c.ty, c.rows, c.cols, &data).unwrap();
+    let w = QMatrix::new(c.ty, c.rows, c.cols, &data)
+        .unwrap()
+        .with_x16(&x16)
+        .unwrap();
     let x: Vec<f32> = (0..c.n * c.cols).map(|_| rng.f()).collect();
     let mut a = QuantizedActs::new();
     quantize_acts_into(&mut a, &x, c.n, c.cols, c.ty).unwrap();

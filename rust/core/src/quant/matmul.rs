@@ -478,33 +478,28 @@ unsafe fn group_tokens<const NT: usize>(
     r: usize,
     t0: usize,
 ) {
-    use super::x16::{dot16, dot16_tokens, ROWS, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
-    let mut vals = [[0f32; ROWS]; NT];
-    // SAFETY: the caller's contract.
+    use super::x16::{dot16, dot16_tokens, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
+    // Rows r..r + 16 of token t0 + t: contiguous, written by the kernel's one store.
+    debug_assert!((t0 + NT - 1) * rows + r + 16 <= out.len());
+    let o: [*mut f32; NT] = std::array::from_fn(|t| out.ptr_at((t0 + t) * rows + r));
+    // SAFETY: the caller's contract; it owns those 16 floats of each token.
     unsafe {
         if NT == 1 {
-            let (q, d, v) = (qa(0), ds(0), &mut vals[0]);
+            let (q, d) = (qa(0), ds(0));
             match ty {
-                super::GgmlType::Q4_0 => dot16::<T_Q4_0>(grp, nb, q, d, v),
-                super::GgmlType::Q4_1 => dot16::<T_Q4_1>(grp, nb, q, d, v),
-                super::GgmlType::Q5_0 => dot16::<T_Q5_0>(grp, nb, q, d, v),
-                _ => dot16::<T_Q8_0>(grp, nb, q, d, v),
+                super::GgmlType::Q4_0 => dot16::<T_Q4_0>(grp, nb, q, d, o[0]),
+                super::GgmlType::Q4_1 => dot16::<T_Q4_1>(grp, nb, q, d, o[0]),
+                super::GgmlType::Q5_0 => dot16::<T_Q5_0>(grp, nb, q, d, o[0]),
+                _ => dot16::<T_Q8_0>(grp, nb, q, d, o[0]),
             }
         } else {
             let q: [*const i8; NT] = std::array::from_fn(&qa);
             let d: [*const f32; NT] = std::array::from_fn(&ds);
-            let v = &mut vals;
             match ty {
-                super::GgmlType::Q4_0 => dot16_tokens::<T_Q4_0, NT>(grp, nb, &q, &d, v),
-                super::GgmlType::Q4_1 => dot16_tokens::<T_Q4_1, NT>(grp, nb, &q, &d, v),
-                super::GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(grp, nb, &q, &d, v),
-                _ => dot16_tokens::<T_Q8_0, NT>(grp, nb, &q, &d, v),
-            }
-        }
-        for (t, vt) in vals.iter().enumerate() {
-            for (k, &v) in vt.iter().enumerate() {
-                // SAFETY: the caller owns rows r..r + 16 of token t0 + t.
-                out.write((t0 + t) * rows + r + k, v);
+                super::GgmlType::Q4_0 => dot16_tokens::<T_Q4_0, NT>(grp, nb, &q, &d, &o),
+                super::GgmlType::Q4_1 => dot16_tokens::<T_Q4_1, NT>(grp, nb, &q, &d, &o),
+                super::GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
+                _ => dot16_tokens::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
             }
         }
     }

@@ -396,7 +396,8 @@ pub(crate) fn quantize_acts_impl(
                 qs: [0; QK_K],
                 bsums: [0; 16],
             };
-            a.k.clear();
+            // Every block is written below: `resize` (not `clear` first) zero-fills only
+            // growth, instead of the whole buffer on every call.
             a.k.resize(n_tokens * nb, zero);
             for t in 0..n_tokens {
                 kquants::quantize_row_q8_k(
@@ -410,9 +411,8 @@ pub(crate) fn quantize_acts_impl(
         }
         ActKind::Q8 => {
             let nb = cols / QK;
-            a.qs.clear();
+            // As for Q8K: `quantize_blocks` writes every element.
             a.qs.resize(n_tokens * cols, 0);
-            a.ds.clear();
             a.ds.resize(2 * n_tokens * nb, 0.0);
             quantize_blocks(x, &mut a.qs, &mut a.ds, level);
             match pack {

@@ -195,7 +195,7 @@ pub(crate) const T_Q8_0: u8 = 8;
 ///
 /// # Safety
 /// The features in the attribute are available; `grp` covers `nb` (group, block)s of the type,
-/// `qa` `32 * nb` quants and `ds` `2 * nb` floats.
+/// `qa` `32 * nb` quants and `ds` `2 * nb` floats; `out` is valid for 16 floats' writes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn dot16<const T: u8>(
@@ -203,7 +203,7 @@ pub(crate) unsafe fn dot16<const T: u8>(
     nb: usize,
     qa: *const i8,
     ds: *const f32,
-    out: &mut [f32; ROWS],
+    out: *mut f32,
 ) {
     use std::arch::x86_64::*;
     let (gbb, nq) = match T {
@@ -294,7 +294,7 @@ pub(crate) unsafe fn dot16<const T: u8>(
                 slots[j] = _mm512_add_ps(slots[j], slots[j + h]);
             }
         }
-        _mm512_storeu_ps(out.as_mut_ptr(), slots[0]);
+        _mm512_storeu_ps(out, slots[0]);
     }
 }
 
@@ -312,7 +312,7 @@ pub(crate) const TOKENS: usize = 8;
 /// weight loads and nibble splits it saves.
 ///
 /// # Safety
-/// As [`dot16`]'s, for each token's `qa[t]` and `ds[t]`.
+/// As [`dot16`]'s, for each token's `qa[t]`, `ds[t]` and `out[t]`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn dot16_tokens<const T: u8, const NT: usize>(
@@ -320,7 +320,7 @@ pub(crate) unsafe fn dot16_tokens<const T: u8, const NT: usize>(
     nb: usize,
     qa: &[*const i8; NT],
     ds: &[*const f32; NT],
-    out: &mut [[f32; ROWS]; NT],
+    out: &[*mut f32; NT],
 ) {
     use std::arch::x86_64::*;
     let (gbb, nq) = match T {
@@ -418,14 +418,14 @@ pub(crate) unsafe fn dot16_tokens<const T: u8, const NT: usize>(
             }
             b0 += legacy::SLOTS;
         }
-        for (o, sl) in out.iter_mut().zip(slots.iter_mut()) {
+        for (&o, sl) in out.iter().zip(slots.iter_mut()) {
             for h in [4, 2, 1] {
                 for j in 0..h {
                     sl[j] = _mm512_add_ps(sl[j], sl[j + h]);
                 }
             }
-            // SAFETY: 16 floats at `o`.
-            _mm512_storeu_ps(o.as_mut_ptr(), sl[0]);
+            // SAFETY: 16 floats at `o` (the contract).
+            _mm512_storeu_ps(o, sl[0]);
         }
     }
 }
@@ -486,13 +486,14 @@ mod tests {
             let qa: [*const i8; NT] = std::array::from_fn(|t| qas[t].as_ptr());
             let ds: [*const f32; NT] = std::array::from_fn(|t| dss[t].as_ptr());
             let mut out = [[f32::NAN; ROWS]; NT];
-            // SAFETY: the caller's contract.
+            let o: [*mut f32; NT] = std::array::from_fn(|t| out[t].as_mut_ptr());
+            // SAFETY: the caller's contract; `o` points at 16 floats of `out` per token.
             unsafe {
                 match ty {
-                    GgmlType::Q4_0 => dot16_tokens::<T_Q4_0, NT>(grp, nb, &qa, &ds, &mut out),
-                    GgmlType::Q4_1 => dot16_tokens::<T_Q4_1, NT>(grp, nb, &qa, &ds, &mut out),
-                    GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(grp, nb, &qa, &ds, &mut out),
-                    _ => dot16_tokens::<T_Q8_0, NT>(grp, nb, &qa, &ds, &mut out),
+                    GgmlType::Q4_0 => dot16_tokens::<T_Q4_0, NT>(grp, nb, &qa, &ds, &o),
+                    GgmlType::Q4_1 => dot16_tokens::<T_Q4_1, NT>(grp, nb, &qa, &ds, &o),
+                    GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(grp, nb, &qa, &ds, &o),
+                    _ => dot16_tokens::<T_Q8_0, NT>(grp, nb, &qa, &ds, &o),
                 }
             }
             out
@@ -589,10 +590,10 @@ mod tests {
                         unsafe {
                             let (p, q, d) = (grp.as_ptr(), qa.as_ptr(), ds.as_ptr());
                             match ty {
-                                GgmlType::Q4_0 => dot16::<T_Q4_0>(p, nb, q, d, &mut out),
-                                GgmlType::Q4_1 => dot16::<T_Q4_1>(p, nb, q, d, &mut out),
-                                GgmlType::Q5_0 => dot16::<T_Q5_0>(p, nb, q, d, &mut out),
-                                _ => dot16::<T_Q8_0>(p, nb, q, d, &mut out),
+                                GgmlType::Q4_0 => dot16::<T_Q4_0>(p, nb, q, d, out.as_mut_ptr()),
+                                GgmlType::Q4_1 => dot16::<T_Q4_1>(p, nb, q, d, out.as_mut_ptr()),
+                                GgmlType::Q5_0 => dot16::<T_Q5_0>(p, nb, q, d, out.as_mut_ptr()),
+                                _ => dot16::<T_Q8_0>(p, nb, q, d, out.as_mut_ptr()),
                             }
                         }
                         assert_eq!(out.map(f32::to_bits).to_vec(), want, "{ty:?} avx512");
