@@ -269,6 +269,55 @@ def test_rows_that_want_no_logits_change_no_bits(
     np.testing.assert_array_equal(step, _run(again, [int(every[-1].argmax())], n))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decoders_sharing_a_document_get_their_own_bits(
+    core: _core.Model, arch: str, request: pytest.FixtureRequest
+) -> None:
+    """A decode step of users of one cached document (more sequences than the step splits by
+    chunks, their tables sharing the document's blocks): each group of them reads the shared
+    chunks once (``model::llama::CascadePlan``), and every sequence gets the bits of its step
+    taken alone; with a sequence of another document and a prompt in the same batch."""
+    if arch == "gemma3":
+        core = _core.Model(request.getfixturevalue("gemma_path"), threads=2)
+    doc = core.tokenize(PROMPT * 40, add_special=True)[:600]  # 2 chunks of 256 cells and more
+    other = core.tokenize("A different document. " * 60, add_special=True)[:300]
+    prompt = core.tokenize(PROMPT, add_special=True)
+    users = 10
+    tails = [
+        core.tokenize(f" Question {u}:" + " why" * (u * 7), add_special=False) for u in range(users)
+    ]
+
+    def setup() -> _core.Context:
+        ctx = core.new_context(4096, n_seq_max=users + 2, n_batch=1024)
+        _run(ctx, doc, 0)
+        for u in range(1, users):
+            ctx.seq_cp(0, u)
+        for u in range(users):  # each user's own cells after the document (copy on write)
+            _run(ctx, tails[u], len(doc), seq=u)
+        _run(ctx, other, 0, seq=users)
+        return ctx
+
+    nxt = [1000 + 17 * u for u in range(users + 1)]
+    pos = [len(doc) + len(tails[u]) for u in range(users)] + [len(other)]
+    alone = setup()
+    want = [_run(alone, [nxt[s]], pos[s], seq=s)[0] for s in range(users + 1)]
+    want_prompt = _run(alone, prompt, 0, seq=users + 1)[-1]
+
+    ctx = setup()
+    seqs = list(range(users + 1))
+    toks = [nxt[s] for s in seqs] + prompt
+    out = ctx.decode(
+        toks,
+        pos + list(range(len(prompt))),
+        seqs + [users + 1] * len(prompt),
+        [True] * len(seqs) + [False] * (len(prompt) - 1) + [True],
+    )
+    got = np.frombuffer(out, dtype=np.float32).reshape(out.n_rows, out.n_vocab)
+    for s in seqs:
+        np.testing.assert_array_equal(got[s], want[s], err_msg=f"sequence {s}")
+    np.testing.assert_array_equal(got[-1], want_prompt)
+
+
 def test_kv_types_and_sizing_by_bytes(core: _core.Model, model_path: Path) -> None:
     toks = core.tokenize(PROMPT * 3, add_special=True)
     logits = {}

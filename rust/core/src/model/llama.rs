@@ -646,6 +646,8 @@ pub(super) struct SplitPlan {
 #[derive(Default)]
 pub(super) struct PassPlan {
     plans: Vec<Option<SplitPlan>>,
+    /// Per layer group (with no split plan): decode tokens that share cached blocks.
+    cascades: Vec<Option<CascadePlan>>,
     /// Runs of consecutive tokens of one sequence (`start..end`), at most [`tile_tokens`]
     /// long: one task each when a layer group has no split plan.
     tiles: Vec<(usize, usize)>,
@@ -654,6 +656,7 @@ pub(super) struct PassPlan {
 /// The split plans of a pass, its tiles, and the chunk states' buffer.
 pub(super) struct AttnSplit<'a> {
     plans: Vec<Option<SplitPlan>>,
+    cascades: Vec<Option<CascadePlan>>,
     tiles: Vec<(usize, usize)>,
     part: SharedSlice<'a, f32>,
 }
@@ -665,24 +668,40 @@ impl<'a> AttnSplit<'a> {
         let plans: Vec<Option<SplitPlan>> = (0..kv.len())
             .map(|gi| split_plan(model, gi, &kv[gi], batch))
             .collect();
-        let len = plans
-            .iter()
-            .flatten()
-            .map(|p| p.first[p.first.len() - 1] * c.n_head * (c.head_dim + 2))
-            .max()
-            .unwrap_or(0);
         let n = batch.len();
         let deep = batch
             .positions
             .iter()
             .all(|&p| usize::try_from(p).is_ok_and(|p| p >= n));
         let tiles = tiles(batch, tile_tokens(n, model.team.threads(), deep));
-        (PassPlan { plans, tiles }, len)
+        let cascades: Vec<Option<CascadePlan>> = (0..kv.len())
+            .map(|gi| match plans[gi] {
+                Some(_) => None,
+                None => cascade_plan(model, gi, &kv[gi], batch, &tiles),
+            })
+            .collect();
+        let plen = attention::partial_len(c.n_head, c.head_dim);
+        let len = plans
+            .iter()
+            .flatten()
+            .map(|p| p.first[p.first.len() - 1] * plen)
+            .chain(cascades.iter().flatten().map(|p| p.n_states * plen))
+            .max()
+            .unwrap_or(0);
+        (
+            PassPlan {
+                plans,
+                cascades,
+                tiles,
+            },
+            len,
+        )
     }
 
     pub(super) fn new(plan: PassPlan, part: &'a mut [f32]) -> AttnSplit<'a> {
         AttnSplit {
             plans: plan.plans,
+            cascades: plan.cascades,
             tiles: plan.tiles,
             part: SharedSlice::new(part),
         }
@@ -767,6 +786,142 @@ fn split_plan(model: &Model, gi: usize, kv: &GroupKv<'_>, batch: &Batch) -> Opti
     (first[n] > n).then_some(SplitPlan { first, blocks, per })
 }
 
+/// Decode tokens of one layer group whose sequences share their first cached blocks (the
+/// users of one document): each group's shared blocks are read once for all its tokens
+/// (`attention::attend_tile_states`, whole chunks only), each token's later chunks on their
+/// own (`attention::attend_chunk`), and the states merged in chunk order
+/// (`attention::merge_chunks`): the bits of the token's attention alone.
+pub(super) struct CascadePlan {
+    /// Per group: its tokens and the blocks they share (a multiple of the chunk).
+    groups: Vec<(Vec<usize>, usize)>,
+    /// Per group, the state index of its first token's shared state (its tokens' follow).
+    group_first: Vec<usize>,
+    /// The later chunks: (token, range of its visible blocks), state `rest_first + job`.
+    rest: Vec<(usize, std::ops::Range<usize>)>,
+    rest_first: usize,
+    /// Per token in a group: (its shared state, its range of `rest`), and its visible blocks.
+    member: Vec<Option<(usize, std::ops::Range<usize>)>>,
+    vis: Vec<Vec<usize>>,
+    /// The tokens in a group, and the tiles of the others.
+    members: Vec<usize>,
+    tiles: Vec<(usize, usize)>,
+    /// Chunk states in all.
+    n_states: usize,
+}
+
+/// Tokens a cascade group needs at least.
+const CASCADE_MIN_TOKENS: usize = 2;
+
+/// The cascade plan of layer group `gi` for `batch` (tiles `tiles`), or `None` when no two
+/// one-token tiles of a causal group share a whole chunk of visible blocks.
+fn cascade_plan(
+    model: &Model,
+    gi: usize,
+    kv: &GroupKv<'_>,
+    batch: &Batch,
+    tiles: &[(usize, usize)],
+) -> Option<CascadePlan> {
+    let c = &model.config;
+    let kind = (0..c.n_layer)
+        .filter(|&li| model.kv_slot(li).0 == gi)
+        .map(|li| c.layer_kinds[li])
+        .find(|k| *k != LayerKind::Recurrent)?;
+    if kind != LayerKind::Full {
+        return None;
+    }
+    let n = batch.len();
+    let per = attention::chunk_blocks(kv.block_size);
+    // One-token tiles whose first chunk of blocks is all visible, by that chunk's block ids.
+    let mut vis: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut lead = vec![0usize; n];
+    let mut by_first: HashMap<&[u32], Vec<usize>> = HashMap::new();
+    for &(t0, t1) in tiles {
+        if t1 - t0 != 1 {
+            continue;
+        }
+        let view = &kv.views[&batch.seq_ids[t0]];
+        let mask = token_mask(kind, &view.positions, batch.positions[t0]);
+        attention::visible_blocks(view.positions.len(), kv.block_size, &mask, &mut vis[t0]);
+        lead[t0] = vis[t0]
+            .iter()
+            .enumerate()
+            .take_while(|&(i, &b)| i == b)
+            .count();
+        if lead[t0] >= per && view.blocks.len() >= per {
+            by_first.entry(&view.blocks[..per]).or_default().push(t0);
+        }
+    }
+    let mut groups = Vec::new();
+    for (_, toks) in by_first {
+        if toks.len() < CASCADE_MIN_TOKENS {
+            continue;
+        }
+        let first = &kv.views[&batch.seq_ids[toks[0]]].blocks;
+        let mut shared = usize::MAX;
+        for &t in &toks {
+            let b = &kv.views[&batch.seq_ids[t]].blocks;
+            let common = first.iter().zip(b).take_while(|(x, y)| x == y).count();
+            shared = shared.min(common).min(lead[t]);
+        }
+        let shared = shared / per * per;
+        if shared >= per {
+            // At most one lane vector of query rows per task (16 / heads per KV head tokens):
+            // the group's tasks spread over the team, each reading the shared K/V once.
+            let size = (16 / c.n_head.div_ceil(c.n_head_kv).max(1)).max(CASCADE_MIN_TOKENS);
+            let pieces = toks.len().div_ceil(size);
+            for p in 0..pieces {
+                let (a, b) = (toks.len() * p / pieces, toks.len() * (p + 1) / pieces);
+                if b - a >= CASCADE_MIN_TOKENS {
+                    groups.push((toks[a..b].to_vec(), shared));
+                }
+            }
+        }
+    }
+    if groups.is_empty() {
+        return None;
+    }
+    groups.sort_unstable_by_key(|(toks, _)| toks[0]);
+    let mut member: Vec<Option<(usize, std::ops::Range<usize>)>> = vec![None; n];
+    let mut group_first = Vec::with_capacity(groups.len());
+    let mut rest = Vec::new();
+    let mut next = 0;
+    let mut members = Vec::new();
+    for (toks, shared) in &groups {
+        group_first.push(next);
+        for &t in toks {
+            let r0 = rest.len();
+            let tail = vis[t].len();
+            let mut a = *shared;
+            while a < tail {
+                let b = (a + per).min(tail);
+                rest.push((t, a..b));
+                a = b;
+            }
+            member[t] = Some((next, r0..rest.len()));
+            members.push(t);
+            next += 1;
+        }
+    }
+    let rest_first = next;
+    let n_states = next + rest.len();
+    let others = tiles
+        .iter()
+        .copied()
+        .filter(|&(t0, t1)| t1 - t0 != 1 || member[t0].is_none())
+        .collect();
+    Some(CascadePlan {
+        groups,
+        group_first,
+        rest,
+        rest_first,
+        member,
+        vis,
+        members,
+        tiles: others,
+        n_states,
+    })
+}
+
 /// Steps 4 and 5 of a layer, shared by every architecture: one task stores the batch's keys and
 /// values of layer `li` at its planned cells in the layer's group; then attention runs as one
 /// task per tile (consecutive tokens of one sequence, [`tiles`]; a decode step's tiles are its
@@ -780,6 +935,13 @@ fn split_plan(model: &Model, gi: usize, kv: &GroupKv<'_>, batch: &Batch) -> Opti
 /// (token, chunk) writes its chunk's softmax state into `part` (at least
 /// [`AttnSplit::plan`]'s values), then one task per token folds the token's chunk states in
 /// chunk order. Both ways give the same bits (`attention::merge_chunks`).
+///
+/// A larger batch whose decode tokens share whole chunks of cached blocks (users of one
+/// document, [`CascadePlan`]) reads those chunks once per group of at most one lane vector of
+/// query rows (`attention::attend_tile_states`), computes each token's later chunks on their
+/// own, and folds the states per token, again with the same bits. Measured in one process
+/// (SmolLM2, 2 threads, decode steps at depth 1,600 of users of one document): attention's
+/// share of a step 1.6x (24 users) and 1.7x (18 users) faster.
 ///
 /// # Safety
 /// Every member calls this at the same step; nobody writes q, k, v during the call, and the
@@ -866,8 +1028,52 @@ pub(super) unsafe fn attend<'a>(
         (view, query)
     };
     let Some(plan) = &split.plans[gi] else {
-        let tiles = &split.tiles;
-        w.for_tasks(tiles.len(), |ti| {
+        let cascade = split.cascades[gi].as_ref();
+        let tiles = cascade.map_or(&split.tiles[..], |cp| &cp.tiles[..]);
+        // With a cascade plan: its group and later-chunk tasks first, then the other tiles.
+        let (n_groups, n_rest) = cascade.map_or((0, 0), |cp| (cp.groups.len(), cp.rest.len()));
+        let plen = attention::partial_len(c.n_head, hd);
+        let part = &split.part;
+        w.for_tasks(n_groups + n_rest + tiles.len(), |job| {
+            if let Some(cp) = cascade.filter(|_| job < n_groups + n_rest) {
+                // SAFETY: as below.
+                let (store, q_r) = unsafe { (&storage.slice(0..1)[0], q.all()) };
+                if job < n_groups {
+                    let (toks, shared) = &cp.groups[job];
+                    let view = query(q_r, toks[0]).0;
+                    let queries: Vec<Query> = toks.iter().map(|&t| query(q_r, t).1).collect();
+                    let s0 = cp.group_first[job];
+                    // SAFETY: the group's shared states belong to this task only.
+                    let states = unsafe { part.slice_mut(s0 * plen..(s0 + toks.len()) * plen) };
+                    attention::attend_tile_states(
+                        store,
+                        &view.blocks[..*shared],
+                        shared * kv[gi].block_size,
+                        &queries,
+                        states,
+                        scratch,
+                    )
+                } else {
+                    let r = job - n_groups;
+                    let (t, ref range) = cp.rest[r];
+                    let (view, query) = query(q_r, t);
+                    let s = cp.rest_first + r;
+                    // SAFETY: chunk state s belongs to this task only.
+                    let out = unsafe { part.slice_mut(s * plen..(s + 1) * plen) };
+                    attention::attend_chunk(
+                        store,
+                        &view.blocks,
+                        view.positions.len(),
+                        &cp.vis[t][range.clone()],
+                        &query,
+                        out,
+                        scratch,
+                    )
+                }
+                .expect("query shapes were validated at load");
+                return;
+            }
+            let ti = job - n_groups - n_rest;
             let (t0, t1) = tiles[ti];
             // SAFETY: the storage and q are read-only in this step (taken inside the task: a
             // late member must not hold them while a later step writes them).
@@ -900,6 +1106,19 @@ pub(super) unsafe fn attend<'a>(
             }
             .expect("query shapes were validated at load");
         });
+        if let Some(cp) = cascade {
+            w.for_tasks(cp.members.len(), |m| {
+                let t = cp.members[m];
+                let (shared, ref rest) = cp.member[t].clone().expect("a member of a group");
+                // SAFETY: the chunk states were written by the step above and are read-only
+                // now; token t's row of attn belongs to this task only.
+                let (states, out) = unsafe { (part.all(), attn.slice_mut(t * qd..(t + 1) * qd)) };
+                let at = |s: usize| &states[s * plen..(s + 1) * plen];
+                let parts =
+                    std::iter::once(at(shared)).chain(rest.clone().map(|r| at(cp.rest_first + r)));
+                attention::merge_chunks(c.n_head, hd, parts, out, scratch);
+            });
+        }
         return;
     };
     // Chunk state `job` (token t's chunk job - first[t]) holds every head's softmax state.

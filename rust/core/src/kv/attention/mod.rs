@@ -67,7 +67,7 @@ use crate::quant::simd::{self, SimdLevel};
 use half::f16;
 
 mod tile;
-pub use tile::{attend_tile, attend_tile_at, TILE_TOKENS};
+pub use tile::{attend_tile, attend_tile_at, attend_tile_states, TILE_TOKENS};
 
 /// Which of the `n_kv` cells a query sees.
 #[derive(Clone, Copy)]
@@ -329,6 +329,47 @@ fn chunk_state(
         &mut scratch.scores,
         &mut scratch.hidden,
     );
+    Ok(())
+}
+
+/// The folded, unnormalized state of `query` over cells `0..n_kv` of `table` (`heads` query
+/// heads; [`partial_len`] values in `st`): each chunk's state folded from empty in chunk
+/// order, as [`attend_chunked`] and [`merge_chunks`] do (the token-by-token twin of
+/// [`attend_tile_states`]).
+#[allow(clippy::too_many_arguments)]
+fn folded_state(
+    lvl: SimdLevel,
+    store: &KvStorage,
+    table: &[u32],
+    n_kv: usize,
+    query: &Query,
+    heads: usize,
+    st: &mut [f32],
+    scratch: &mut Scratch,
+    chunk: usize,
+) -> Result<()> {
+    let geo = Geometry::check(store, table, n_kv, query, query.q.len())?;
+    let hd = query.head_dim;
+    let mut vis = Vec::new();
+    visible_blocks(n_kv, store.block_size(), &query.mask, &mut vis);
+    let (o, rest) = st.split_at_mut(heads * hd);
+    let (m, s) = rest.split_at_mut(heads);
+    o.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    s.fill(0.0);
+    let Scratch {
+        scores,
+        part,
+        hidden,
+        ..
+    } = scratch;
+    part.resize(partial_len(heads, hd), 0.0);
+    for blocks in vis.chunks(chunk) {
+        run_blocks(
+            lvl, &geo, store, table, blocks, n_kv, query, part, scores, hidden,
+        );
+        fold_chunk(heads, hd, part, m, s, o);
+    }
     Ok(())
 }
 

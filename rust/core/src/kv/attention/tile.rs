@@ -136,9 +136,95 @@ pub(super) fn tile_chunked(
     #[cfg(target_arch = "x86_64")]
     {
         let geo = Geometry::check(store, table, n_kv, q0, ql)?;
-        tiled(&geo, store, table, n_kv, queries, out, scratch, chunk);
+        tiled(
+            &geo,
+            store,
+            table,
+            n_kv,
+            queries,
+            Out::Rows(out),
+            scratch,
+            chunk,
+        );
     }
     Ok(())
+}
+
+/// The softmax state of each of `queries` over cells `0..n_kv` of `table`, folded over its
+/// chunks and not normalized: [`super::partial_len`]`(heads, head_dim)` values per query in
+/// `states` (query `i`'s from `i * len`), every head's output, then maxima, then sums, as
+/// [`super::attend_chunk`] writes one chunk's. The queries may belong to different
+/// sequences that share these blocks (each with its own mask): given first to
+/// [`super::merge_chunks`], followed by the states of a query's later chunks, such a state
+/// gives [`super::attend`]'s bits, provided every query's visible blocks here are whole
+/// chunks (`n_kv` cells in a multiple of [`super::chunk_blocks`] blocks, all seen by every
+/// query). This is how a decode step's users of one cached document read its K/V once
+/// between them.
+pub fn attend_tile_states(
+    store: &KvStorage,
+    table: &[u32],
+    n_kv: usize,
+    queries: &[Query],
+    states: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let chunk = chunk_blocks(store.block_size());
+    let Some(q0) = queries.first() else {
+        return Ok(());
+    };
+    let (hd, ql) = (q0.head_dim, q0.q.len());
+    if !ql.is_multiple_of(hd) {
+        return Err(invalid("attention: query rows are not whole heads"));
+    }
+    let len = super::partial_len(ql / hd, hd);
+    if states.len() != queries.len() * len {
+        return Err(invalid(format!(
+            "attention: {} queries' states need {} values, got {}",
+            queries.len(),
+            queries.len() * len,
+            states.len()
+        )));
+    }
+    for q in queries {
+        let shape = |q: &Query| (q.layer, q.kv_head, q.kv_heads, q.head_dim, q.q.len());
+        if shape(q) != shape(q0) {
+            return Err(invalid(
+                "attention: a tile's queries differ in layer, KV heads or head size",
+            ));
+        }
+        Geometry::check(store, table, n_kv, q, ql)?;
+    }
+    let lvl = simd::cap(simd::level());
+    if !fast_path(lvl, store.kv_type(), hd, queries.len()) {
+        // Token by token: each chunk's state folded from empty, as `merge_chunks` does.
+        let heads = ql / hd;
+        for (q, st) in queries.iter().zip(states.chunks_exact_mut(len)) {
+            super::folded_state(lvl, store, table, n_kv, q, heads, st, scratch, chunk)?;
+        }
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let geo = Geometry::check(store, table, n_kv, q0, ql)?;
+        tiled(
+            &geo,
+            store,
+            table,
+            n_kv,
+            queries,
+            Out::States(states),
+            scratch,
+            chunk,
+        );
+    }
+    Ok(())
+}
+
+/// Where [`tiled`] puts its results: normalized rows, or folded states.
+#[cfg(target_arch = "x86_64")]
+enum Out<'o> {
+    Rows(&'o mut [f32]),
+    States(&'o mut [f32]),
 }
 
 /// Whether a tile of `tokens` queries at level `lvl` (already capped) takes the AVX-512 tile
@@ -239,7 +325,7 @@ fn tiled(
     table: &[u32],
     n_kv: usize,
     queries: &[Query],
-    out: &mut [f32],
+    out: Out<'_>,
     scratch: &mut Scratch,
     chunk: usize,
 ) {
@@ -430,6 +516,29 @@ fn tiled(
         }
     }
     fold_lanes(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
+    let out = match out {
+        Out::Rows(out) => out,
+        Out::States(states) => {
+            // Row r = (token i, head h of KV head kh): lane r % 16 of vector kh * nv + r / 16.
+            let len = super::partial_len(gt, hd);
+            for (i, st) in states.chunks_exact_mut(len).enumerate() {
+                let (o, rest) = st.split_at_mut(gt * hd);
+                let (m, s) = rest.split_at_mut(gt);
+                for kh in 0..kvh {
+                    for h in 0..g {
+                        let (r, head) = (i * g + h, kh * g + h);
+                        let (x, l) = (kh * nv + r / 16, r % 16);
+                        for (d, od) in o[head * hd..(head + 1) * hd].iter_mut().enumerate() {
+                            *od = fo[(x * hd + d) * 16 + l];
+                        }
+                        m[head] = fm[x * 16 + l];
+                        s[head] = fs[x * 16 + l];
+                    }
+                }
+            }
+            return;
+        }
+    };
     for kh in 0..kvh {
         for v in 0..nv {
             let x = kh * nv + v;

@@ -341,3 +341,113 @@ fn block_hidden_agrees_with_the_per_cell_mask() {
     }
     assert!(decided > 4000, "decided {decided}");
 }
+
+/// Decode queries of several sequences whose tables share their first blocks (whole chunks):
+/// the shared blocks' folded states (`attend_tile_states`, one call for every query), merged
+/// with each query's later chunks (`attend_chunk`), give `attend`'s bits. Tiles of 2 to 7
+/// queries (the AVX-512 tile where the CPU has it), one query (the token-by-token twin), and
+/// Q8_0 K/V (always the twin).
+#[test]
+fn shared_block_states_merge_to_single_token_bits() {
+    use super::super::{attend, attend_chunk, merge_chunks, partial_len, visible_blocks};
+    let mut rng = Rng(0xCA5C);
+    let bs = 16;
+    let chunk = chunk_blocks(bs);
+    for ty in [KvType::F16, KvType::F32, KvType::Q8_0] {
+        for (hd, kvh, group) in [(64, 3, 3), (32, 1, 2)] {
+            for nq in [1, 2, 5, 7] {
+                for shared_chunks in [1, 2] {
+                    let shared = shared_chunks * chunk;
+                    // Each query's own cells after the shared ones (some none, some past a
+                    // chunk of their own).
+                    let own: Vec<usize> = (0..nq).map(|i| [0, 1, 37, 300][(i + nq) % 4]).collect();
+                    let own_blocks: Vec<usize> = own.iter().map(|n| n.div_ceil(bs)).collect();
+                    let nb = shared + own_blocks.iter().sum::<usize>();
+                    let layout = KvLayout {
+                        ty,
+                        n_layers: 1,
+                        kv_dim: hd * kvh,
+                        block_size: bs,
+                    };
+                    let mut s = KvStorage::new(layout, nb + 2).unwrap();
+                    let mut ids: Vec<u32> = (0..(nb + 2) as u32).collect();
+                    for i in (1..ids.len()).rev() {
+                        ids.swap(i, rng.below(i + 1));
+                    }
+                    let d = hd * kvh;
+                    for &b in &ids[..nb] {
+                        for slot in 0..bs {
+                            let mut k = normals(&mut rng, d, 1.0);
+                            k[3 % d] *= 6.0;
+                            s.write(0, b, slot, &k, &normals(&mut rng, d, 1.0)).unwrap();
+                        }
+                    }
+                    let mut next = shared;
+                    let tables: Vec<Vec<u32>> = own_blocks
+                        .iter()
+                        .map(|&ob| {
+                            let mut t = ids[..shared].to_vec();
+                            t.extend_from_slice(&ids[next..next + ob]);
+                            next += ob;
+                            t
+                        })
+                        .collect();
+                    let n_kvs: Vec<usize> = own.iter().map(|o| shared * bs + o).collect();
+                    let positions: Vec<Vec<i32>> =
+                        n_kvs.iter().map(|&n| (0..n as i32).collect()).collect();
+                    let qs: Vec<Vec<f32>> = (0..nq)
+                        .map(|_| normals(&mut rng, kvh * group * hd, 1.0))
+                        .collect();
+                    let query = |i: usize| Query {
+                        layer: 0,
+                        kv_head: 0,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        q: &qs[i],
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        mask: Mask::Causal {
+                            positions: &positions[i],
+                            qpos: n_kvs[i] as i32 - 1,
+                        },
+                    };
+                    let queries: Vec<Query> = (0..nq).map(query).collect();
+                    let (heads, len) = (kvh * group, partial_len(kvh * group, hd));
+                    let mut scratch = Scratch::default();
+                    let mut states = vec![f32::NAN; nq * len];
+                    attend_tile_states(
+                        &s,
+                        &tables[0][..shared],
+                        shared * bs,
+                        &queries,
+                        &mut states,
+                        &mut scratch,
+                    )
+                    .unwrap();
+                    for (i, q) in queries.iter().enumerate() {
+                        let what = format!("{ty:?} hd {hd} x {kvh}, {nq} queries, query {i}");
+                        let mut want = vec![f32::NAN; heads * hd];
+                        attend(&s, &tables[i], n_kvs[i], q, &mut want, &mut scratch).unwrap();
+                        let mut vis = Vec::new();
+                        visible_blocks(n_kvs[i], bs, &q.mask, &mut vis);
+                        let mut parts = vec![states[i * len..(i + 1) * len].to_vec()];
+                        for blocks in vis[shared..].chunks(chunk) {
+                            let mut p = vec![f32::NAN; len];
+                            attend_chunk(&s, &tables[i], n_kvs[i], blocks, q, &mut p, &mut scratch)
+                                .unwrap();
+                            parts.push(p);
+                        }
+                        let mut got = vec![f32::NAN; heads * hd];
+                        merge_chunks(
+                            heads,
+                            hd,
+                            parts.iter().map(|p| &p[..]),
+                            &mut got,
+                            &mut scratch,
+                        );
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
