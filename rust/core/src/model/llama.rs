@@ -945,10 +945,11 @@ fn cascade_plan(
 /// A larger batch whose decode tokens share whole chunks of cached blocks (users of one
 /// document, [`CascadePlan`]) reads those chunks once per group of about one lane vector of
 /// query rows, at least 4 tokens (`attention::attend_tile_states`), computes each token's
-/// later chunks on its own, and folds the states per token, again with the same bits. Measured in one process
-/// (SmolLM2, 2 threads, decode steps alternating with and without, 15 rounds): at depth 1,600,
-/// 24 users of one document 73.9 -> 53.5 ms a step, 6 documents x 4 users 75.8 -> 64.8 ms,
-/// 4 x 6 78.4 -> 73.0 ms; at depth 512, 4 x 6 40.6 -> 39.7 ms; at 4,096, 2 x 8 138.8 -> 127.6.
+/// later chunks on its own, and folds the states per token, again with the same bits.
+/// Measured in one process (SmolLM2, 2 threads, decode steps alternating with and without,
+/// 15 rounds): at depth 1,600, 24 users of one document 73.9 -> 53.5 ms a step, 6 documents
+/// x 4 users 75.8 -> 64.8 ms, 4 x 6 78.4 -> 73.0 ms; at depth 512, 4 x 6 40.6 -> 39.7 ms;
+/// at 4,096, 2 x 8 138.8 -> 127.6 ms.
 ///
 /// # Safety
 /// Every member calls this at the same step; nobody writes q, k, v during the call, and the
