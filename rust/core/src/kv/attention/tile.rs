@@ -117,15 +117,7 @@ pub(super) fn tile_chunked(
             out.len()
         )));
     }
-    for q in queries {
-        let shape = |q: &Query| (q.layer, q.kv_head, q.kv_heads, q.head_dim, q.q.len());
-        if shape(q) != shape(q0) {
-            return Err(invalid(
-                "attention: a tile's queries differ in layer, KV heads or head size",
-            ));
-        }
-        Geometry::check(store, table, n_kv, q, ql)?;
-    }
+    check_queries(store, table, n_kv, queries)?;
     let lvl = simd::cap(lvl);
     if !fast_path(lvl, store.kv_type(), q0.head_dim, queries.len()) {
         for (q, o) in queries.iter().zip(out.chunks_exact_mut(ql)) {
@@ -170,7 +162,11 @@ pub fn attend_tile_states(
 ) -> Result<()> {
     let chunk = chunk_blocks(store.block_size());
     let Some(q0) = queries.first() else {
-        return Ok(());
+        return if states.is_empty() {
+            Ok(())
+        } else {
+            Err(invalid("attention: no queries have no states"))
+        };
     };
     let (hd, ql) = (q0.head_dim, q0.q.len());
     if !ql.is_multiple_of(hd) {
@@ -185,15 +181,7 @@ pub fn attend_tile_states(
             states.len()
         )));
     }
-    for q in queries {
-        let shape = |q: &Query| (q.layer, q.kv_head, q.kv_heads, q.head_dim, q.q.len());
-        if shape(q) != shape(q0) {
-            return Err(invalid(
-                "attention: a tile's queries differ in layer, KV heads or head size",
-            ));
-        }
-        Geometry::check(store, table, n_kv, q, ql)?;
-    }
+    check_queries(store, table, n_kv, queries)?;
     let lvl = simd::cap(simd::level());
     if !fast_path(lvl, store.kv_type(), hd, queries.len()) {
         // Token by token: each chunk's state folded from empty, as `merge_chunks` does.
@@ -225,6 +213,22 @@ pub fn attend_tile_states(
 enum Out<'o> {
     Rows(&'o mut [f32]),
     States(&'o mut [f32]),
+}
+
+/// Checks that `queries` (at least one) share layer, KV heads and head size, and that each
+/// fits `table` and `n_kv` ([`Geometry::check`]).
+fn check_queries(store: &KvStorage, table: &[u32], n_kv: usize, queries: &[Query]) -> Result<()> {
+    let q0 = &queries[0];
+    let shape = |q: &Query| (q.layer, q.kv_head, q.kv_heads, q.head_dim, q.q.len());
+    for q in queries {
+        if shape(q) != shape(q0) {
+            return Err(invalid(
+                "attention: a tile's queries differ in layer, KV heads or head size",
+            ));
+        }
+        Geometry::check(store, table, n_kv, q, q0.q.len())?;
+    }
+    Ok(())
 }
 
 /// Whether a tile of `tokens` queries at level `lvl` (already capped) takes the AVX-512 tile
