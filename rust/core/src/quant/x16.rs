@@ -190,6 +190,52 @@ pub(crate) const T_Q4_1: u8 = 1;
 pub(crate) const T_Q5_0: u8 = 5;
 pub(crate) const T_Q8_0: u8 = 8;
 
+/// Quant chunk `k` (0..4) of a 4-bit block at `p` of [`dot16`]'s layout, as two vectors of
+/// unsigned values: the low nibbles (columns `4k..4k + 4` of each row's 32) and the high ones
+/// (`16 + 4k..`); for Q5_0 with bit 4 of each from `planes` (planes `2k` and `2k + 1` shifted
+/// to bit 4; no bit crosses a byte that is kept: the 0x10 mask keeps bit 4 only).
+///
+/// # Safety
+/// The features in the attribute are available; `p` covers the block's quant bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn quants<const T: u8>(
+    p: *const u8,
+    k: usize,
+    planes: std::arch::x86_64::__m512i,
+) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    let lo4 = _mm512_set1_epi8(0x0F);
+    // SAFETY: 64 bytes at chunk k of the block (the caller's contract); unaligned load.
+    let w = unsafe { _mm512_loadu_si512(p.add(64 * k).cast()) };
+    let lo = _mm512_and_si512(w, lo4);
+    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
+    if T != T_Q5_0 {
+        return (lo, hi);
+    }
+    let (s0, s1) = match k {
+        0 => (
+            _mm512_slli_epi32::<4>(planes),
+            _mm512_slli_epi32::<3>(planes),
+        ),
+        1 => (
+            _mm512_slli_epi32::<2>(planes),
+            _mm512_slli_epi32::<1>(planes),
+        ),
+        2 => (planes, _mm512_srli_epi32::<1>(planes)),
+        _ => (
+            _mm512_srli_epi32::<2>(planes),
+            _mm512_srli_epi32::<3>(planes),
+        ),
+    };
+    let bit4 = _mm512_set1_epi8(0x10);
+    (
+        _mm512_ternarylogic_epi32::<0xF8>(lo, s0, bit4),
+        _mm512_ternarylogic_epi32::<0xF8>(hi, s1, bit4),
+    )
+}
+
 /// AVX-512 VNNI kernel: [`dot16_scalar`] of one group into `out`, for the type `T`
 /// ([`T_Q4_0`], [`T_Q4_1`], [`T_Q5_0`] or [`T_Q8_0`]).
 ///
@@ -212,8 +258,6 @@ pub(crate) unsafe fn dot16<const T: u8>(
         T_Q5_0 => (352, 4),
         _ => (544, 8),
     };
-    let lo4 = _mm512_set1_epi8(0x0F);
-    let bit4 = _mm512_set1_epi8(0x10);
     let flip = _mm512_set1_epi8(-128);
     let mut slots = [_mm512_setzero_ps(); legacy::SLOTS];
     let mut b0 = 0;
@@ -246,30 +290,7 @@ pub(crate) unsafe fn dot16<const T: u8>(
                         _mm512_setzero_si512()
                     };
                     for k in 0..4 {
-                        let w = _mm512_loadu_si512(p.add(64 * k).cast());
-                        let mut lo = _mm512_and_si512(w, lo4);
-                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
-                        if T == T_Q5_0 {
-                            // Planes 2k and 2k + 1 to bit 4 (no bit crosses a byte that is
-                            // kept: the 0x10 mask keeps bit 4 only); x | (s & 0x10).
-                            let (s0, s1) = match k {
-                                0 => (
-                                    _mm512_slli_epi32::<4>(planes),
-                                    _mm512_slli_epi32::<3>(planes),
-                                ),
-                                1 => (
-                                    _mm512_slli_epi32::<2>(planes),
-                                    _mm512_slli_epi32::<1>(planes),
-                                ),
-                                2 => (planes, _mm512_srli_epi32::<1>(planes)),
-                                _ => (
-                                    _mm512_srli_epi32::<2>(planes),
-                                    _mm512_srli_epi32::<3>(planes),
-                                ),
-                            };
-                            lo = _mm512_ternarylogic_epi32::<0xF8>(lo, s0, bit4);
-                            hi = _mm512_ternarylogic_epi32::<0xF8>(hi, s1, bit4);
-                        }
+                        let (lo, hi) = quants::<T>(p, k, planes);
                         i0 = _mm512_dpbusd_epi32(i0, lo, act(k));
                         i1 = _mm512_dpbusd_epi32(i1, hi, act(4 + k));
                     }
@@ -329,8 +350,6 @@ pub(crate) unsafe fn dot16_tokens<const T: u8, const NT: usize>(
         T_Q5_0 => (352, 4),
         _ => (544, 8),
     };
-    let lo4 = _mm512_set1_epi8(0x0F);
-    let bit4 = _mm512_set1_epi8(0x10);
     let flip = _mm512_set1_epi8(-128);
     let zero = _mm512_setzero_si512();
     let zps = _mm512_setzero_ps();
@@ -380,29 +399,7 @@ pub(crate) unsafe fn dot16_tokens<const T: u8, const NT: usize>(
                             zero
                         };
                         for k in 0..4 {
-                            let w = _mm512_loadu_si512(p.add(64 * k).cast());
-                            let mut lo = _mm512_and_si512(w, lo4);
-                            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), lo4);
-                            if T == T_Q5_0 {
-                                // As in `dot16`.
-                                let (s0, s1) = match k {
-                                    0 => (
-                                        _mm512_slli_epi32::<4>(planes),
-                                        _mm512_slli_epi32::<3>(planes),
-                                    ),
-                                    1 => (
-                                        _mm512_slli_epi32::<2>(planes),
-                                        _mm512_slli_epi32::<1>(planes),
-                                    ),
-                                    2 => (planes, _mm512_srli_epi32::<1>(planes)),
-                                    _ => (
-                                        _mm512_srli_epi32::<2>(planes),
-                                        _mm512_srli_epi32::<3>(planes),
-                                    ),
-                                };
-                                lo = _mm512_ternarylogic_epi32::<0xF8>(lo, s0, bit4);
-                                hi = _mm512_ternarylogic_epi32::<0xF8>(hi, s1, bit4);
-                            }
+                            let (lo, hi) = quants::<T>(p, k, planes);
                             for t in 0..NT {
                                 i0[t] = _mm512_dpbusd_epi32(i0[t], lo, act(t, k));
                                 i1[t] = _mm512_dpbusd_epi32(i1[t], hi, act(t, 4 + k));
