@@ -35,9 +35,7 @@ pub struct WeightRef {
 impl WeightRef {
     /// Bytes the decode copy takes (0: the type has none, or the kernel cannot run here).
     pub(super) fn decode_copy_bytes(&self) -> usize {
-        if quant::x16::supports(self.ty)
-            && quant::simd::level() >= quant::simd::SimdLevel::Avx512Vnni
-        {
+        if quant::x16::supports(self.ty) && quant::simd::level() >= quant::simd::SimdLevel::Avx2 {
             self.rows / quant::x16::ROWS * (self.cols / 32) * quant::x16::group_block_bytes(self.ty)
         } else {
             0
@@ -253,7 +251,7 @@ fn quantize_for(acts: &mut Acts, ws: &[&WeightRef], x: &[f32], n: usize, cols: u
 /// Whether every weight of `ws` takes the interleaved copy at `level` (the matmul's `Rows16`
 /// plan: VNNI and a copy), so that its activations need no packed layout.
 fn takes_copy(model: &Model, ws: &[&WeightRef], level: quant::simd::SimdLevel) -> bool {
-    level >= quant::simd::SimdLevel::Avx512Vnni && ws.iter().all(|w| model.mat(w).x16.is_some())
+    level >= quant::simd::SimdLevel::Avx2 && ws.iter().all(|w| model.mat(w).x16.is_some())
 }
 
 /// The per-batch buffers of a forward pass (every architecture's pass takes the same set; a

@@ -131,7 +131,7 @@ impl Model {
     /// `KVSERVE_THREADS`).
     /// Memory the weights take beyond the GGUF mapping: the Q4_0, Q4_1, Q5_0 and Q8_0 matrices' copies in
     /// the one-token decode layout (`quant::x16`; 0 with `KVSERVE_REPACK=0`, on CPUs without
-    /// AVX-512 VNNI, or for other weight types).
+    /// AVX2, or for other weight types).
     pub fn repacked_bytes(&self) -> usize {
         self.repacked_bytes
     }
@@ -1488,8 +1488,8 @@ mod tests {
     /// one after a 600-token prompt (3 chunks) reproduces, bit for bit, the logits of the same
     /// tokens in one 606-token batch; two sequences decoded together (still split) too.
     /// The weights' decode copies change no logit: a prompt and one-token steps on the model
-    /// with and without them give the same bits; the copies exist exactly where the kernel
-    /// runs (AVX-512 VNNI) and take the copied matrices' bytes.
+    /// with and without them give the same bits; the copies exist exactly where their kernels
+    /// run (x86-64 with AVX2) and take the copied matrices' bytes.
     #[test]
     fn decode_copies_change_no_bits() {
         let path = std::env::var("KVSERVE_TEST_MODEL")
@@ -1499,7 +1499,7 @@ mod tests {
                 Model::from_gguf_with(GgufFile::open(&path).unwrap(), Some(2), budget).unwrap(),
             )
         };
-        let vnni = crate::quant::simd::level() >= crate::quant::simd::SimdLevel::Avx512Vnni;
+        let copies = crate::quant::simd::level() >= crate::quant::simd::SimdLevel::Avx2;
         // SmolLM2 Q4_1: every layer matrix is Q4_1, the output head (the tied embedding) Q8_0.
         let without = load(None);
         let c = &without.config;
@@ -1510,8 +1510,8 @@ mod tests {
         // A budget for about half of them: some matrices copied, the rest left in place.
         let half = load(Some(all / 2));
         assert_eq!(without.repacked_bytes(), 0);
-        assert_eq!(with.repacked_bytes(), if vnni { all } else { 0 });
-        if vnni {
+        assert_eq!(with.repacked_bytes(), if copies { all } else { 0 });
+        if copies {
             let h = half.repacked_bytes();
             assert!(
                 h > all / 4 && h <= all / 2,
@@ -1566,7 +1566,7 @@ mod tests {
             Arc::new(Model::from_gguf_with(gguf, Some(2), budget).unwrap())
         };
         let (with, without) = (load(Some(usize::MAX)), load(None));
-        assert_eq!(with.repacked_bytes(), if vnni { all } else { 0 });
+        assert_eq!(with.repacked_bytes(), if copies { all } else { 0 });
         let n_vocab = with.n_vocab() as u32;
         let toks: Vec<u32> = (0..45)
             .map(|_| rng.below(n_vocab as usize) as u32)

@@ -5,9 +5,17 @@
 //! flipped where `w < 0`) so that one u8 x i8 dot gives `sum(q * qa)`; the result is scaled by
 //! `d * da` in f32 and the per-block `m_eff * sa` term is added (see `legacy`). `maddubs`
 //! cannot saturate here: |q| <= 128 and |qa| <= 127, so a pair sums to at most 32512.
+//!
+//! The kernels follow the canonical order of `legacy::vec_dot_scalar` (each block's exact
+//! integer sum reduced across lanes, then two fused multiply-adds into slot `b % 8`), so they
+//! give the scalar reference's bits, like the AVX-512 VNNI and NEON kernels and the
+//! interleaved copy's (`x16`): a token's outputs are the same on every x86-64 CPU whichever
+//! path its rows take. These per-row kernels serve what the copy does not (Q5_1, rows past
+//! the last group of 16, `KVSERVE_REPACK=0`).
 
 #![cfg(target_arch = "x86_64")]
 
+use super::legacy::{tree_sum, SLOTS};
 use std::arch::x86_64::*;
 
 /// Const-generic type codes (the ggml ids).
@@ -112,16 +120,6 @@ pub(crate) unsafe fn unpack<const T: u8>(
     }
 }
 
-/// Horizontal sum of 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
 /// u8 x i8 dot of groups of 4 bytes into 8 i32 lanes (maddubs + madd).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -129,67 +127,77 @@ pub(crate) unsafe fn dot_maddubs(w: __m256i, a: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
 }
 
-/// Generates a one-row-one-token kernel `$name::<T>(row, qa, ds, nb)` for the feature
-/// set `$feat`, with `$dot(q, a) -> __m256i` the 4-byte u8 x i8 dot.
-macro_rules! natural_kernel {
-    ($name:ident, $feat:literal, $dot:path) => {
-        /// Dot product of one legacy row (`nb` blocks at `row`) with one token's Q8
-        /// activations (`qa`: `32 * nb` quants, `ds`: `nb` interleaved pairs `(da, sa)`).
-        ///
-        /// # Safety
-        /// The features in the attribute are available and all pointers cover `nb` blocks.
-        #[target_feature(enable = $feat)]
-        pub(crate) unsafe fn $name<const T: u8>(
-            row: *const u8,
-            qa: *const i8,
-            ds: *const f32,
-            nb: usize,
-        ) -> f32 {
-            use std::arch::x86_64::*;
-            use $crate::quant::avx2::{block_bytes, hsum256, unpack};
-            let ts = block_bytes(T);
-            let mut acc0 = _mm256_setzero_ps();
-            let mut acc1 = _mm256_setzero_ps();
-            let mut mins = 0.0f32;
-            let mut b = 0;
-            // SAFETY: b < nb keeps every pointer inside the caller-guaranteed ranges.
-            unsafe {
-                while b + 2 <= nb {
-                    let a0 = _mm256_loadu_si256(qa.add(b * 32).cast());
-                    let a1 = _mm256_loadu_si256(qa.add(b * 32 + 32).cast());
-                    let (w0, a0, d0, m0) = unpack::<T>(row.add(b * ts), a0);
-                    let (w1, a1, d1, m1) = unpack::<T>(row.add(b * ts + ts), a1);
-                    let p0 = _mm256_cvtepi32_ps($dot(w0, a0));
-                    let p1 = _mm256_cvtepi32_ps($dot(w1, a1));
-                    acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *ds.add(2 * b)), acc0);
-                    acc1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(d1 * *ds.add(2 * b + 2)), acc1);
-                    mins += m0 * *ds.add(2 * b + 1) + m1 * *ds.add(2 * b + 3);
-                    b += 2;
-                }
-                if b < nb {
-                    let a0 = _mm256_loadu_si256(qa.add(b * 32).cast());
-                    let (w0, a0, d0, m0) = unpack::<T>(row.add(b * ts), a0);
-                    let p0 = _mm256_cvtepi32_ps($dot(w0, a0));
-                    acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *ds.add(2 * b)), acc0);
-                    mins += m0 * *ds.add(2 * b + 1);
-                }
-                hsum256(_mm256_add_ps(acc0, acc1)) + mins
-            }
-        }
-    };
+/// Horizontal sum of 8 i32 lanes.
+///
+/// # Safety
+/// AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
 }
 
-natural_kernel!(dot_row, "avx2,fma,f16c", dot_maddubs);
+/// The exact canonical integer sum of a block (`legacy::vec_dot_scalar`) from `unpack`'s
+/// `(w, a')` against the block's activations `a`: `sum(q * qa)`, for Q8_0 `sum((q + 128) *
+/// qa)` (the sign trick's `sum(|q| * sign(qa, q))` plus `128 * sum(qa)`).
+///
+/// # Safety
+/// AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_isum<const T: u8>(w: __m256i, a_adj: __m256i, a: __m256i) -> i32 {
+    // SAFETY: register-only AVX2 operations; the caller has AVX2 (this function's contract).
+    unsafe {
+        let v = dot_maddubs(w, a_adj);
+        if T == T_Q8_0 {
+            let sa = dot_maddubs(_mm256_set1_epi8(1), a);
+            hsum_i32(_mm256_add_epi32(v, _mm256_slli_epi32::<7>(sa)))
+        } else {
+            hsum_i32(v)
+        }
+    }
+}
+
+/// `unpack`'s `m_eff` in the canonical form: Q8_0's is `-128 d` (its quants counted `+ 128`).
+#[inline(always)]
+fn canonical_m<const T: u8>(d: f32, m: f32) -> f32 {
+    if T == T_Q8_0 {
+        -128.0 * d
+    } else {
+        m
+    }
+}
+
+/// Dot product of one legacy row (`nb` blocks at `row`) with one token's Q8 activations
+/// (`qa`: `32 * nb` quants in -127..=127, `ds`: `nb` interleaved pairs `(da, sa)`), in the
+/// canonical order of `legacy::vec_dot_scalar` (the same bits): per block the exact integer
+/// sum, reduced across lanes, then `acc[b % 8] = fma(m, sa, fma(isum, d * da, acc[b % 8]))`
+/// and the fixed final tree.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; all pointers cover `nb` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_row<const T: u8>(
+    row: *const u8,
+    qa: *const i8,
+    ds: *const f32,
+    nb: usize,
+) -> f32 {
+    // SAFETY: the contract (one token's pointers).
+    unsafe { dot_row_tokens::<T, 1>(row, &[qa], &[ds], nb)[0] }
+}
 
 /// [`dot_row`] of one row with `N` tokens at once: each block is unpacked once for all tokens
-/// (the activation-independent part; Q8_0's sign adjustment needs the token). For every token
-/// the f32 operations are exactly those of `dot_row` (two alternating accumulators, the tail
-/// block into the first, `mins` as there), so `out[i]` has the same bits as
-/// `dot_row::<T>(row, qa[i], ds[i], nb)`: a token's result does not depend on the others.
+/// (Q8_0's sign adjustment needs the token). `out[i]` has the bits of `dot_row::<T>(row,
+/// qa[i], ds[i], nb)` (and of the scalar reference): a token's result does not depend on the
+/// others.
 ///
 /// # Safety
 /// AVX2/FMA/F16C available; `row` covers `nb` blocks of type `T`; every `qa[i]` covers
-/// `32 * nb` quants and every `ds[i]` `2 * nb` floats.
+/// `32 * nb` quants in -127..=127 and every `ds[i]` `2 * nb` floats.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_row_tokens<const T: u8, const N: usize>(
     row: *const u8,
@@ -198,60 +206,42 @@ pub(crate) unsafe fn dot_row_tokens<const T: u8, const N: usize>(
     nb: usize,
 ) -> [f32; N] {
     let ts = block_bytes(T);
-    let mut acc0 = [_mm256_setzero_ps(); N];
-    let mut acc1 = [_mm256_setzero_ps(); N];
-    let mut mins = [0.0f32; N];
+    let mut acc = [[0.0f32; SLOTS]; N];
     let zero = _mm256_setzero_si256();
-    let mut b = 0;
+    let mut b0 = 0;
     // SAFETY: b < nb keeps every pointer inside the caller-guaranteed ranges; `unpack` with a
     // zero activation vector returns the weights (Q8_0: the signed weights' absolute values
     // and the sign-adjusted zero, which is unused).
     unsafe {
-        while b + 2 <= nb {
-            let (w0, _, d0, m0) = unpack::<T>(row.add(b * ts), zero);
-            let (w1, _, d1, m1) = unpack::<T>(row.add(b * ts + ts), zero);
-            let (s0, s1) = if T == T_Q8_0 {
-                (
-                    _mm256_loadu_si256(row.add(b * ts + 2).cast()),
-                    _mm256_loadu_si256(row.add(b * ts + ts + 2).cast()),
-                )
-            } else {
-                (zero, zero)
-            };
-            for i in 0..N {
-                let mut a0 = _mm256_loadu_si256(qa[i].add(b * 32).cast());
-                let mut a1 = _mm256_loadu_si256(qa[i].add(b * 32 + 32).cast());
-                if T == T_Q8_0 {
-                    a0 = _mm256_sign_epi8(a0, s0);
-                    a1 = _mm256_sign_epi8(a1, s1);
+        while b0 < nb {
+            // Constant slot indices (s), so the accumulators stay in registers.
+            for s in 0..SLOTS {
+                let b = b0 + s;
+                if b >= nb {
+                    break;
                 }
-                let p0 = _mm256_cvtepi32_ps(dot_maddubs(w0, a0));
-                let p1 = _mm256_cvtepi32_ps(dot_maddubs(w1, a1));
-                let d = ds[i];
-                acc0[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *d.add(2 * b)), acc0[i]);
-                acc1[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(d1 * *d.add(2 * b + 2)), acc1[i]);
-                mins[i] += m0 * *d.add(2 * b + 1) + m1 * *d.add(2 * b + 3);
-            }
-            b += 2;
-        }
-        if b < nb {
-            let (w0, _, d0, m0) = unpack::<T>(row.add(b * ts), zero);
-            let s0 = if T == T_Q8_0 {
-                _mm256_loadu_si256(row.add(b * ts + 2).cast())
-            } else {
-                zero
-            };
-            for i in 0..N {
-                let mut a0 = _mm256_loadu_si256(qa[i].add(b * 32).cast());
-                if T == T_Q8_0 {
-                    a0 = _mm256_sign_epi8(a0, s0);
+                let blk = row.add(b * ts);
+                let (w, _, d, m) = unpack::<T>(blk, zero);
+                let m = canonical_m::<T>(d, m);
+                let sign = if T == T_Q8_0 {
+                    _mm256_loadu_si256(blk.add(2).cast())
+                } else {
+                    zero
+                };
+                for i in 0..N {
+                    let a = _mm256_loadu_si256(qa[i].add(b * 32).cast());
+                    let a_adj = if T == T_Q8_0 {
+                        _mm256_sign_epi8(a, sign)
+                    } else {
+                        a
+                    };
+                    let isum = block_isum::<T>(w, a_adj, a) as f32;
+                    let dsb = ds[i].add(2 * b);
+                    acc[i][s] = m.mul_add(*dsb.add(1), isum.mul_add(d * *dsb, acc[i][s]));
                 }
-                let p0 = _mm256_cvtepi32_ps(dot_maddubs(w0, a0));
-                let d = ds[i];
-                acc0[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(d0 * *d.add(2 * b)), acc0[i]);
-                mins[i] += m0 * *d.add(2 * b + 1);
             }
+            b0 += SLOTS;
         }
-        std::array::from_fn(|i| hsum256(_mm256_add_ps(acc0[i], acc1[i])) + mins[i])
     }
+    std::array::from_fn(|i| tree_sum(&mut acc[i]))
 }

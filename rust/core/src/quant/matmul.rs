@@ -1,10 +1,11 @@
 //! Matrix multiplication `out[t * rows + r] = dot(W row r, token t)` on the current rayon pool.
 //!
 //! Four paths:
-//! - one token from the interleaved copy (Q4_0/Q4_1/Q5_0/Q8_0 weights with [`QMatrix::x16`] set,
-//!   AVX-512 VNNI, one token: the decode of one sequence): chunks of whole 16-row groups, each
-//!   group's 16 exact block sums advanced together per `vpdpbusd` (`x16::dot16`), the rows past
-//!   the last full group per row as below;
+//! - the interleaved copy (Q4_0/Q4_1/Q5_0/Q8_0 weights with [`QMatrix::x16`] set, AVX2 or
+//!   above, any number of tokens): chunks of whole 16-row groups, each group's 16 exact block
+//!   sums advanced together per `vpdpbusd` (`x16::dot16`, `x16::dot16_tokens`; without VNNI
+//!   8 rows at a time per `maddubs`, `x16::dot16_tokens_avx2`), the rows past the last full
+//!   group per row as below;
 //! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
 //!   every token while it is hot in L1 (one token, non-VNNI CPUs, K-quant and float weights;
 //!   legacy weights at the AVX2 levels unpack each block once for up to 4 tokens);
@@ -20,11 +21,12 @@
 //!   staying in L1 across rows; K-quant weights take 4 rows x 16 tokens per call over rows
 //!   unpacked once per task and group range (`ktile`).
 //!
-//! At AVX-512 VNNI every path follows the canonical order of `legacy::vec_dot_scalar` (legacy
-//! weights) or of `kquants::dot_q4_k_scalar` (K-quants), so a token's outputs are bit-identical
-//! whatever path its batch takes (batch invariance); at the AVX2 levels every token goes through
-//! the same per-row kernel. On aarch64 only the per-row path exists; its NEON kernels follow the
-//! canonical order too (bit-identical to scalar).
+//! Legacy weights follow the canonical order of `legacy::vec_dot_scalar` on every path and at
+//! every level (the AVX2 and AVX-512 per-row kernels, the tiles, the interleaved copy's AVX2
+//! and VNNI kernels, NEON), so a token's outputs are bit-identical whatever path its batch
+//! takes (batch invariance) and on every CPU. K-quants follow `kquants::dot_q4_k_scalar`'s
+//! order at AVX-512 VNNI; at the AVX2 levels every token goes through the same per-row kernel.
+//! On aarch64 only the per-row path exists.
 //!
 //! No allocation happens inside the parallel loops.
 
@@ -182,7 +184,7 @@ fn plan(
         // 2 threads, decode steps of B sequences and 512-token prompt chunks), it was faster at
         // every size tried: B = 2 ~1.9x, 9 ~2x, 16-64 1.3-1.5x, 128-384 1.1-1.2x, and a
         // 1,536-token prompt 1.07x (no weight unpacking per task; the scales load as vectors).
-        if level >= SimdLevel::Avx512Vnni && x16 {
+        if level >= SimdLevel::Avx2 && x16 {
             let chunk = rows.div_ceil(target).next_multiple_of(super::x16::ROWS);
             return (Plan::Rows16 { chunk }, rows.div_ceil(chunk));
         }
@@ -402,7 +404,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
 /// by row and token by token (the same bits either way).
 ///
 /// # Safety
-/// Only at level Avx512Vnni with `w.x16` set (the `Rows16` plan); the caller owns rows r0..r1
+/// Only at level Avx2 or above with `w.x16` set (the `Rows16` plan); the caller owns rows r0..r1
 /// of `out` (every token) exclusively.
 #[cfg(target_arch = "x86_64")]
 unsafe fn rows16(
@@ -420,6 +422,7 @@ unsafe fn rows16(
     let full = (rows / ROWS * ROWS).min(r1);
     // The tokens' quants and scales (Q8 activations: `serves` was checked).
     let (qs, ds) = (&a.qs[..n * w.cols], &a.ds[..2 * n * nb]);
+    let vnni = level >= SimdLevel::Avx512Vnni;
     let mut r = r0;
     while r + ROWS <= full {
         let grp = &x16[r / ROWS * gbb..][..gbb];
@@ -427,20 +430,21 @@ unsafe fn rows16(
             let nt = (n - t0).min(TOKENS);
             let qa = |t: usize| qs[(t0 + t) * w.cols..].as_ptr();
             let da = |t: usize| ds[2 * (t0 + t) * nb..].as_ptr();
-            // SAFETY: the plan is taken at level Avx512Vnni only (never above detection);
+            // SAFETY: the plan is taken at level Avx2 or above (never above detection), the
+            // VNNI kernels at level Avx512Vnni only;
             // `grp` covers the group's nb blocks, each token's quants and scales its nb
             // blocks; rows r..r + 16 of tokens t0..t0 + nt are the caller's.
             unsafe {
                 let g = grp.as_ptr();
                 match nt {
-                    1 => group_tokens::<1>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    2 => group_tokens::<2>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    3 => group_tokens::<3>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    4 => group_tokens::<4>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    5 => group_tokens::<5>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    6 => group_tokens::<6>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    7 => group_tokens::<7>(w.ty, g, nb, qa, da, out, rows, r, t0),
-                    _ => group_tokens::<8>(w.ty, g, nb, qa, da, out, rows, r, t0),
+                    1 => group_tokens::<1>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    2 => group_tokens::<2>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    3 => group_tokens::<3>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    4 => group_tokens::<4>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    5 => group_tokens::<5>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    6 => group_tokens::<6>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    7 => group_tokens::<7>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
+                    _ => group_tokens::<8>(w.ty, g, nb, qa, da, out, rows, r, t0, vnni),
                 }
             }
         }
@@ -462,7 +466,8 @@ unsafe fn rows16(
 /// to rows `r..r + 16` of those tokens in `out` (`rows` a token).
 ///
 /// # Safety
-/// AVX-512 VNNI is available; `grp` covers `nb` blocks, each token's quants and scales `nb`
+/// AVX2/FMA/F16C are available, and AVX-512 VNNI when `vnni`; `grp` covers `nb` blocks, each
+/// token's quants and scales `nb`
 /// blocks; the caller owns those elements of `out`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
@@ -477,14 +482,24 @@ unsafe fn group_tokens<const NT: usize>(
     rows: usize,
     r: usize,
     t0: usize,
+    vnni: bool,
 ) {
-    use super::x16::{dot16, dot16_tokens, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
+    use super::x16::{dot16, dot16_tokens, dot16_tokens_avx2, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
     // Rows r..r + 16 of token t0 + t: contiguous, written by the kernel's one store.
     debug_assert!((t0 + NT - 1) * rows + r + 16 <= out.len());
     let o: [*mut f32; NT] = std::array::from_fn(|t| out.ptr_at((t0 + t) * rows + r));
     // SAFETY: the caller's contract; it owns those 16 floats of each token.
     unsafe {
-        if NT == 1 {
+        if !vnni {
+            let q: [*const i8; NT] = std::array::from_fn(&qa);
+            let d: [*const f32; NT] = std::array::from_fn(&ds);
+            match ty {
+                super::GgmlType::Q4_0 => dot16_tokens_avx2::<T_Q4_0, NT>(grp, nb, &q, &d, &o),
+                super::GgmlType::Q4_1 => dot16_tokens_avx2::<T_Q4_1, NT>(grp, nb, &q, &d, &o),
+                super::GgmlType::Q5_0 => dot16_tokens_avx2::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
+                _ => dot16_tokens_avx2::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
+            }
+        } else if NT == 1 {
             let (q, d) = (qa(0), ds(0));
             match ty {
                 super::GgmlType::Q4_0 => dot16::<T_Q4_0>(grp, nb, q, d, o[0]),
@@ -1155,7 +1170,7 @@ mod tests {
 
     /// Issue #3: a token's outputs are bit-identical whether it is computed alone or at any
     /// position of a batch (per-row vs tile path, any batch size), at every SIMD level; the
-    /// AVX-512 VNNI and NEON kernels also reproduce the scalar canonical order bit for bit.
+    /// AVX2, AVX-512 and NEON kernels also reproduce the scalar canonical order bit for bit.
     #[test]
     fn batch_invariant_bit_exact() {
         let mut rng = Rng(11);
@@ -1178,7 +1193,7 @@ mod tests {
                 for &level in &levels {
                     let mut alone = vec![0f32; rows];
                     matmul_level(&w, &a1, &mut alone, level).unwrap();
-                    if matches!(level, SimdLevel::Avx512Vnni | SimdLevel::Neon) {
+                    if level != SimdLevel::Scalar {
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&alone), bits(&scalar), "{} {cols}", ty.name());
                     }

@@ -665,15 +665,21 @@ fn prefetch_block(store: &KvStorage, layer: usize, blk: usize, piece: usize, pie
 }
 
 /// `x = exp(x - m)` for every element of `row` (`m` finite, at least every finite `x`; `-inf`
-/// gives exactly 0); returns the sum of the results. The AVX-512 kernel's exponential is
-/// within a few ulps of `f32::exp` and its sum is taken in another order than the scalar
-/// twin's.
+/// gives exactly 0); returns the sum of the results. The AVX-512 and AVX2 kernels'
+/// exponential is within a few ulps of `f32::exp` and their sums are taken in another order
+/// than the scalar twin's.
 fn exp_shift_sum(lvl: SimdLevel, row: &mut [f32], m: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if lvl >= SimdLevel::Avx512 {
         // SAFETY: `lvl` is capped at `simd::detect()` by the caller (AVX-512F/BW/VL/DQ
         // present); the kernel reads and writes `row.len()` values at its start.
         return unsafe { x86::exp_shift_sum512(row.as_mut_ptr(), row.len(), m) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if lvl >= SimdLevel::Avx2 {
+        // SAFETY: `lvl` is capped at `simd::detect()` by the caller (AVX2 and FMA present);
+        // the kernel reads and writes `row.len()` values at its start.
+        return unsafe { x86::exp_shift_sum256(row.as_mut_ptr(), row.len(), m) };
     }
     let _ = lvl;
     exp_shift_sum_scalar(row, m)
@@ -1468,6 +1474,74 @@ mod x86 {
         }
     }
 
+    /// [`exp_neg512`] on 8 lanes: the same reduction and polynomial, `2^k` built in the
+    /// exponent field (`k >= -126` once `x` is clamped, so the power is a normal float).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn exp_neg256(x: __m256) -> __m256 {
+        let live = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-87.33655));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33655));
+        let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693_145_75), x);
+        let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428_606_8e-6), r);
+        let mut p = _mm256_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(k),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)))
+    }
+
+    /// AVX2 kernel of `exp_shift_sum`.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C available; `row` holds `n` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn exp_shift_sum256(row: *mut f32, n: usize, m: f32) -> f32 {
+        let mv = _mm256_set1_ps(m);
+        let mut sum = _mm256_setzero_ps();
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut i = 0;
+        // SAFETY: i..i+8 (or the masked rest) lies inside the n values (caller).
+        unsafe {
+            while i + 8 <= n {
+                let e = exp_neg256(_mm256_sub_ps(_mm256_loadu_ps(row.add(i)), mv));
+                _mm256_storeu_ps(row.add(i), e);
+                sum = _mm256_add_ps(sum, e);
+                i += 8;
+            }
+            if i < n {
+                let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((n - i) as i32), lanes);
+                let x = _mm256_maskload_ps(row.add(i), keep);
+                let e = _mm256_and_ps(_mm256_castsi256_ps(keep), exp_neg256(_mm256_sub_ps(x, mv)));
+                _mm256_maskstore_ps(row.add(i), keep, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+        }
+        hsum256(sum)
+    }
+
+    /// Lane `j` of the result: the sum of `v[j]`'s 8 lanes (`hadd` tree, then the halves).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn reduce8_256(v: &[__m256; 8]) -> __m256 {
+        let s01 = _mm256_hadd_ps(v[0], v[1]);
+        let s23 = _mm256_hadd_ps(v[2], v[3]);
+        let s45 = _mm256_hadd_ps(v[4], v[5]);
+        let s67 = _mm256_hadd_ps(v[6], v[7]);
+        let t0 = _mm256_hadd_ps(s01, s23);
+        let t1 = _mm256_hadd_ps(s45, s67);
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(t0, t1),
+            _mm256_permute2f128_ps::<0x31>(t0, t1),
+        )
+    }
+
     /// # Safety
     /// AVX2, FMA, F16C available; otherwise as [`scores512`].
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1481,6 +1555,41 @@ mod x86 {
         scale: f32,
         out: *mut f32,
     ) {
+        if T != 2 && hd.is_multiple_of(8) {
+            // 8 keys at a time per head: one accumulator per key, reduced together (no
+            // horizontal sum per score).
+            let sv = _mm256_set1_ps(scale);
+            let mut j0 = 0;
+            while j0 < n {
+                let nk = (n - j0).min(8);
+                for h in 0..g {
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    // SAFETY: keys j0..j0 + nk are inside the block and dimensions i..i + 8
+                    // inside each segment and q's head h (the caller's bounds).
+                    unsafe {
+                        let qh = q.add(h * hd);
+                        for i in (0..hd).step_by(8) {
+                            let qv = _mm256_loadu_ps(qh.add(i));
+                            for (jj, a) in acc.iter_mut().enumerate().take(nk) {
+                                let seg = rows.add((j0 + jj) * stride);
+                                *a = _mm256_fmadd_ps(load8::<T>(seg, i), qv, *a);
+                            }
+                        }
+                        let sc = _mm256_mul_ps(reduce8_256(&acc), sv);
+                        let o = out.add(h * n + j0);
+                        if nk == 8 {
+                            _mm256_storeu_ps(o, sc);
+                        } else {
+                            let mut tmp = [0f32; 8];
+                            _mm256_storeu_ps(tmp.as_mut_ptr(), sc);
+                            std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, nk);
+                        }
+                    }
+                }
+                j0 += 8;
+            }
+            return;
+        }
         for j in 0..n {
             // SAFETY: within the bounds the caller guarantees.
             unsafe {
@@ -1504,6 +1613,55 @@ mod x86 {
         n: usize,
         acc: *mut f32,
     ) {
+        if T != 2 && hd.is_multiple_of(32) && g >= 2 {
+            // Two heads at a time (each value row converted once for both): 32 output columns
+            // of each in 4 registers across the block's rows; each head's fused multiply-adds
+            // are those of the one-head path below, in the same order (the same bits).
+            let mut h = 0;
+            while h < g {
+                let h1 = (h + 1).min(g - 1);
+                for c in (0..hd).step_by(32) {
+                    // SAFETY: columns c..c+32 of heads h and h1 are inside acc; row segments
+                    // and weights are within the bounds the caller guarantees.
+                    unsafe {
+                        let a0 = acc.add(h * hd + c);
+                        let a1 = acc.add(h1 * hd + c);
+                        let mut r0 = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(a0.add(k)));
+                        let mut r1 = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(a1.add(k)));
+                        for j in 0..n {
+                            let (w0, w1) = (*p.add(h * n + j), *p.add(h1 * n + j));
+                            if w0 == 0.0 && w1 == 0.0 {
+                                continue;
+                            }
+                            let seg = rows.add(j * stride);
+                            let v = [0, 8, 16, 24].map(|k| load8::<T>(seg, c + k));
+                            if w0 != 0.0 {
+                                let wv = _mm256_set1_ps(w0);
+                                for (rk, vk) in r0.iter_mut().zip(v) {
+                                    *rk = _mm256_fmadd_ps(wv, vk, *rk);
+                                }
+                            }
+                            if w1 != 0.0 && h1 != h {
+                                let wv = _mm256_set1_ps(w1);
+                                for (rk, vk) in r1.iter_mut().zip(v) {
+                                    *rk = _mm256_fmadd_ps(wv, vk, *rk);
+                                }
+                            }
+                        }
+                        for (k, rk) in r0.iter().enumerate() {
+                            _mm256_storeu_ps(a0.add(8 * k), *rk);
+                        }
+                        if h1 != h {
+                            for (k, rk) in r1.iter().enumerate() {
+                                _mm256_storeu_ps(a1.add(8 * k), *rk);
+                            }
+                        }
+                    }
+                }
+                h += 2;
+            }
+            return;
+        }
         if hd.is_multiple_of(32) {
             // Register path: 32 output columns stay in 4 registers across the block's rows.
             for h in 0..g {
@@ -2018,8 +2176,7 @@ mod tests {
         let mut rng = Rng(9);
         let levels: Vec<SimdLevel> = SimdLevel::available()
             .into_iter()
-            .filter(|&l| l >= SimdLevel::Avx512)
-            .take(1)
+            .filter(|&l| l >= SimdLevel::Avx2)
             .collect();
         for &lvl in &levels {
             for n in [1usize, 5, 16, 23, 64] {
@@ -2059,7 +2216,7 @@ mod tests {
             simd::detect().name()
         );
         let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-        if simd::detect() >= SimdLevel::Avx512 {
+        if simd::detect() >= SimdLevel::Avx2 {
             assert!(!levels.is_empty());
         }
     }
