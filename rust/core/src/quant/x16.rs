@@ -16,7 +16,7 @@
 //! ~1.9x, B = 4 ~1.6x, B = 9 ~2x, B = 16-64 1.3-1.5x, B = 128-384 1.1-1.2x, a prompt's 512-token
 //! chunks 1.07x), so the copy, made for decode, now serves prefill too.
 //!
-//! CPUs with AVX2 but not AVX-512 VNNI take the same layout through [`dot16_tokens_avx2`]:
+//! CPUs with AVX2 but not AVX-512 VNNI take the same layout through `dot16_tokens_avx2`:
 //! 8 rows to a 256-bit vector, `maddubs` + `madd` in place of `vpdpbusd`. On an AVX2-only
 //! Zen 3 host (2 threads, SmolLM2) it took prompts from 231 to 577 tok/s and decode from 89
 //! to 162 tok/s against the GGUF-row kernels (`avx2::dot_row`).
