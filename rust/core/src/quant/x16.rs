@@ -672,11 +672,13 @@ mod tests {
         data
     }
 
-    /// [`dot16_tokens`] with the first 2, 3, 4 and 8 of the tokens `qas`/`dss`: every result
-    /// with its token.
+    /// The several-token kernel (`avx2`: [`dot16_tokens_avx2`] with the first 1, 2, 3, 4 and
+    /// 8 of the tokens `qas`/`dss`; else [`dot16_tokens`] with the first 2, 3, 4 and 8):
+    /// every result with its token.
     ///
     /// # Safety
-    /// AVX-512 VNNI is available; `grp` covers `nb` blocks, each token's slices `nb` blocks.
+    /// AVX-512 VNNI (`avx2`: AVX2/FMA/F16C) is available; `grp` covers `nb` blocks, each
+    /// token's slices `nb` blocks.
     #[cfg(target_arch = "x86_64")]
     unsafe fn tokens_kernel(
         ty: GgmlType,
@@ -684,6 +686,7 @@ mod tests {
         nb: usize,
         qas: &[Vec<i8>],
         dss: &[Vec<f32>],
+        avx2: bool,
     ) -> Vec<(usize, [f32; ROWS])> {
         fn run<const NT: usize>(
             ty: GgmlType,
@@ -691,6 +694,7 @@ mod tests {
             nb: usize,
             qas: &[Vec<i8>],
             dss: &[Vec<f32>],
+            avx2: bool,
         ) -> [[f32; ROWS]; NT] {
             let qa: [*const i8; NT] = std::array::from_fn(|t| qas[t].as_ptr());
             let ds: [*const f32; NT] = std::array::from_fn(|t| dss[t].as_ptr());
@@ -698,64 +702,53 @@ mod tests {
             let o: [*mut f32; NT] = std::array::from_fn(|t| out[t].as_mut_ptr());
             // SAFETY: the caller's contract; `o` points at 16 floats of `out` per token.
             unsafe {
-                match ty {
-                    GgmlType::Q4_0 => dot16_tokens::<T_Q4_0, NT>(grp, nb, &qa, &ds, &o),
-                    GgmlType::Q4_1 => dot16_tokens::<T_Q4_1, NT>(grp, nb, &qa, &ds, &o),
-                    GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(grp, nb, &qa, &ds, &o),
-                    _ => dot16_tokens::<T_Q8_0, NT>(grp, nb, &qa, &ds, &o),
+                match (ty, avx2) {
+                    (GgmlType::Q4_0, false) => dot16_tokens::<T_Q4_0, NT>(grp, nb, &qa, &ds, &o),
+                    (GgmlType::Q4_1, false) => dot16_tokens::<T_Q4_1, NT>(grp, nb, &qa, &ds, &o),
+                    (GgmlType::Q5_0, false) => dot16_tokens::<T_Q5_0, NT>(grp, nb, &qa, &ds, &o),
+                    (_, false) => dot16_tokens::<T_Q8_0, NT>(grp, nb, &qa, &ds, &o),
+                    (GgmlType::Q4_0, true) => {
+                        dot16_tokens_avx2::<T_Q4_0, NT>(grp, nb, &qa, &ds, &o)
+                    }
+                    (GgmlType::Q4_1, true) => {
+                        dot16_tokens_avx2::<T_Q4_1, NT>(grp, nb, &qa, &ds, &o)
+                    }
+                    (GgmlType::Q5_0, true) => {
+                        dot16_tokens_avx2::<T_Q5_0, NT>(grp, nb, &qa, &ds, &o)
+                    }
+                    (_, true) => dot16_tokens_avx2::<T_Q8_0, NT>(grp, nb, &qa, &ds, &o),
                 }
             }
             out
         }
         let mut all = Vec::new();
-        all.extend(run::<2>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<3>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<4>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<8>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all
-    }
-
-    /// [`dot16_tokens_avx2`] with the first 1, 2, 3, 4 and 8 of the tokens `qas`/`dss`:
-    /// every result with its token.
-    ///
-    /// # Safety
-    /// AVX2/FMA/F16C are available; `grp` covers `nb` blocks, each token's slices `nb` blocks.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn tokens_kernel_avx2(
-        ty: GgmlType,
-        grp: *const u8,
-        nb: usize,
-        qas: &[Vec<i8>],
-        dss: &[Vec<f32>],
-    ) -> Vec<(usize, [f32; ROWS])> {
-        fn run<const NT: usize>(
-            ty: GgmlType,
-            grp: *const u8,
-            nb: usize,
-            qas: &[Vec<i8>],
-            dss: &[Vec<f32>],
-        ) -> [[f32; ROWS]; NT] {
-            let qa: [*const i8; NT] = std::array::from_fn(|t| qas[t].as_ptr());
-            let ds: [*const f32; NT] = std::array::from_fn(|t| dss[t].as_ptr());
-            let mut out = [[f32::NAN; ROWS]; NT];
-            let o: [*mut f32; NT] = std::array::from_fn(|t| out[t].as_mut_ptr());
-            // SAFETY: the caller's contract; `o` points at 16 floats of `out` per token.
-            unsafe {
-                match ty {
-                    GgmlType::Q4_0 => dot16_tokens_avx2::<T_Q4_0, NT>(grp, nb, &qa, &ds, &o),
-                    GgmlType::Q4_1 => dot16_tokens_avx2::<T_Q4_1, NT>(grp, nb, &qa, &ds, &o),
-                    GgmlType::Q5_0 => dot16_tokens_avx2::<T_Q5_0, NT>(grp, nb, &qa, &ds, &o),
-                    _ => dot16_tokens_avx2::<T_Q8_0, NT>(grp, nb, &qa, &ds, &o),
-                }
-            }
-            out
+        if avx2 {
+            all.extend(
+                run::<1>(ty, grp, nb, qas, dss, avx2)
+                    .into_iter()
+                    .enumerate(),
+            );
         }
-        let mut all = Vec::new();
-        all.extend(run::<1>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<2>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<3>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<4>(ty, grp, nb, qas, dss).into_iter().enumerate());
-        all.extend(run::<8>(ty, grp, nb, qas, dss).into_iter().enumerate());
+        all.extend(
+            run::<2>(ty, grp, nb, qas, dss, avx2)
+                .into_iter()
+                .enumerate(),
+        );
+        all.extend(
+            run::<3>(ty, grp, nb, qas, dss, avx2)
+                .into_iter()
+                .enumerate(),
+        );
+        all.extend(
+            run::<4>(ty, grp, nb, qas, dss, avx2)
+                .into_iter()
+                .enumerate(),
+        );
+        all.extend(
+            run::<8>(ty, grp, nb, qas, dss, avx2)
+                .into_iter()
+                .enumerate(),
+        );
         all
     }
 
@@ -824,7 +817,7 @@ mod tests {
                         // cover nb blocks.
                         unsafe {
                             let p = grp.as_ptr();
-                            let got = tokens_kernel(ty, p, nb, &qas, &dss);
+                            let got = tokens_kernel(ty, p, nb, &qas, &dss, false);
                             assert_eq!(got.len(), 2 + 3 + 4 + 8);
                             for (t, got) in got.iter() {
                                 let bits = got.map(f32::to_bits).to_vec();
@@ -841,7 +834,7 @@ mod tests {
                         // SAFETY: AVX2/FMA/F16C are available (checked); every token's slices
                         // cover nb blocks.
                         unsafe {
-                            let got = tokens_kernel_avx2(ty, grp.as_ptr(), nb, &qas, &dss);
+                            let got = tokens_kernel(ty, grp.as_ptr(), nb, &qas, &dss, true);
                             assert_eq!(got.len(), 1 + 2 + 3 + 4 + 8);
                             for (t, got) in got.iter() {
                                 let bits = got.map(f32::to_bits).to_vec();
