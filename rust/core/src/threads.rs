@@ -1,6 +1,6 @@
 //! Thread-count policy: `--threads` / `KVSERVE_THREADS`, default the number of physical cores.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -116,6 +116,91 @@ pub struct Worker<'a> {
     step: Cell<u32>,
     /// Calls of [`Worker::next_call`] so far in this run.
     calls: Cell<usize>,
+    /// What this member prefetches while it waits for a step (`Worker::prefetch_while_waiting`).
+    idle: RefCell<IdlePrefetch>,
+}
+
+/// What a waiting member asks the CPU to load ahead: up to four byte ranges, read in order as
+/// one sequence that the members split between them in interleaved blocks. Only addresses are
+/// kept: a prefetch never faults, so a stale address is harmless.
+#[derive(Default)]
+struct IdlePrefetch {
+    /// (address, length) of each range.
+    parts: [(usize, usize); 4],
+    n_parts: usize,
+    /// Position in the concatenated ranges, and bytes this member may still prefetch.
+    at: usize,
+    left: usize,
+}
+
+/// Bytes a waiting member prefetches between two checks of the step it waits for.
+const IDLE_CHUNK: usize = 4 * 64;
+
+/// The blocks in which the members split a hint: member `id` of `n` takes every `n`-th.
+const IDLE_STRIDE: usize = 4096;
+
+impl IdlePrefetch {
+    fn set(&mut self, parts: &[&[u8]], cap: usize) {
+        let n_parts = parts.len().min(self.parts.len());
+        for (slot, p) in self.parts.iter_mut().zip(parts) {
+            *slot = (p.as_ptr() as usize, p.len());
+        }
+        self.n_parts = n_parts;
+        self.at = 0;
+        // Without a prefetch instruction there is nothing to do.
+        self.left = if cfg!(target_arch = "x86_64") { cap } else { 0 };
+    }
+
+    /// The next range (address, length: at most `IDLE_CHUNK` bytes, inside one range and one
+    /// of member `id`'s blocks) for member `id` of `n` to prefetch, or `None` when its share
+    /// or its cap is used up.
+    fn next_range(&mut self, id: usize, n: usize) -> Option<(usize, usize)> {
+        if self.left == 0 {
+            return None;
+        }
+        let mut at = self.at;
+        let block = at / IDLE_STRIDE;
+        if block % n != id {
+            at = (block + (id + n - block % n) % n) * IDLE_STRIDE;
+        }
+        let block_end = (at / IDLE_STRIDE + 1) * IDLE_STRIDE;
+        // Locate `at` in the ranges.
+        let mut off = at;
+        let mut part = 0;
+        while part < self.n_parts && off >= self.parts[part].1 {
+            off -= self.parts[part].1;
+            part += 1;
+        }
+        if part == self.n_parts {
+            self.left = 0;
+            return None;
+        }
+        let (base, len) = self.parts[part];
+        let take = IDLE_CHUNK.min(len - off).min(block_end - at).min(self.left);
+        self.at = at + take;
+        self.left -= take;
+        Some((base.wrapping_add(off), take))
+    }
+
+    /// Prefetches the next chunk of member `id`'s share; false when there is none.
+    fn step(&mut self, id: usize, n: usize) -> bool {
+        let Some((addr, len)) = self.next_range(id, n) else {
+            return false;
+        };
+        #[cfg(target_arch = "x86_64")]
+        for o in (0..len).step_by(64) {
+            // SAFETY: SSE is part of x86-64's baseline; a prefetch reads nothing
+            // architecturally and never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    addr.wrapping_add(o) as *const i8,
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (addr, len);
+        true
+    }
 }
 
 /// The most tasks a redoable step may have; a step with more runs as a plain one (each task
@@ -220,6 +305,7 @@ impl Team {
                 team: self,
                 step: Cell::new(0),
                 calls: Cell::new(0),
+                idle: RefCell::new(IdlePrefetch::default()),
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&w)));
             if let Err(payload) = r {
@@ -240,11 +326,14 @@ impl Team {
     /// (Sleeping instead — a condvar woken by whoever finishes the step, or parking after a
     /// long wait — measured slower both quiet and beside a busy thread: BENCHMARKS.md, "Decode
     /// beside a busy Python thread". What helps there is not waiting: redoable steps.)
-    fn wait_done(&self, k: u32, n_tasks: usize) {
+    fn wait_done(&self, k: u32, n_tasks: usize, mut idle: impl FnMut() -> bool) {
         let mut spins = 0u32;
         while !self.step_over(k, n_tasks) {
             if self.poisoned.load(Ordering::Acquire) {
                 panic!("another member of the thread team panicked");
+            }
+            if idle() {
+                continue;
             }
             if spins < SPINS_BEFORE_YIELD {
                 std::hint::spin_loop();
@@ -318,7 +407,7 @@ impl Worker<'_> {
         let started = Instant::now();
         let ran = self.claim_tasks(k, n_tasks, |i| run(i, false)) as u32;
         if !redoable {
-            team.wait_done(k, n_tasks);
+            team.wait_done(k, n_tasks, || self.idle_step());
             return;
         }
         // Wait for the tasks others hold; redo one whose holder is taking too long: longer
@@ -342,6 +431,10 @@ impl Worker<'_> {
                 }
                 since = Instant::now();
                 spins = 0;
+                continue;
+            }
+            if self.idle_step() {
+                spins += 1;
                 continue;
             }
             if spins < SPINS_BEFORE_YIELD {
@@ -423,7 +516,21 @@ impl Worker<'_> {
             let before = team.done.fetch_add(mine, Ordering::AcqRel);
             debug_assert_eq!(step_of(before), k);
         }
-        team.wait_done(k, n_tasks);
+        team.wait_done(k, n_tasks, || self.idle_step());
+    }
+
+    /// Sets what this member prefetches while it waits for the next steps (replacing the
+    /// previous hint): up to `cap` bytes of its share of `parts` (the first four), read in
+    /// order (the members split the bytes between them in interleaved blocks). A hint changes
+    /// no result: prefetches only move data into the caches. A decode step reads each weight
+    /// once from memory; a member that would only spin at the end of a step loads the next
+    /// matmul's weights instead.
+    pub fn prefetch_while_waiting(&self, parts: &[&[u8]], cap: usize) {
+        self.idle.borrow_mut().set(parts, cap);
+    }
+
+    fn idle_step(&self) -> bool {
+        self.idle.borrow_mut().step(self.id, self.n)
     }
 
     /// Runs `f` once, on whichever member gets there first, and returns when it has run.
@@ -454,6 +561,57 @@ mod tests {
     /// How long a dawdling member keeps its partners waiting in the tests below: long enough
     /// that a waiting member which stops spinning (yields) does so.
     const SPIN_LIMIT: Duration = Duration::from_micros(200);
+
+    /// The members' shares of a hint cover its bytes once each, in order within a member, in
+    /// chunks inside one range and one block; a cap bounds a member's share.
+    #[test]
+    fn idle_prefetch_shares_cover_the_hint_once() {
+        let a = vec![0u8; 10_000];
+        let b = vec![0u8; 5_123];
+        let c = vec![0u8; 64];
+        let parts: [&[u8]; 3] = [&a, &b, &c];
+        for n in [1, 2, 3] {
+            let mut seen: Vec<Vec<u32>> = parts.iter().map(|p| vec![0; p.len()]).collect();
+            for id in 0..n {
+                let mut h = IdlePrefetch::default();
+                h.set(&parts, usize::MAX);
+                let mut last = None;
+                while let Some((addr, len)) = h.next_range(id, n) {
+                    assert!(len > 0 && len <= IDLE_CHUNK);
+                    let (pi, p) = parts
+                        .iter()
+                        .enumerate()
+                        .find(|(_, p)| {
+                            let base = p.as_ptr() as usize;
+                            addr >= base && addr + len <= base + p.len()
+                        })
+                        .expect("a chunk lies inside one range");
+                    let off = addr - p.as_ptr() as usize;
+                    assert!(last.is_none_or(|l| (pi, off) > l), "in order");
+                    last = Some((pi, off));
+                    for s in &mut seen[pi][off..off + len] {
+                        *s += 1;
+                    }
+                }
+                assert!(h.next_range(id, n).is_none());
+            }
+            if cfg!(target_arch = "x86_64") {
+                assert!(seen.iter().flatten().all(|&s| s == 1), "n = {n}");
+            }
+        }
+        let mut h = IdlePrefetch::default();
+        h.set(&parts, 1000);
+        let mut total = 0;
+        while let Some((_, len)) = h.next_range(0, 2) {
+            total += len;
+        }
+        let want = if cfg!(target_arch = "x86_64") {
+            1000
+        } else {
+            0
+        };
+        assert_eq!(total, want);
+    }
 
     #[test]
     fn tasks_run_exactly_once_across_steps() {

@@ -11,8 +11,8 @@
 
 use super::config::{Config, LayerKind};
 use super::llama::{
-    group_kv, matrix, project, store_and_attend_rows, vector, AttnSplit, Outputs, PassBuffers,
-    PassViews, WeightRef,
+    group_kv, hint_next, matrix, project, store_and_attend_rows, vector, AttnSplit, Outputs,
+    PassBuffers, PassViews, WeightRef,
 };
 use super::{KvIo, Logits, Model};
 use crate::batch::Batch;
@@ -151,6 +151,7 @@ pub(crate) fn forward(
 
     // Safety pattern as in `llama::forward`: each step is a set of tasks; a task writes only the
     // rows its index assigns to it and reads what earlier steps wrote.
+    let head = &wts.output;
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
@@ -174,6 +175,7 @@ pub(crate) fn forward(
                 };
             });
             // 2. Q, K, V.
+            hint_next(model, w, n, &[&layer.wo, &layer.w_gate, &layer.w_up], &[]);
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
                 project(
@@ -223,6 +225,13 @@ pub(crate) fn forward(
                 break; // nothing wants logits: the K/V were all the layer had to give
             }
             // 6. Output projection.
+            hint_next(
+                model,
+                w,
+                n,
+                &[&layer.w_gate, &layer.w_up, &layer.w_down],
+                &[],
+            );
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, n, &[&layer.wo], &[&o]) };
             // 7. x += norm(o); h = norm(x).
@@ -237,6 +246,12 @@ pub(crate) fn forward(
                 }
             });
             // 8. Gate and up, GeGLU.
+            let next_qkv = wts.layers.get(li + 1).map(|l| [&l.wq, &l.wk, &l.wv]);
+            let next: &[&WeightRef] = match &next_qkv {
+                Some(qkv) => qkv,
+                None => std::slice::from_ref(&head),
+            };
+            hint_next(model, w, n, &[&layer.w_down], next);
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
                 project(
@@ -259,6 +274,7 @@ pub(crate) fn forward(
                 };
             });
             // 9. Down, x += norm(down).
+            hint_next(model, w, n, next, &[]);
             // SAFETY: every member calls this in step; gate is not written during it.
             unsafe { project(model, w, &acts, &gate, n, &[&layer.w_down], &[&down]) };
             w.for_rows(n, |t| {

@@ -374,6 +374,7 @@ pub(crate) fn forward(
                     n,
                     &layer.ffn_norm,
                     [&layer.w_gate, &layer.w_up, &layer.w_down],
+                    &[],
                     &ffn,
                 )
             };

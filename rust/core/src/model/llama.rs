@@ -224,6 +224,46 @@ impl Model {
     }
 }
 
+/// The bytes a decode matmul of `w` streams (its interleaved copy when it has one).
+fn stream_bytes<'a>(model: &'a Model, w: &'a WeightRef) -> &'a [u8] {
+    let m = model.mat(w);
+    m.x16.unwrap_or(m.data)
+}
+
+/// Most bytes a member prefetches per hint while it waits (the size of a Zen 3 core's L2:
+/// more would evict what it fetched first).
+const IDLE_PREFETCH_BYTES: usize = 512 * 1024;
+
+/// Steps of at most this many tokens prefetch the next weights while members wait: their
+/// matmuls stream weights at the memory's pace, so bytes fetched during a wait are time saved.
+const IDLE_PREFETCH_TOKENS: usize = 16;
+
+/// Before a decode step's matmul: has each member, while it waits (for a one-task step, or at
+/// the end of a matmul for its partner's last task), prefetch the weights of the matmuls that
+/// come after it, `first` then `then`, in the order they run (`Worker::prefetch_while_waiting`).
+/// Measured on SmolLM2 decode, 2 threads, Zen 3 without AVX-512 (one process, the two ways
+/// alternating every 8 steps): 3-5% more tokens/s.
+pub(super) fn hint_next(
+    model: &Model,
+    w: &Worker<'_>,
+    n: usize,
+    first: &[&WeightRef],
+    then: &[&WeightRef],
+) {
+    if n > IDLE_PREFETCH_TOKENS {
+        return;
+    }
+    let mut parts: [&[u8]; 4] = [&[]; 4];
+    let mut k = 0;
+    for wr in first.iter().chain(then) {
+        if k < parts.len() {
+            parts[k] = stream_bytes(model, wr);
+            k += 1;
+        }
+    }
+    w.prefetch_while_waiting(&parts[..k], IDLE_PREFETCH_BYTES);
+}
+
 /// Largest head dimension the attention kernel takes (checked at load).
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -1184,6 +1224,8 @@ pub(super) unsafe fn residual_swiglu_ffn(
     n: usize,
     ffn_norm: &[f32],
     [w_gate, w_up, w_down]: [&WeightRef; 3],
+    // The weights of the matmuls after this block's (prefetched while members wait).
+    next: &[&WeightRef],
     b: &FfnBuffers<'_, '_>,
 ) {
     let c = &model.config;
@@ -1204,6 +1246,7 @@ pub(super) unsafe fn residual_swiglu_ffn(
             ops::rms_norm(xr, ffn_norm, c.rms_eps, h.slice_mut(t * d..(t + 1) * d));
         }
     });
+    hint_next(model, w, n, &[w_down], next);
     // SAFETY: every member calls this in step; h is not written during it.
     unsafe { project(model, w, acts, h, n, &[w_gate, w_up], &[gate, up]) };
     w.for_rows(n, |t| {
@@ -1215,6 +1258,7 @@ pub(super) unsafe fn residual_swiglu_ffn(
             )
         };
     });
+    hint_next(model, w, n, next, &[]);
     // SAFETY: every member calls this in step; gate is not written during it.
     unsafe { project(model, w, acts, gate, n, &[w_down], &[down]) };
     w.for_rows(n, |t| {
@@ -1459,6 +1503,7 @@ pub(crate) fn forward(
         up: &up,
         down: &down,
     };
+    let head = &wts.output;
     model.team.run(|w| {
         let mut scratch = attention::Scratch::default();
         for (li, layer) in wts.layers.iter().enumerate() {
@@ -1478,6 +1523,7 @@ pub(crate) fn forward(
                 }
             });
             // 2. Q, K, V projections.
+            hint_next(model, w, n, &[&layer.wo, &layer.w_gate, &layer.w_up], &[]);
             // SAFETY: every member calls this in step; h is not written during it.
             unsafe {
                 project(
@@ -1540,9 +1586,17 @@ pub(crate) fn forward(
                 break; // nothing wants logits: the K/V were all the layer had to give
             }
             // 6. Output projection.
+            hint_next(
+                model,
+                w,
+                rows,
+                &[&layer.w_gate, &layer.w_up, &layer.w_down],
+                &[],
+            );
             // SAFETY: every member calls this in step; attn is not written during it.
             unsafe { project(model, w, &acts, &attn, rows, &[&layer.wo], &[&o]) };
             // 7. Residual, then h = norm(x) for the FFN, per token.
+            let next_qkv = wts.layers.get(li + 1).map(|l| [&l.wq, &l.wk, &l.wv]);
             // SAFETY: every member calls this in step; nothing else uses these buffers.
             unsafe {
                 residual_swiglu_ffn(
@@ -1552,6 +1606,10 @@ pub(crate) fn forward(
                     rows,
                     &layer.ffn_norm,
                     [&layer.w_gate, &layer.w_up, &layer.w_down],
+                    match &next_qkv {
+                        Some(qkv) => qkv,
+                        None => std::slice::from_ref(&head),
+                    },
                     &ffn,
                 )
             };

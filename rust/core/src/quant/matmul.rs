@@ -130,6 +130,12 @@ pub(crate) const NARROW_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx512Vnni];
 #[cfg(test)]
 pub(crate) const ROW_TOKENS_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
 
+/// Most weight bytes one task of the interleaved-copy plan streams: a large matrix (an output
+/// head of 30 MB) in about `4 * threads` tasks left one member waiting up to a whole task of
+/// ~300 µs at the end of the step.
+#[cfg(target_arch = "x86_64")]
+const TASK_BYTES: usize = 256 * 1024;
+
 enum Plan {
     /// Rows split into chunks of `chunk`; each row dotted with every token.
     PerRow { chunk: usize },
@@ -167,6 +173,7 @@ pub struct MatmulJob<'a, 'o> {
 /// activations packed as `pack`: the plan and its task count.
 fn plan(
     rows: usize,
+    row_bytes: usize,
     ty: super::GgmlType,
     n: usize,
     pack: Pack,
@@ -185,7 +192,8 @@ fn plan(
         // every size tried: B = 2 ~1.9x, 9 ~2x, 16-64 1.3-1.5x, 128-384 1.1-1.2x, and a
         // 1,536-token prompt 1.07x (no weight unpacking per task; the scales load as vectors).
         if level >= SimdLevel::Avx2 && x16 {
-            let chunk = rows.div_ceil(target).next_multiple_of(super::x16::ROWS);
+            let tasks = target.max((rows * row_bytes).div_ceil(TASK_BYTES));
+            let chunk = rows.div_ceil(tasks).next_multiple_of(super::x16::ROWS);
             return (Plan::Rows16 { chunk }, rows.div_ceil(chunk));
         }
         let narrow = matches!(pack, Pack::Narrow4 | Pack::Narrow8);
@@ -214,7 +222,7 @@ fn plan(
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (ty, pack, x16, level);
+    let _ = (ty, pack, x16, level, row_bytes);
     let chunk = rows.div_ceil(target).max(1);
     (Plan::PerRow { chunk }, rows.div_ceil(chunk))
 }
@@ -258,7 +266,16 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
             )));
         }
         let level = simd::cap(level);
-        let (plan, n_tasks) = plan(w.rows, w.ty, n, a.pack, w.x16.is_some(), threads, level);
+        let (plan, n_tasks) = plan(
+            w.rows,
+            w.row_bytes(),
+            w.ty,
+            n,
+            a.pack,
+            w.x16.is_some(),
+            threads,
+            level,
+        );
         Ok(MatmulJob {
             w,
             a,
@@ -285,6 +302,7 @@ impl<'a, 'o> MatmulJob<'a, 'o> {
         };
         plan(
             w.rows,
+            w.row_bytes(),
             w.ty,
             n_tokens,
             pack,
