@@ -132,9 +132,13 @@ pub(crate) const ROW_TOKENS_KERNELS: [SimdLevel; 1] = [SimdLevel::Avx2];
 
 /// Most weight bytes one task of the interleaved-copy plan streams: a large matrix (an output
 /// head of 30 MB) in about `4 * threads` tasks left one member waiting up to a whole task of
-/// ~300 µs at the end of the step.
+/// ~300 µs at the end of the step. At most `MAX_BYTE_TASKS` tasks a matrix, so that a step of
+/// up to four matrices stays within the team's redoable steps (1,024 tasks; a 1 GB head of a
+/// 7B-class model is then 256 tasks of ~4 MB).
 #[cfg(target_arch = "x86_64")]
 const TASK_BYTES: usize = 256 * 1024;
+#[cfg(target_arch = "x86_64")]
+const MAX_BYTE_TASKS: usize = 256;
 
 enum Plan {
     /// Rows split into chunks of `chunk`; each row dotted with every token.
@@ -192,7 +196,8 @@ fn plan(
         // every size tried: B = 2 ~1.9x, 9 ~2x, 16-64 1.3-1.5x, 128-384 1.1-1.2x, and a
         // 1,536-token prompt 1.07x (no weight unpacking per task; the scales load as vectors).
         if level >= SimdLevel::Avx2 && x16 {
-            let tasks = target.max((rows * row_bytes).div_ceil(TASK_BYTES));
+            let by_bytes = (rows * row_bytes).div_ceil(TASK_BYTES).min(MAX_BYTE_TASKS);
+            let tasks = target.max(by_bytes);
             let chunk = rows.div_ceil(tasks).next_multiple_of(super::x16::ROWS);
             return (Plan::Rows16 { chunk }, rows.div_ceil(chunk));
         }
