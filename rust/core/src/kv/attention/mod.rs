@@ -14,10 +14,11 @@
 //! partial sums of 8 cells' scores are reduced together, and the softmax exponentials of a
 //! block are computed 16 at a time (`exp_shift_sum`).
 //!
-//! A prompt's consecutive tokens are taken as a tile ([`attend_tile`], `tile.rs`): 16 query
-//! rows to a vector, each block's keys and values converted once for all of them, every
-//! row's arithmetic (and so its bits) the same as here. `cargo bench --bench kv`'s
-//! `prompt_tile` measured it at 2.1x the per-token kernel for 16 tokens at depth 1,024.
+//! A prompt's consecutive tokens are taken as a tile ([`attend_tile`], `tile.rs`): 16 (AVX-512)
+//! or 8 (AVX2) query rows to a vector, each block's keys and values converted once for all of
+//! them, every row's arithmetic (and so its bits) the same as here. `cargo bench --bench kv`'s
+//! `prompt_tile` measured it at 2.1x the per-token kernel for 16 tokens at depth 1,024 on
+//! AVX-512, 1.6x on AVX2.
 //!
 //! The cells are taken in chunks ([`CHUNK_CELLS`]: runs of consecutive blocks that hold a
 //! visible cell). Each chunk's softmax state (unnormalized output, max, sum per head) starts
@@ -1478,7 +1479,7 @@ mod x86 {
     /// exponent field (`k >= -126` once `x` is clamped, so the power is a normal float).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn exp_neg256(x: __m256) -> __m256 {
+    pub(super) fn exp_neg256(x: __m256) -> __m256 {
         let live = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-87.33655));
         let x = _mm256_max_ps(x, _mm256_set1_ps(-87.33655));
         let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(

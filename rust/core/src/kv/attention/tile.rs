@@ -7,18 +7,25 @@
 //! sums a score `q · k` (`head_dim` a multiple of 16) in 16 lanes, lane `l` taking dimensions
 //! `l, l + 16, l + 32, ...` by fused multiply-adds in that order, then folds lane `l` with
 //! lane `l + 8` and the eight results by a fixed tree: `((b0 + b1) + (b2 + b3)) + ((b4 + b5) +
-//! (b6 + b7))`, and multiplies by the scale. The tile kernel puts 16 *cells* in the lanes
-//! instead: a block's keys are transposed once (`kt[d]`: dimension `d` of 16 cells), and a
-//! query row's 16 scores are 16 accumulators `A_l = sum_c kt[c + l] * q[c + l]` (the same fused
-//! chain per lane), folded by the same tree, with no horizontal reduction per cell. The value
-//! pass is already laid out this way (a head's output columns in registers, one fused
-//! multiply-add per visible cell in cell order, zero weights skipped); the tile kernel takes up
-//! to four rows at once over values converted once. The softmax between the two passes is the
-//! single-token code itself, per token and head, on the same block and chunk boundaries.
+//! (b6 + b7))`, and multiplies by the scale. The tile kernel puts 16 query *rows* (token x
+//! head) in the lanes instead: the tile's queries are transposed once (`qt[d]`: dimension `d`
+//! of 16 rows), and a cell's 16 scores are 16 accumulators `A_l = sum_c qt[c + l] * k[c + l]`
+//! (the same fused chain per lane, a key value broadcast), folded by the same tree, with no
+//! horizontal reduction per score. The value pass keeps a row's output columns in the lanes
+//! (one fused multiply-add per visible cell in cell order, zero weights skipped); the softmax
+//! between the two passes is the single-token one lane by lane (its block maxima, rescaling
+//! by the scalar `exp`, weights by the same vector `exp`, their sum in the same order), on the
+//! same block and chunk boundaries.
 //!
-//! The fast path needs AVX-512, F32 or F16 K/V and `head_dim` a multiple of 16 (SmolLM2's and
-//! Gemma 3's geometry); anything else runs the single-token kernel token by token, which gives
-//! the same bits by definition.
+//! The AVX2 kernels (`x86::avx2`) do the same with 8 rows a vector against the single-token
+//! AVX2 kernels: 8 accumulators per score (dimensions `l, l + 8, ...`) folded by
+//! `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`, the block's weights summed 8 cells
+//! apart and then by `hsum256`'s tree. `cargo bench --bench kv`'s `prompt_tile` measured them
+//! at 1.5-1.6x the per-token kernel on a Zen 3 core (the AVX-512 ones: 2.1x on a Xeon).
+//!
+//! The fast path needs AVX2 (or AVX-512), F32 or F16 K/V and `head_dim` a multiple of 16
+//! (SmolLM2's and Gemma 3's geometry); anything else runs the single-token kernel token by
+//! token, which gives the same bits by definition.
 
 use super::{attend_chunked, chunk_blocks, Geometry, Query, Scratch};
 use crate::error::{invalid, Result};
@@ -128,16 +135,12 @@ pub(super) fn tile_chunked(
     #[cfg(target_arch = "x86_64")]
     {
         let geo = Geometry::check(store, table, n_kv, q0, ql)?;
-        tiled(
-            &geo,
-            store,
-            table,
-            n_kv,
-            queries,
-            Out::Rows(out),
-            scratch,
-            chunk,
-        );
+        let out = Out::Rows(out);
+        if lvl >= SimdLevel::Avx512 {
+            tiled::<x86::W16>(&geo, store, table, n_kv, queries, out, scratch, chunk);
+        } else {
+            tiled::<x86::W8>(&geo, store, table, n_kv, queries, out, scratch, chunk);
+        }
     }
     Ok(())
 }
@@ -194,16 +197,12 @@ pub fn attend_tile_states(
     #[cfg(target_arch = "x86_64")]
     {
         let geo = Geometry::check(store, table, n_kv, q0, ql)?;
-        tiled(
-            &geo,
-            store,
-            table,
-            n_kv,
-            queries,
-            Out::States(states),
-            scratch,
-            chunk,
-        );
+        let out = Out::States(states);
+        if lvl >= SimdLevel::Avx512 {
+            tiled::<x86::W16>(&geo, store, table, n_kv, queries, out, scratch, chunk);
+        } else {
+            tiled::<x86::W8>(&geo, store, table, n_kv, queries, out, scratch, chunk);
+        }
     }
     Ok(())
 }
@@ -231,11 +230,11 @@ fn check_queries(store: &KvStorage, table: &[u32], n_kv: usize, queries: &[Query
     Ok(())
 }
 
-/// Whether a tile of `tokens` queries at level `lvl` (already capped) takes the AVX-512 tile
-/// kernels; otherwise each token runs the single-token kernel.
+/// Whether a tile of `tokens` queries at level `lvl` (already capped) takes the tile kernels
+/// (AVX-512 or AVX2); otherwise each token runs the single-token kernel.
 pub(super) fn fast_path(lvl: SimdLevel, ty: KvType, head_dim: usize, tokens: usize) -> bool {
     cfg!(target_arch = "x86_64")
-        && lvl >= SimdLevel::Avx512
+        && lvl >= SimdLevel::Avx2
         && ty != KvType::Q8_0
         && head_dim.is_multiple_of(16)
         && tokens > 1
@@ -320,10 +319,12 @@ fn block_hidden(
     }
 }
 
-/// The AVX-512 tile path (F32/F16, `head_dim` a multiple of 16, `lvl` at least AVX-512).
+/// The tile path (F32/F16, `head_dim` a multiple of 16) with the kernels of `K`: `K::L`
+/// rows in the lanes of each vector (16 for AVX-512, 8 for AVX2); the caller checked that the
+/// CPU has `K`'s level (`fast_path`).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn tiled(
+fn tiled<K: x86::Lanes>(
     geo: &Geometry,
     store: &KvStorage,
     table: &[u32],
@@ -333,6 +334,7 @@ fn tiled(
     scratch: &mut Scratch,
     chunk: usize,
 ) {
+    let lanes = K::L;
     let q0 = &queries[0];
     let ty = store.kv_type();
     let (gt, g, hd, bs, nq) = (
@@ -343,9 +345,9 @@ fn tiled(
         queries.len(),
     );
     let (kvh, seg, ql) = (q0.kv_heads, ty.row_bytes(hd), gt * hd);
-    // Row r = token * g + head of the group; vector r / 16, lane r % 16 (every KV head alike).
+    // Row r = token * g + head of the group; vector r / L, lane r % L (every KV head alike).
     let nr = nq * g;
-    let nv = nr.div_ceil(16);
+    let nv = nr.div_ceil(lanes);
     let TileScratch {
         qt,
         co,
@@ -367,7 +369,7 @@ fn tiled(
         at,
     } = &mut scratch.tile;
     let vecs = kvh * nv;
-    let big = vecs * hd * 16;
+    let big = vecs * hd * lanes;
     qt.resize(big, 0.0);
     for buf in [&mut *co, &mut *fo] {
         buf.clear();
@@ -380,22 +382,22 @@ fn tiled(
         (&mut *fs, 0.0),
     ] {
         buf.clear();
-        buf.resize(vecs * 16, x);
+        buf.resize(vecs * lanes, x);
     }
     scale.clear();
-    scale.resize(nv * 16, 0.0);
+    scale.resize(nv * lanes, 0.0);
     for r in 0..nr {
         scale[r] = queries[r / g].scale;
     }
     kf.resize(bs * hd, 0.0);
     vf.resize(bs * hd, 0.0);
-    sb.resize(bs * 16, 0.0);
+    sb.resize(bs * lanes, 0.0);
     seen.resize(nv, 0);
     hid.resize(nv * bs, 0);
     fold.resize(nv, 0);
     count.clear();
     count.resize(nq, 0);
-    // The queries, transposed: per (KV head, vector), dimension d of its 16 rows.
+    // The queries, transposed: per (KV head, vector), dimension d of its L rows.
     let row_q = |kh: usize, r: usize| -> Option<&[f32]> {
         (r < nr).then(|| {
             let (i, h) = (r / g, r % g);
@@ -404,10 +406,12 @@ fn tiled(
     };
     for kh in 0..kvh {
         for v in 0..nv {
-            let rows: [Option<&[f32]>; 16] = std::array::from_fn(|l| row_q(kh, v * 16 + l));
-            let dst = &mut qt[(kh * nv + v) * hd * 16..][..hd * 16];
-            // SAFETY: AVX-512 (the caller's `fast_path`); each row holds hd values, dst hd x 16.
-            unsafe { x86::transpose_in(&rows, hd, dst) };
+            let rows: [Option<&[f32]>; 16] =
+                std::array::from_fn(|l| (l < lanes).then(|| row_q(kh, v * lanes + l)).flatten());
+            let dst = &mut qt[(kh * nv + v) * hd * lanes..][..hd * lanes];
+            // SAFETY: K's level (the caller's `fast_path`); each row holds hd values, dst
+            // hd x L.
+            unsafe { K::transpose_in(&rows, hd, dst) };
         }
     }
     let layer = q0.layer;
@@ -447,7 +451,7 @@ fn tiled(
         for (wi, &i) in who.iter().enumerate() {
             for h in 0..g {
                 let r = i * g + h;
-                let (v, bit) = (r / 16, 1u16 << (r % 16));
+                let (v, bit) = (r / lanes, 1u16 << (r % lanes));
                 seen[v] |= bit;
                 for &j in &hidden[at[wi]..at[wi + 1]] {
                     hid[v * n + j] |= bit;
@@ -459,39 +463,35 @@ fn tiled(
         for kh in 0..kvh {
             let off = geo.seg_off + kh * seg;
             assert!((n - 1) * geo.stride + off + seg <= krows.len().min(vrows.len()));
-            // SAFETY: AVX-512 (`fast_path`); the assert keeps the n segments of hd values
+            // SAFETY: K's level (`fast_path`); the assert keeps the n segments of hd values
             // inside `krows` and `vrows`; kf and vf hold block_size x hd values.
             unsafe {
                 let (k, v) = (krows.as_ptr().add(off), vrows.as_ptr().add(off));
-                if ty == KvType::F32 {
-                    x86::values_f32::<0>(k, geo.stride, n, hd, kf.as_mut_ptr());
-                    x86::values_f32::<0>(v, geo.stride, n, hd, vf.as_mut_ptr());
-                } else {
-                    x86::values_f32::<1>(k, geo.stride, n, hd, kf.as_mut_ptr());
-                    x86::values_f32::<1>(v, geo.stride, n, hd, vf.as_mut_ptr());
-                }
+                let f16 = ty != KvType::F32;
+                K::values_f32(f16, k, geo.stride, n, hd, kf.as_mut_ptr());
+                K::values_f32(f16, v, geo.stride, n, hd, vf.as_mut_ptr());
             }
             for v in (0..nv).filter(|&v| seen[v] != 0) {
                 let x = kh * nv + v;
                 let st = x86::State {
-                    o: co[x * hd * 16..][..hd * 16].as_mut_ptr(),
-                    m: cm[x * 16..][..16].as_mut_ptr(),
-                    s: cs[x * 16..][..16].as_mut_ptr(),
+                    o: co[x * hd * lanes..][..hd * lanes].as_mut_ptr(),
+                    m: cm[x * lanes..][..lanes].as_mut_ptr(),
+                    s: cs[x * lanes..][..lanes].as_mut_ptr(),
                 };
-                // SAFETY: AVX-512 (`fast_path`); qt's vector holds hd x 16 values, kf and vf
-                // n x hd, sb n x 16, hid n masks from v * n, the state hd x 16 + 16 + 16.
+                // SAFETY: K's level (`fast_path`); qt's vector holds hd x L values, kf and vf
+                // n x hd, sb n x L, hid n masks from v * n, the state hd x L + L + L.
                 unsafe {
-                    x86::scores_t(
-                        qt[x * hd * 16..].as_ptr(),
+                    K::scores_t(
+                        qt[x * hd * lanes..].as_ptr(),
                         hd,
                         kf.as_ptr(),
                         n,
-                        scale[v * 16..].as_ptr(),
+                        scale[v * lanes..].as_ptr(),
                         &hid[v * n..(v + 1) * n],
                         sb.as_mut_ptr(),
                     );
-                    x86::softmax_t(sb.as_mut_ptr(), n, seen[v], hd, &st);
-                    x86::values_t(sb.as_ptr(), n, vf.as_ptr(), hd, st.o);
+                    K::softmax_t(sb.as_mut_ptr(), n, seen[v], hd, &st);
+                    K::values_t(sb.as_ptr(), n, vf.as_ptr(), hd, st.o);
                 }
             }
         }
@@ -503,11 +503,11 @@ fn tiled(
                 count[i] = 0;
                 for h in 0..g {
                     let r = i * g + h;
-                    fold[r / 16] |= 1 << (r % 16);
+                    fold[r / lanes] |= 1 << (r % lanes);
                 }
             }
         }
-        fold_lanes(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
+        fold_lanes::<K>(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
     }
     // The last chunks, then normalization and the outputs in token-major rows.
     fold.fill(0);
@@ -515,15 +515,15 @@ fn tiled(
         if c > 0 {
             for h in 0..g {
                 let r = i * g + h;
-                fold[r / 16] |= 1 << (r % 16);
+                fold[r / lanes] |= 1 << (r % lanes);
             }
         }
     }
-    fold_lanes(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
+    fold_lanes::<K>(fold, kvh, nv, hd, co, cm, cs, fo, fm, fs);
     let out = match out {
         Out::Rows(out) => out,
         Out::States(states) => {
-            // Row r = (token i, head h of KV head kh): lane r % 16 of vector kh * nv + r / 16.
+            // Row r = (token i, head h of KV head kh): lane r % L of vector kh * nv + r / L.
             let len = super::partial_len(gt, hd);
             for (i, st) in states.chunks_exact_mut(len).enumerate() {
                 let (o, rest) = st.split_at_mut(gt * hd);
@@ -531,12 +531,12 @@ fn tiled(
                 for kh in 0..kvh {
                     for h in 0..g {
                         let (r, head) = (i * g + h, kh * g + h);
-                        let (x, l) = (kh * nv + r / 16, r % 16);
+                        let (x, l) = (kh * nv + r / lanes, r % lanes);
                         for (d, od) in o[head * hd..(head + 1) * hd].iter_mut().enumerate() {
-                            *od = fo[(x * hd + d) * 16 + l];
+                            *od = fo[(x * hd + d) * lanes + l];
                         }
-                        m[head] = fm[x * 16 + l];
-                        s[head] = fs[x * 16 + l];
+                        m[head] = fm[x * lanes + l];
+                        s[head] = fs[x * lanes + l];
                     }
                 }
             }
@@ -549,8 +549,8 @@ fn tiled(
             let mut rows: [Option<&mut [f32]>; 16] = Default::default();
             let mut rest = &mut out[..];
             let mut taken = 0;
-            for (l, slot) in rows.iter_mut().enumerate() {
-                let r = v * 16 + l;
+            for (l, slot) in rows.iter_mut().enumerate().take(lanes) {
+                let r = v * lanes + l;
                 if r >= nr {
                     break;
                 }
@@ -563,11 +563,11 @@ fn tiled(
                 rest = after;
                 taken = at + hd;
             }
-            // SAFETY: AVX-512 (`fast_path`); the state holds hd x 16 + 16 values, each row hd.
+            // SAFETY: K's level (`fast_path`); the state holds hd x L + L values, each row hd.
             unsafe {
-                x86::finish_out(
-                    fo[x * hd * 16..][..hd * 16].as_mut_ptr(),
-                    fs[x * 16..][..16].as_ptr(),
+                K::finish_out(
+                    fo[x * hd * lanes..][..hd * lanes].as_mut_ptr(),
+                    fs[x * lanes..][..lanes].as_ptr(),
                     hd,
                     &mut rows,
                 )
@@ -580,7 +580,7 @@ fn tiled(
 /// folded state and empties it (`fold_chunk`, then `empty_state`, lane by lane).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn fold_lanes(
+fn fold_lanes<K: x86::Lanes>(
     fold: &[u16],
     kvh: usize,
     nv: usize,
@@ -592,6 +592,7 @@ fn fold_lanes(
     fm: &mut [f32],
     fs: &mut [f32],
 ) {
+    let lanes = K::L;
     for kh in 0..kvh {
         for (v, &mask) in fold.iter().enumerate().take(nv) {
             if mask == 0 {
@@ -599,17 +600,17 @@ fn fold_lanes(
             }
             let x = kh * nv + v;
             let chunk = x86::State {
-                o: co[x * hd * 16..][..hd * 16].as_mut_ptr(),
-                m: cm[x * 16..][..16].as_mut_ptr(),
-                s: cs[x * 16..][..16].as_mut_ptr(),
+                o: co[x * hd * lanes..][..hd * lanes].as_mut_ptr(),
+                m: cm[x * lanes..][..lanes].as_mut_ptr(),
+                s: cs[x * lanes..][..lanes].as_mut_ptr(),
             };
             let folded = x86::State {
-                o: fo[x * hd * 16..][..hd * 16].as_mut_ptr(),
-                m: fm[x * 16..][..16].as_mut_ptr(),
-                s: fs[x * 16..][..16].as_mut_ptr(),
+                o: fo[x * hd * lanes..][..hd * lanes].as_mut_ptr(),
+                m: fm[x * lanes..][..lanes].as_mut_ptr(),
+                s: fs[x * lanes..][..lanes].as_mut_ptr(),
             };
-            // SAFETY: AVX-512 (`fast_path`); both states hold hd x 16 + 16 + 16 values.
-            unsafe { x86::fold_t(mask, hd, &chunk, &folded) };
+            // SAFETY: K's level (`fast_path`); both states hold hd x L + L + L values.
+            unsafe { K::fold_t(mask, hd, &chunk, &folded) };
         }
     }
 }
@@ -620,12 +621,512 @@ mod x86 {
     use super::super::x86::exp_neg512;
     use std::arch::x86_64::*;
 
-    /// One softmax state of 16 rows: `o` (`hd` vectors: dimension `d` of the 16 rows'
-    /// outputs), `m` (16 maxima), `s` (16 sums).
+    /// One softmax state of `L` rows (16 for AVX-512, 8 for AVX2): `o` (`hd` vectors:
+    /// dimension `d` of the rows' outputs), `m` (`L` maxima), `s` (`L` sums).
     pub(super) struct State {
         pub o: *mut f32,
         pub m: *mut f32,
         pub s: *mut f32,
+    }
+
+    /// The tile kernels at one vector width: `L` rows in the lanes of each vector, the lane
+    /// masks (`u16`) holding `L` bits. Every function needs the CPU to have the level of its
+    /// implementation (AVX-512 for [`W16`], AVX2 + FMA + F16C for [`W8`]); otherwise the
+    /// buffers are as the AVX-512 functions of this module document, with `L` for 16.
+    pub(super) trait Lanes {
+        const L: usize;
+        /// # Safety
+        /// As [`transpose_in`].
+        unsafe fn transpose_in(rows: &[Option<&[f32]>; 16], hd: usize, dst: &mut [f32]);
+        /// [`values_f32`] of F16 (`f16`) or F32 values.
+        ///
+        /// # Safety
+        /// As [`values_f32`].
+        unsafe fn values_f32(
+            f16: bool,
+            rows: *const u8,
+            stride: usize,
+            n: usize,
+            hd: usize,
+            vf: *mut f32,
+        );
+        /// # Safety
+        /// As [`scores_t`].
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn scores_t(
+            qt: *const f32,
+            hd: usize,
+            kf: *const f32,
+            n: usize,
+            scale: *const f32,
+            hid: &[u16],
+            sb: *mut f32,
+        );
+        /// # Safety
+        /// As [`softmax_t`].
+        unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State);
+        /// # Safety
+        /// As [`values_t`].
+        unsafe fn values_t(sb: *const f32, n: usize, vf: *const f32, hd: usize, o: *mut f32);
+        /// # Safety
+        /// As [`fold_t`].
+        unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State);
+        /// # Safety
+        /// As [`finish_out`].
+        unsafe fn finish_out(
+            o: *mut f32,
+            s: *const f32,
+            hd: usize,
+            rows: &mut [Option<&mut [f32]>; 16],
+        );
+    }
+
+    /// The AVX-512 kernels below: 16 rows a vector, the single-token AVX-512 kernels' order.
+    pub(super) struct W16;
+
+    /// The AVX2 kernels of [`avx2`]: 8 rows a vector, the single-token AVX2 kernels' order.
+    pub(super) struct W8;
+
+    impl Lanes for W16 {
+        const L: usize = 16;
+        unsafe fn transpose_in(rows: &[Option<&[f32]>; 16], hd: usize, dst: &mut [f32]) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { transpose_in(rows, hd, dst) }
+        }
+        unsafe fn values_f32(
+            f16: bool,
+            rows: *const u8,
+            stride: usize,
+            n: usize,
+            hd: usize,
+            vf: *mut f32,
+        ) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe {
+                if f16 {
+                    values_f32::<1>(rows, stride, n, hd, vf)
+                } else {
+                    values_f32::<0>(rows, stride, n, hd, vf)
+                }
+            }
+        }
+        unsafe fn scores_t(
+            qt: *const f32,
+            hd: usize,
+            kf: *const f32,
+            n: usize,
+            scale: *const f32,
+            hid: &[u16],
+            sb: *mut f32,
+        ) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { scores_t(qt, hd, kf, n, scale, hid, sb) }
+        }
+        unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { softmax_t(sb, n, seen, hd, st) }
+        }
+        unsafe fn values_t(sb: *const f32, n: usize, vf: *const f32, hd: usize, o: *mut f32) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { values_t(sb, n, vf, hd, o) }
+        }
+        unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { fold_t(mask, hd, chunk, folded) }
+        }
+        unsafe fn finish_out(
+            o: *mut f32,
+            s: *const f32,
+            hd: usize,
+            rows: &mut [Option<&mut [f32]>; 16],
+        ) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { finish_out(o, s, hd, rows) }
+        }
+    }
+
+    impl Lanes for W8 {
+        const L: usize = 8;
+        unsafe fn transpose_in(rows: &[Option<&[f32]>; 16], hd: usize, dst: &mut [f32]) {
+            avx2::transpose_in(rows, hd, dst)
+        }
+        unsafe fn values_f32(
+            f16: bool,
+            rows: *const u8,
+            stride: usize,
+            n: usize,
+            hd: usize,
+            vf: *mut f32,
+        ) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe {
+                if f16 {
+                    avx2::values_f32::<1>(rows, stride, n, hd, vf)
+                } else {
+                    avx2::values_f32::<0>(rows, stride, n, hd, vf)
+                }
+            }
+        }
+        unsafe fn scores_t(
+            qt: *const f32,
+            hd: usize,
+            kf: *const f32,
+            n: usize,
+            scale: *const f32,
+            hid: &[u16],
+            sb: *mut f32,
+        ) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { avx2::scores_t(qt, hd, kf, n, scale, hid, sb) }
+        }
+        unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { avx2::softmax_t(sb, n, seen, hd, st) }
+        }
+        unsafe fn values_t(sb: *const f32, n: usize, vf: *const f32, hd: usize, o: *mut f32) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { avx2::values_t(sb, n, vf, hd, o) }
+        }
+        unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { avx2::fold_t(mask, hd, chunk, folded) }
+        }
+        unsafe fn finish_out(
+            o: *mut f32,
+            s: *const f32,
+            hd: usize,
+            rows: &mut [Option<&mut [f32]>; 16],
+        ) {
+            // SAFETY: forwarded (the caller's contract).
+            unsafe { avx2::finish_out(o, s, hd, rows) }
+        }
+    }
+
+    /// AVX2 kernels of the tile path: 8 rows in the lanes of each vector, each row's
+    /// arithmetic that of the single-token AVX2 kernels (`scores256`, `exp_shift_sum256`,
+    /// `accum256`) in their order, and `fold_chunk` and `finish` lane by lane in scalar code.
+    pub(super) mod avx2 {
+        use super::super::super::x86::exp_neg256;
+        use super::State;
+        use std::arch::x86_64::*;
+
+        /// The lanes of `bits` (bit `l` for lane `l`) as an all-ones mask per lane.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn lane_mask(bits: u16) -> __m256 {
+            let lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            let b = _mm256_and_si256(_mm256_set1_epi32(i32::from(bits)), lanes);
+            _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lanes))
+        }
+
+        /// `dst[d * 8 + l]` = value `d` of row `l < 8` (0 for a missing row).
+        pub(super) fn transpose_in(rows: &[Option<&[f32]>; 16], hd: usize, dst: &mut [f32]) {
+            for (l, row) in rows.iter().take(8).enumerate() {
+                for d in 0..hd {
+                    dst[d * 8 + l] = row.map_or(0.0, |r| r[d]);
+                }
+            }
+        }
+
+        /// `vf[j * hd + d]` = value `d` of the segment of cell `j < n`, as f32.
+        ///
+        /// # Safety
+        /// AVX2 and F16C available; `hd` a multiple of 8; `n` segments of `hd` values of
+        /// type `T` (0: F32, 1: F16) at `rows + j * stride`; `vf` holds `n * hd` values.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn values_f32<const T: u8>(
+            rows: *const u8,
+            stride: usize,
+            n: usize,
+            hd: usize,
+            vf: *mut f32,
+        ) {
+            for j in 0..n {
+                for c in (0..hd).step_by(8) {
+                    // SAFETY: within the bounds the caller guarantees.
+                    unsafe {
+                        let seg = rows.add(j * stride);
+                        let x = if T == 0 {
+                            _mm256_loadu_ps(seg.add(4 * c).cast())
+                        } else {
+                            _mm256_cvtph_ps(_mm_loadu_si128(seg.add(2 * c).cast()))
+                        };
+                        _mm256_storeu_ps(vf.add(j * hd + c), x);
+                    }
+                }
+            }
+        }
+
+        /// Scores of 8 rows (transposed queries `qt`, `hd x 8`) for the `n` cells of `kf`:
+        /// `sb[j * 8 + l]` = row `l`'s scaled score of cell `j`, `-inf` where `hid[j]` has
+        /// lane `l`. `scores256`'s order per row and cell: lane `a_i` of its accumulator
+        /// takes dimensions `i, i + 8, ...` by fused multiply-adds, then `((a0 + a1) + (a2 +
+        /// a3)) + ((a4 + a5) + (a6 + a7))` (`reduce8_256`), times the scale.
+        ///
+        /// # Safety
+        /// AVX2 and FMA available; `hd` a multiple of 8; `qt` holds `hd * 8` values, `kf`
+        /// `n * hd`, `scale` 8, `sb` `n * 8`; `hid` has `n` masks.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn scores_t(
+            qt: *const f32,
+            hd: usize,
+            kf: *const f32,
+            n: usize,
+            scale: *const f32,
+            hid: &[u16],
+            sb: *mut f32,
+        ) {
+            let mut j = 0;
+            // SAFETY: cells j.. (J or fewer) within the bounds the caller guarantees.
+            unsafe {
+                let sc = _mm256_loadu_ps(scale);
+                while j + 4 <= n {
+                    scores_cells::<4>(qt, hd, kf, j, sc, hid, sb);
+                    j += 4;
+                }
+                match n - j {
+                    3 => scores_cells::<3>(qt, hd, kf, j, sc, hid, sb),
+                    2 => scores_cells::<2>(qt, hd, kf, j, sc, hid, sb),
+                    1 => scores_cells::<1>(qt, hd, kf, j, sc, hid, sb),
+                    _ => {}
+                }
+            }
+        }
+
+        /// [`scores_t`] for the `J` cells from `j0` (each transposed query vector loaded
+        /// once for all of them). Accumulators `i` and `i + 1` are summed side by side, so
+        /// that `2 J` fused multiply-add chains are in flight (one chain per accumulator is
+        /// bound by the instruction's latency).
+        ///
+        /// # Safety
+        /// As [`scores_t`], with cells `j0..j0 + J` inside the `n`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn scores_cells<const J: usize>(
+            qt: *const f32,
+            hd: usize,
+            kf: *const f32,
+            j0: usize,
+            sc: __m256,
+            hid: &[u16],
+            sb: *mut f32,
+        ) {
+            let zero = _mm256_setzero_ps();
+            let (mut pend_c, mut pend_d) = ([zero; J], [zero; J]);
+            let mut s = [zero; J];
+            for l in (0..8).step_by(2) {
+                let (mut a, mut b) = ([zero; J], [zero; J]);
+                for c in (0..hd).step_by(8) {
+                    // SAFETY: rows c + l (+ 1) < hd of qt; key values c + l (+ 1) of cells
+                    // j0..j0 + J inside kf (caller).
+                    unsafe {
+                        let qa = _mm256_loadu_ps(qt.add((c + l) * 8));
+                        let qb = _mm256_loadu_ps(qt.add((c + l + 1) * 8));
+                        for jj in 0..J {
+                            let k = kf.add((j0 + jj) * hd + c + l);
+                            a[jj] = _mm256_fmadd_ps(qa, _mm256_broadcast_ss(&*k), a[jj]);
+                            b[jj] = _mm256_fmadd_ps(qb, _mm256_broadcast_ss(&*k.add(1)), b[jj]);
+                        }
+                    }
+                }
+                for jj in 0..J {
+                    // (a_l + a_{l+1}), then the pairs and the halves of the tree.
+                    let c = _mm256_add_ps(a[jj], b[jj]);
+                    if l % 4 == 0 {
+                        pend_c[jj] = c;
+                        continue;
+                    }
+                    let d = _mm256_add_ps(pend_c[jj], c);
+                    if l == 2 {
+                        pend_d[jj] = d;
+                    } else {
+                        s[jj] = _mm256_add_ps(pend_d[jj], d);
+                    }
+                }
+            }
+            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+            for (jj, sj) in s.iter().enumerate() {
+                let j = j0 + jj;
+                let x = _mm256_blendv_ps(_mm256_mul_ps(*sj, sc), ninf, lane_mask(hid[j]));
+                // SAFETY: cell j's 8 scores inside sb (caller).
+                unsafe { _mm256_storeu_ps(sb.add(j * 8), x) };
+            }
+        }
+
+        /// The online softmax step of a block for the lanes in `seen` (`run_blocks`' per
+        /// head, lane by lane): block max, rescale of the state when it grows (by the same
+        /// scalar `exp`), weights `exp(x - max)` (`exp_neg256`) in place of the scores of
+        /// `sb` (0 for lanes that do not take part), their sum in `exp_shift_sum256`'s order
+        /// added to the state's.
+        ///
+        /// # Safety
+        /// AVX2 and FMA available; `sb` holds `n * 8` values; the state `hd * 8 + 8 + 8`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State) {
+            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+            // SAFETY: within the bounds the caller guarantees.
+            unsafe {
+                let mut bm = ninf;
+                for j in 0..n {
+                    // `maxps` gives its second operand where the first is NaN: NaN scores
+                    // are passed over, as by `f32::max`.
+                    bm = _mm256_max_ps(_mm256_loadu_ps(sb.add(j * 8)), bm);
+                }
+                // Lanes that do not take part keep their max (`max(old, -inf)`).
+                let sm = lane_mask(seen);
+                let old = _mm256_loadu_ps(st.m);
+                let new = _mm256_max_ps(old, _mm256_blendv_ps(ninf, bm, sm));
+                let bits = |m: __m256| _mm256_movemask_ps(m) as u16;
+                let live = seen & bits(_mm256_cmp_ps::<_CMP_NEQ_OQ>(new, ninf));
+                let grow = live & bits(_mm256_cmp_ps::<_CMP_NEQ_OQ>(new, old));
+                // No stores of blends below: the compiler makes those masked stores, which
+                // are microcoded and slow on AMD cores. Products by 1.0 and sums with +0.0
+                // leave the other lanes' bits as they were instead.
+                if grow != 0 {
+                    let (mut o, mut nw) = ([0f32; 8], [0f32; 8]);
+                    _mm256_storeu_ps(o.as_mut_ptr(), old);
+                    _mm256_storeu_ps(nw.as_mut_ptr(), new);
+                    let c: [f32; 8] = std::array::from_fn(|l| {
+                        if grow >> l & 1 == 1 {
+                            (o[l] - nw[l]).exp()
+                        } else {
+                            1.0
+                        }
+                    });
+                    let c = _mm256_loadu_ps(c.as_ptr());
+                    _mm256_storeu_ps(st.s, _mm256_mul_ps(_mm256_loadu_ps(st.s), c));
+                    for d in 0..hd {
+                        let p = st.o.add(d * 8);
+                        _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), c));
+                    }
+                }
+                // Weights, and their sum per lane in the order of `exp_shift_sum256` over
+                // the block's cells: cell j into sum j % 8, then `hsum256`'s tree. A lane
+                // that does not take part gets weights and a sum of +0.0 (its state's sum is
+                // never -0.0: it starts at +0.0 and only takes products by and sums of
+                // values >= 0).
+                let lm = lane_mask(live);
+                let mut u = [_mm256_setzero_ps(); 8];
+                for j in 0..n {
+                    let p = sb.add(j * 8);
+                    let x = _mm256_loadu_ps(p);
+                    let e = _mm256_and_ps(lm, exp_neg256(_mm256_sub_ps(x, new)));
+                    _mm256_storeu_ps(p, e);
+                    u[j % 8] = _mm256_add_ps(u[j % 8], e);
+                }
+                let add = |a: __m256, b: __m256| _mm256_add_ps(a, b);
+                let sum = add(
+                    add(add(u[0], u[4]), add(u[2], u[6])),
+                    add(add(u[1], u[5]), add(u[3], u[7])),
+                );
+                _mm256_storeu_ps(st.s, _mm256_add_ps(_mm256_loadu_ps(st.s), sum));
+                _mm256_storeu_ps(st.m, new);
+            }
+        }
+
+        /// The value pass of 8 rows: output `o[d]` (lane `l`: row `l`'s column `d`) takes
+        /// `w_j * v_j[d]` by fused multiply-adds in cell order, lanes with a zero weight
+        /// left alone (`accum256`'s arithmetic per row).
+        ///
+        /// # Safety
+        /// AVX2 and FMA available; `hd` a multiple of 8; `sb` holds `n * 8` weights, `vf`
+        /// `n * hd` values, `o` `hd * 8`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn values_t(
+            sb: *const f32,
+            n: usize,
+            vf: *const f32,
+            hd: usize,
+            o: *mut f32,
+        ) {
+            for d0 in (0..hd).step_by(8) {
+                // SAFETY: output vectors d0..d0 + 8, weights of cells j < n and their values
+                // d0..d0 + 8, within the bounds the caller guarantees.
+                unsafe {
+                    let mut acc: [__m256; 8] =
+                        std::array::from_fn(|k| _mm256_loadu_ps(o.add((d0 + k) * 8)));
+                    for j in 0..n {
+                        let w = _mm256_loadu_ps(sb.add(j * 8));
+                        let nz = _mm256_cmp_ps::<_CMP_NEQ_UQ>(w, _mm256_setzero_ps());
+                        let bits = _mm256_movemask_ps(nz);
+                        if bits == 0 {
+                            continue;
+                        }
+                        let v = vf.add(j * hd + d0);
+                        if bits == 0xff {
+                            for (k, a) in acc.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(w, _mm256_broadcast_ss(&*v.add(k)), *a);
+                            }
+                        } else {
+                            for (k, a) in acc.iter_mut().enumerate() {
+                                let x = _mm256_fmadd_ps(w, _mm256_broadcast_ss(&*v.add(k)), *a);
+                                *a = _mm256_blendv_ps(*a, x, nz);
+                            }
+                        }
+                    }
+                    for (k, a) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(o.add((d0 + k) * 8), *a);
+                    }
+                }
+            }
+        }
+
+        /// `fold_chunk` then `empty_state` for the lanes in `mask`, lane by lane in the same
+        /// scalar arithmetic: `folded <- folded (+) chunk` (lanes whose chunk max is `-inf`
+        /// unchanged).
+        ///
+        /// # Safety
+        /// Both states hold `hd * 8 + 8 + 8` values.
+        pub(super) unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State) {
+            for l in (0..8).filter(|l| mask >> l & 1 == 1) {
+                // SAFETY: lane l < 8 of each state's maxima and sums, and of its hd output
+                // vectors of 8 (the caller's bounds).
+                unsafe {
+                    let pm = *chunk.m.add(l);
+                    if pm != f32::NEG_INFINITY {
+                        let fm = *folded.m.add(l);
+                        let m = fm.max(pm);
+                        let (a, b) = ((fm - m).exp(), (pm - m).exp());
+                        *folded.s.add(l) = *folded.s.add(l) * a + *chunk.s.add(l) * b;
+                        *folded.m.add(l) = m;
+                        for d in 0..hd {
+                            let (f, p) = (folded.o.add(d * 8 + l), chunk.o.add(d * 8 + l));
+                            *f = *f * a + *p * b;
+                        }
+                    }
+                    *chunk.m.add(l) = f32::NEG_INFINITY;
+                    *chunk.s.add(l) = 0.0;
+                    for d in 0..hd {
+                        *chunk.o.add(d * 8 + l) = 0.0;
+                    }
+                }
+            }
+        }
+
+        /// `finish` of 8 rows (each output times the inverse of its sum, all zeros for a
+        /// sum of 0), into the rows: `rows[l][d]` = value `d` of lane `l` (absent rows
+        /// skipped).
+        ///
+        /// # Safety
+        /// `o` holds `hd * 8` values and `s` 8; each present row `hd`.
+        pub(super) unsafe fn finish_out(
+            o: *mut f32,
+            s: *const f32,
+            hd: usize,
+            rows: &mut [Option<&mut [f32]>; 16],
+        ) {
+            for (l, row) in rows.iter_mut().take(8).enumerate() {
+                let Some(row) = row else { continue };
+                // SAFETY: lane l < 8 of the sums and of the hd output vectors (caller).
+                unsafe {
+                    let s = *s.add(l);
+                    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+                    for (d, x) in row[..hd].iter_mut().enumerate() {
+                        *x = *o.add(d * 8 + l) * inv;
+                    }
+                }
+            }
+        }
     }
 
     /// 16 values of a segment from element `i`, as f32.
