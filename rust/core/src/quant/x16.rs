@@ -497,10 +497,14 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
     // loads are unaligned; each `out[t]` is valid for 16 floats.
     unsafe {
         for h in 0..2 {
-            let mut slots = [[zps; legacy::SLOTS]; NT];
+            // Written before they are read: by the first round of blocks (b < SLOTS), which
+            // starts from zero, or below when there are fewer blocks than slots. (A zeroed
+            // array here was a 2 KiB memset per call: ~2% of a prompt step.)
+            let mut slots = [[std::mem::MaybeUninit::<__m256>::uninit(); legacy::SLOTS]; NT];
             for b in 0..nb {
                 let p = grp.add(b * gbb);
                 let s = b % legacy::SLOTS;
+                let first = b < legacy::SLOTS;
                 let act = |t: usize, k: usize| {
                     let at = qa[t].add(b * legacy::QK + 4 * k);
                     _mm256_set1_epi32(at.cast::<i32>().read_unaligned())
@@ -544,7 +548,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
                         let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b10_11_00_01>(sa));
                         let sa = _mm256_slli_epi32::<7>(_mm256_broadcastd_epi32(sa));
                         let isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), sa);
-                        scale(&mut slots[t][s], isum, d, m, ds[t].add(2 * b));
+                        scale(&mut slots[t][s], first, isum, d, m, ds[t].add(2 * b));
                     }
                 } else {
                     let mut lo = [_mm256_setzero_si256(); 4];
@@ -598,11 +602,13 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
                         } else {
                             _mm256_madd_epi16(_mm256_add_epi16(q0, q1), ones16)
                         };
-                        scale(&mut slots[t][s], isum, d, m, ds[t].add(2 * b));
+                        scale(&mut slots[t][s], first, isum, d, m, ds[t].add(2 * b));
                     }
                 }
             }
-            for (t, sl) in slots.iter_mut().enumerate() {
+            for (t, sl) in slots.iter().enumerate() {
+                let mut sl: [__m256; legacy::SLOTS] =
+                    std::array::from_fn(|j| if j < nb { sl[j].assume_init() } else { zps });
                 for hw in [4, 2, 1] {
                     for j in 0..hw {
                         sl[j] = _mm256_add_ps(sl[j], sl[j + hw]);
@@ -614,29 +620,40 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
     }
 }
 
-/// The canonical slot update of 8 rows: `slot = fma(m, sa, fma(isum, d * da, slot))`.
+/// The canonical slot update of 8 rows: `slot = fma(m, sa, fma(isum, d * da, slot))`, the
+/// slot taken as zero when `first` (it may be uninitialized then; it is written either way).
 ///
 /// # Safety
-/// AVX2/FMA are available; `dsb` points at a block's `(da, sa)`.
+/// AVX2/FMA are available; `dsb` points at a block's `(da, sa)`; `slot` is initialized unless
+/// `first`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scale(
-    slot: &mut std::arch::x86_64::__m256,
+    slot: &mut std::mem::MaybeUninit<std::arch::x86_64::__m256>,
+    first: bool,
     isum: std::arch::x86_64::__m256i,
     d: std::arch::x86_64::__m256,
     m: std::arch::x86_64::__m256,
     dsb: *const f32,
 ) {
     use std::arch::x86_64::*;
-    // SAFETY: two readable floats at `dsb` (the contract).
-    let (da, sa) = unsafe { (*dsb, *dsb.add(1)) };
+    // SAFETY: two readable floats at `dsb`, and the slot initialized unless `first` (the
+    // contract).
+    let (da, sa, prev) = unsafe {
+        let prev = if first {
+            _mm256_setzero_ps()
+        } else {
+            slot.assume_init()
+        };
+        (*dsb, *dsb.add(1), prev)
+    };
     let f = _mm256_fmadd_ps(
         _mm256_cvtepi32_ps(isum),
         _mm256_mul_ps(d, _mm256_set1_ps(da)),
-        *slot,
+        prev,
     );
-    *slot = _mm256_fmadd_ps(m, _mm256_set1_ps(sa), f);
+    slot.write(_mm256_fmadd_ps(m, _mm256_set1_ps(sa), f));
 }
 
 #[cfg(test)]
