@@ -52,8 +52,7 @@ pub(super) struct TileScratch {
     /// A block's keys and values of one KV head as f32 (`block_size x head_dim`).
     kf: Vec<f32>,
     vf: Vec<f32>,
-    /// Per cell of the block, the scores of a row vector's L rows, then their weights; two
-    /// vectors' worth.
+    /// Per cell of the block, 16 rows' scores, then weights.
     sb: Vec<f32>,
     /// Per row vector: the lanes whose token sees the block; per (row vector, cell): the
     /// lanes for which the cell is masked; the lanes whose chunk ends at the block.
@@ -392,7 +391,7 @@ fn tiled<K: x86::Lanes>(
     }
     kf.resize(bs * hd, 0.0);
     vf.resize(bs * hd, 0.0);
-    sb.resize(2 * bs * lanes, 0.0);
+    sb.resize(bs * lanes, 0.0);
     seen.resize(nv, 0);
     hid.resize(nv * bs, 0);
     fold.resize(nv, 0);
@@ -472,57 +471,27 @@ fn tiled<K: x86::Lanes>(
                 K::values_f32(f16, k, geo.stride, n, hd, kf.as_mut_ptr());
                 K::values_f32(f16, v, geo.stride, n, hd, vf.as_mut_ptr());
             }
-            // The row vectors that see the block, two at a time through the scores (each
-            // key value loaded once for both), then one at a time through the softmax and
-            // the value pass.
-            let mut vs = (0..nv).filter(|&v| seen[v] != 0).peekable();
-            while let Some(v0) = vs.next() {
-                let pair = [Some(v0), vs.next()];
-                let sb0 = sb.as_mut_ptr();
-                // SAFETY: sb holds two vectors' n x L scores (2 x block_size x L).
-                let sb1 = unsafe { sb0.add(bs * lanes) };
-                // SAFETY: K's level (`fast_path`); qt's vectors hold hd x L values, kf n x hd,
-                // sb two of n x L, hid n masks from v * n.
+            for v in (0..nv).filter(|&v| seen[v] != 0) {
+                let x = kh * nv + v;
+                let st = x86::State {
+                    o: co[x * hd * lanes..][..hd * lanes].as_mut_ptr(),
+                    m: cm[x * lanes..][..lanes].as_mut_ptr(),
+                    s: cs[x * lanes..][..lanes].as_mut_ptr(),
+                };
+                // SAFETY: K's level (`fast_path`); qt's vector holds hd x L values, kf and vf
+                // n x hd, sb n x L, hid n masks from v * n, the state hd x L + L + L.
                 unsafe {
-                    let qv = |v: usize| qt[(kh * nv + v) * hd * lanes..].as_ptr();
-                    let sc = |v: usize| scale[v * lanes..].as_ptr();
-                    let hv = |v: usize| &hid[v * n..(v + 1) * n];
-                    match pair {
-                        [Some(v0), Some(v1)] => K::scores_t2(
-                            [qv(v0), qv(v1)],
-                            hd,
-                            kf.as_ptr(),
-                            n,
-                            [sc(v0), sc(v1)],
-                            [hv(v0), hv(v1)],
-                            [sb0, sb1],
-                        ),
-                        _ => K::scores_t(qv(v0), hd, kf.as_ptr(), n, sc(v0), hv(v0), sb0),
-                    }
-                }
-                let mut outs = [std::ptr::null_mut(); 2];
-                for ((v, sbp), o) in pair.into_iter().zip([sb0, sb1]).zip(&mut outs) {
-                    let Some(v) = v else { break };
-                    let x = kh * nv + v;
-                    let st = x86::State {
-                        o: co[x * hd * lanes..][..hd * lanes].as_mut_ptr(),
-                        m: cm[x * lanes..][..lanes].as_mut_ptr(),
-                        s: cs[x * lanes..][..lanes].as_mut_ptr(),
-                    };
-                    *o = st.o;
-                    // SAFETY: K's level (`fast_path`); sbp holds n x L scores, the state
-                    // hd x L + L + L values.
-                    unsafe { K::softmax_t(sbp, n, seen[v], hd, &st) };
-                }
-                // SAFETY: K's level (`fast_path`); vf holds n x hd values, sb0 (and sb1) n x L
-                // weights, each output hd x L values.
-                unsafe {
-                    match outs {
-                        [o0, o1] if !o1.is_null() => {
-                            K::values_t2([sb0, sb1], n, vf.as_ptr(), hd, [o0, o1])
-                        }
-                        [o0, _] => K::values_t(sb0, n, vf.as_ptr(), hd, o0),
-                    }
+                    K::scores_t(
+                        qt[x * hd * lanes..].as_ptr(),
+                        hd,
+                        kf.as_ptr(),
+                        n,
+                        scale[v * lanes..].as_ptr(),
+                        &hid[v * n..(v + 1) * n],
+                        sb.as_mut_ptr(),
+                    );
+                    K::softmax_t(sb.as_mut_ptr(), n, seen[v], hd, &st);
+                    K::values_t(sb.as_ptr(), n, vf.as_ptr(), hd, st.o);
                 }
             }
         }
@@ -693,47 +662,12 @@ mod x86 {
             hid: &[u16],
             sb: *mut f32,
         );
-        /// [`Lanes::scores_t`] of two row vectors over the same keys.
-        ///
-        /// # Safety
-        /// As [`scores_t`] for each vector.
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn scores_t2(
-            qt: [*const f32; 2],
-            hd: usize,
-            kf: *const f32,
-            n: usize,
-            scale: [*const f32; 2],
-            hid: [&[u16]; 2],
-            sb: [*mut f32; 2],
-        ) {
-            for i in 0..2 {
-                // SAFETY: forwarded (the caller's contract).
-                unsafe { Self::scores_t(qt[i], hd, kf, n, scale[i], hid[i], sb[i]) }
-            }
-        }
         /// # Safety
         /// As [`softmax_t`].
         unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State);
         /// # Safety
         /// As [`values_t`].
         unsafe fn values_t(sb: *const f32, n: usize, vf: *const f32, hd: usize, o: *mut f32);
-        /// [`Lanes::values_t`] of two row vectors over the same values.
-        ///
-        /// # Safety
-        /// As [`values_t`] for each vector.
-        unsafe fn values_t2(
-            sb: [*const f32; 2],
-            n: usize,
-            vf: *const f32,
-            hd: usize,
-            o: [*mut f32; 2],
-        ) {
-            for i in 0..2 {
-                // SAFETY: forwarded (the caller's contract).
-                unsafe { Self::values_t(sb[i], n, vf, hd, o[i]) }
-            }
-        }
         /// # Safety
         /// As [`fold_t`].
         unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State);
@@ -845,18 +779,6 @@ mod x86 {
             // SAFETY: forwarded (the caller's contract).
             unsafe { avx2::scores_t(qt, hd, kf, n, scale, hid, sb) }
         }
-        unsafe fn scores_t2(
-            qt: [*const f32; 2],
-            hd: usize,
-            kf: *const f32,
-            n: usize,
-            scale: [*const f32; 2],
-            hid: [&[u16]; 2],
-            sb: [*mut f32; 2],
-        ) {
-            // SAFETY: forwarded (the caller's contract).
-            unsafe { avx2::scores_t2(qt, hd, kf, n, scale, hid, sb) }
-        }
         unsafe fn softmax_t(sb: *mut f32, n: usize, seen: u16, hd: usize, st: &State) {
             // SAFETY: forwarded (the caller's contract).
             unsafe { avx2::softmax_t(sb, n, seen, hd, st) }
@@ -864,16 +786,6 @@ mod x86 {
         unsafe fn values_t(sb: *const f32, n: usize, vf: *const f32, hd: usize, o: *mut f32) {
             // SAFETY: forwarded (the caller's contract).
             unsafe { avx2::values_t(sb, n, vf, hd, o) }
-        }
-        unsafe fn values_t2(
-            sb: [*const f32; 2],
-            n: usize,
-            vf: *const f32,
-            hd: usize,
-            o: [*mut f32; 2],
-        ) {
-            // SAFETY: forwarded (the caller's contract).
-            unsafe { avx2::values_t2(sb, n, vf, hd, o) }
         }
         unsafe fn fold_t(mask: u16, hd: usize, chunk: &State, folded: &State) {
             // SAFETY: forwarded (the caller's contract).
@@ -1041,105 +953,6 @@ mod x86 {
             }
         }
 
-        /// [`scores_t`] of two row vectors (`qt[i]`, `scale[i]`, `hid[i]` into `sb[i]`): the
-        /// same arithmetic per row and cell, each broadcast key value taken by both.
-        ///
-        /// # Safety
-        /// As [`scores_t`] for each vector.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(super) unsafe fn scores_t2(
-            qt: [*const f32; 2],
-            hd: usize,
-            kf: *const f32,
-            n: usize,
-            scale: [*const f32; 2],
-            hid: [&[u16]; 2],
-            sb: [*mut f32; 2],
-        ) {
-            let mut j = 0;
-            // SAFETY: cells j.. (4 or fewer) within the bounds the caller guarantees.
-            unsafe {
-                let sc = scale.map(|p| _mm256_loadu_ps(p));
-                while j + 4 <= n {
-                    scores_cells2::<4>(qt, hd, kf, j, sc, hid, sb);
-                    j += 4;
-                }
-                match n - j {
-                    3 => scores_cells2::<3>(qt, hd, kf, j, sc, hid, sb),
-                    2 => scores_cells2::<2>(qt, hd, kf, j, sc, hid, sb),
-                    1 => scores_cells2::<1>(qt, hd, kf, j, sc, hid, sb),
-                    _ => {}
-                }
-            }
-        }
-
-        /// [`scores_t2`] for the `J` cells from `j0`: `2 J` fused multiply-add chains, each
-        /// key value broadcast once for both vectors.
-        ///
-        /// # Safety
-        /// As [`scores_t2`], with cells `j0..j0 + J` inside the `n`.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn scores_cells2<const J: usize>(
-            qt: [*const f32; 2],
-            hd: usize,
-            kf: *const f32,
-            j0: usize,
-            sc: [__m256; 2],
-            hid: [&[u16]; 2],
-            sb: [*mut f32; 2],
-        ) {
-            let zero = _mm256_setzero_ps();
-            let (mut pend_b, mut pend_c, mut pend_d) =
-                ([[zero; J]; 2], [[zero; J]; 2], [[zero; J]; 2]);
-            let mut s = [[zero; J]; 2];
-            for l in 0..8 {
-                let mut a = [[zero; J]; 2];
-                for c in (0..hd).step_by(8) {
-                    // SAFETY: row c + l < hd of both qt; key value c + l of cells j0..j0 + J
-                    // inside kf (caller).
-                    unsafe {
-                        let q0 = _mm256_loadu_ps(qt[0].add((c + l) * 8));
-                        let q1 = _mm256_loadu_ps(qt[1].add((c + l) * 8));
-                        for jj in 0..J {
-                            let k = _mm256_broadcast_ss(&*kf.add((j0 + jj) * hd + c + l));
-                            a[0][jj] = _mm256_fmadd_ps(q0, k, a[0][jj]);
-                            a[1][jj] = _mm256_fmadd_ps(q1, k, a[1][jj]);
-                        }
-                    }
-                }
-                for i in 0..2 {
-                    for jj in 0..J {
-                        if l % 2 == 0 {
-                            pend_b[i][jj] = a[i][jj];
-                            continue;
-                        }
-                        let c = _mm256_add_ps(pend_b[i][jj], a[i][jj]);
-                        if l % 4 == 1 {
-                            pend_c[i][jj] = c;
-                            continue;
-                        }
-                        let d = _mm256_add_ps(pend_c[i][jj], c);
-                        if l == 3 {
-                            pend_d[i][jj] = d;
-                        } else {
-                            s[i][jj] = _mm256_add_ps(pend_d[i][jj], d);
-                        }
-                    }
-                }
-            }
-            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
-            for i in 0..2 {
-                for (jj, sj) in s[i].iter().enumerate() {
-                    let j = j0 + jj;
-                    let x = _mm256_mul_ps(*sj, sc[i]);
-                    let x = _mm256_blendv_ps(x, ninf, lane_mask(hid[i][j]));
-                    // SAFETY: cell j's 8 scores inside sb[i] (caller).
-                    unsafe { _mm256_storeu_ps(sb[i].add(j * 8), x) };
-                }
-            }
-        }
-
         /// The online softmax step of a block for the lanes in `seen` (`run_blocks`' per
         /// head, lane by lane): block max, rescale of the state when it grows (by the same
         /// scalar `exp`), weights `exp(x - max)` (`exp_neg256`) in place of the scores of
@@ -1253,61 +1066,6 @@ mod x86 {
                     }
                     for (k, a) in acc.iter().enumerate() {
                         _mm256_storeu_ps(o.add((d0 + k) * 8), *a);
-                    }
-                }
-            }
-        }
-
-        /// [`values_t`] of two row vectors (weights `sb[i]` into `o[i]`): the same
-        /// arithmetic per row and column, each broadcast value taken by both.
-        ///
-        /// # Safety
-        /// As [`values_t`] for each vector.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(super) unsafe fn values_t2(
-            sb: [*const f32; 2],
-            n: usize,
-            vf: *const f32,
-            hd: usize,
-            o: [*mut f32; 2],
-        ) {
-            const D: usize = 4;
-            for d0 in (0..hd).step_by(D) {
-                // SAFETY: output vectors d0..d0 + 4 of both, weights of cells j < n and their
-                // values d0..d0 + 4, within the bounds the caller guarantees.
-                unsafe {
-                    let mut acc: [[__m256; D]; 2] = std::array::from_fn(|i| {
-                        std::array::from_fn(|k| _mm256_loadu_ps(o[i].add((d0 + k) * 8)))
-                    });
-                    for j in 0..n {
-                        let w = sb.map(|p| _mm256_loadu_ps(p.add(j * 8)));
-                        let nz = w.map(|w| _mm256_cmp_ps::<_CMP_NEQ_UQ>(w, _mm256_setzero_ps()));
-                        let bits = nz.map(|m| _mm256_movemask_ps(m));
-                        if bits == [0xff, 0xff] {
-                            let v = vf.add(j * hd + d0);
-                            for k in 0..D {
-                                let x = _mm256_broadcast_ss(&*v.add(k));
-                                acc[0][k] = _mm256_fmadd_ps(w[0], x, acc[0][k]);
-                                acc[1][k] = _mm256_fmadd_ps(w[1], x, acc[1][k]);
-                            }
-                            continue;
-                        }
-                        if bits == [0, 0] {
-                            continue;
-                        }
-                        let v = vf.add(j * hd + d0);
-                        for k in 0..D {
-                            let x = _mm256_broadcast_ss(&*v.add(k));
-                            for i in 0..2 {
-                                let y = _mm256_fmadd_ps(w[i], x, acc[i][k]);
-                                acc[i][k] = _mm256_blendv_ps(acc[i][k], y, nz[i]);
-                            }
-                        }
-                    }
-                    for (i, a) in acc.iter().enumerate() {
-                        for (k, ak) in a.iter().enumerate() {
-                            _mm256_storeu_ps(o[i].add((d0 + k) * 8), *ak);
-                        }
                     }
                 }
             }
