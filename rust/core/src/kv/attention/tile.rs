@@ -37,7 +37,8 @@ use crate::quant::simd::{self, SimdLevel};
 pub const TILE_TOKENS: usize = 16;
 
 /// Buffers of the tile path, kept in [`Scratch`]. Per (KV head, row vector): `hd x 16`
-/// values of transposed queries, chunk output and folded output, and 16 of each max and sum.
+/// values of transposed queries, chunk output and folded output, and 16 of each max and sum
+/// (`hd x 8` and 8 for the AVX2 kernels).
 #[derive(Default, Debug)]
 pub(super) struct TileScratch {
     qt: Vec<f32>,
@@ -52,7 +53,7 @@ pub(super) struct TileScratch {
     /// A block's keys and values of one KV head as f32 (`block_size x head_dim`).
     kf: Vec<f32>,
     vf: Vec<f32>,
-    /// Per cell of the block, 16 rows' scores, then weights.
+    /// Per cell of the block, a row vector's scores (16 or 8 rows), then their weights.
     sb: Vec<f32>,
     /// Per row vector: the lanes whose token sees the block; per (row vector, cell): the
     /// lanes for which the cell is masked; the lanes whose chunk ends at the block.
