@@ -18,7 +18,7 @@
 //! or 8 (AVX2) query rows to a vector, each block's keys and values converted once for all of
 //! them, every row's arithmetic (and so its bits) the same as here. `cargo bench --bench kv`'s
 //! `prompt_tile` measured it at 2.1x the per-token kernel for 16 tokens at depth 1,024 on
-//! AVX-512, 1.6x on AVX2.
+//! AVX-512, 1.5-1.7x on AVX2.
 //!
 //! The cells are taken in chunks ([`CHUNK_CELLS`]: runs of consecutive blocks that hold a
 //! visible cell). Each chunk's softmax state (unnormalized output, max, sum per head) starts

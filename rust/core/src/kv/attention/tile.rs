@@ -21,7 +21,7 @@
 //! AVX2 kernels: 8 accumulators per score (dimensions `l, l + 8, ...`) folded by
 //! `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`, the block's weights summed 8 cells
 //! apart and then by `hsum256`'s tree. `cargo bench --bench kv`'s `prompt_tile` measured them
-//! at 1.5-1.6x the per-token kernel on a Zen 3 core (the AVX-512 ones: 2.1x on a Xeon).
+//! at 1.5-1.7x the per-token kernel on a Zen 3 core (the AVX-512 ones: 2.1x on a Xeon).
 //!
 //! The fast path needs AVX2 (or AVX-512), F32 or F16 K/V and `head_dim` a multiple of 16
 //! (SmolLM2's and Gemma 3's geometry); anything else runs the single-token kernel token by
