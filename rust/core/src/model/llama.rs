@@ -446,14 +446,15 @@ pub(super) unsafe fn project(
     let copy = takes_copy(model, ws, level);
     let wide = ws[0].ty;
     if n >= 2 * quant::q8::GROUP
-        && quant::q8::Pack::for_tokens(n, level) == quant::q8::Pack::Wide
+        && (copy || quant::q8::Pack::for_tokens(n, level) == quant::q8::Pack::Wide)
         && ws
             .iter()
             .all(|wr| quant::act_format_index(wr.ty) == 0 && wr.cols == cols)
     {
-        // A prompt's Q8 activations, wide-packed, by groups of 16 tokens across the team (one
-        // member quantizing while the others waited was ~4% of a prompt step): one task lays
-        // the buffers out, then one task per group fills it.
+        // A prompt's Q8 activations (wide-packed unless every weight takes the interleaved
+        // copy) by groups of 16 tokens across the team (one member quantizing while the others
+        // waited was ~4% of a prompt step): one task lays the buffers out, then one task per
+        // group fills it.
         w.single(|| {
             // SAFETY: one task alone writes `acts[slot]` in this step (and with one buffer per
             // call, no earlier call's task still reads it).
