@@ -508,20 +508,22 @@ unsafe fn group_tokens<const NT: usize>(
     vnni: bool,
 ) {
     use super::x16::{
-        dot16, dot16_avx2, dot16_tokens, dot16_tokens_avx2, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0,
+        dot16, dot16_pass_avx2, dot16_tokens, dot16_tokens_avx2, pass_tokens, T_Q4_0, T_Q4_1,
+        T_Q5_0, T_Q8_0,
     };
     // Rows r..r + 16 of token t0 + t: contiguous, written by the kernel's one store.
     debug_assert!((t0 + NT - 1) * rows + r + 16 <= out.len());
     let o: [*mut f32; NT] = std::array::from_fn(|t| out.ptr_at((t0 + t) * rows + r));
     // SAFETY: the caller's contract; it owns those 16 floats of each token.
     unsafe {
-        if !vnni && NT == 1 {
-            let (q, d) = (qa(0), ds(0));
+        if !vnni && NT <= pass_tokens(ty) {
+            let q: [*const i8; NT] = std::array::from_fn(&qa);
+            let d: [*const f32; NT] = std::array::from_fn(&ds);
             match ty {
-                super::GgmlType::Q4_0 => dot16_avx2::<T_Q4_0>(grp, nb, q, d, o[0]),
-                super::GgmlType::Q4_1 => dot16_avx2::<T_Q4_1>(grp, nb, q, d, o[0]),
-                super::GgmlType::Q5_0 => dot16_avx2::<T_Q5_0>(grp, nb, q, d, o[0]),
-                _ => dot16_avx2::<T_Q8_0>(grp, nb, q, d, o[0]),
+                super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, NT>(grp, nb, &q, &d, &o),
+                super::GgmlType::Q4_1 => dot16_pass_avx2::<T_Q4_1, NT>(grp, nb, &q, &d, &o),
+                super::GgmlType::Q5_0 => dot16_pass_avx2::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
+                _ => dot16_pass_avx2::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
             }
         } else if !vnni {
             let q: [*const i8; NT] = std::array::from_fn(&qa);

@@ -19,8 +19,8 @@
 //! CPUs with AVX2 but not AVX-512 VNNI take the same layout through `dot16_tokens_avx2`:
 //! 8 rows to a 256-bit vector, `maddubs` + `madd` in place of `vpdpbusd`. On an AVX2-only
 //! Zen 3 host (2 threads, SmolLM2) it took prompts from 231 to 577 tok/s and decode from 89
-//! to 162 tok/s against the GGUF-row kernels (`avx2::dot_row`). One token takes `dot16_avx2`,
-//! both halves in one pass (~1.13x SmolLM2's decode there).
+//! to 162 tok/s against the GGUF-row kernels (`avx2::dot_row`). One to a few tokens take
+//! `dot16_pass_avx2`, both halves in one pass (~1.13x SmolLM2's decode there).
 //!
 //! # Layout
 //!
@@ -621,23 +621,26 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
     }
 }
 
-/// The AVX2 kernel of [`dot16`] (one token: decode of one sequence): [`dot16_tokens_avx2`]'s
-/// arithmetic with both halves of 8 rows in one pass over the blocks, so each activation
-/// broadcast (and for Q8_0 the block's activation sum) serves all 16 rows and the loop runs
-/// once. The same bits. In an interleaved A/B on the AVX2-only Zen 3 host it took a group
-/// 1.11-1.16x faster than `dot16_tokens_avx2::<_, 1>` (Q4_1 and Q8_0, in L1 and streamed from
-/// memory), SmolLM2's tg128 ~1.13x.
+/// [`dot16_tokens_avx2`]'s arithmetic for a few tokens with both halves of 8 rows in one pass
+/// over the blocks: each chunk of quants is loaded and split per half once for all `NT` tokens
+/// while each token's activation broadcast (and for Q8_0 the block's activation sum) serves
+/// all 16 rows, and the loop runs once. The same bits. In interleaved A/Bs on the AVX2-only
+/// Zen 3 host it ran a group of one token 1.11-1.24x faster than
+/// `dot16_tokens_avx2::<_, 1>` (Q4_1 and Q8_0, in L1 and streamed from memory; SmolLM2's
+/// tg128 ~1.13x), of 2 and 3 tokens 1.31-1.49x. Each token keeps 4 accumulators (two chunk
+/// pairs of each half) in registers, so it pays for few tokens only ([`pass_tokens`]).
 ///
 /// # Safety
-/// AVX2, FMA and F16C are available; as [`dot16`]'s.
+/// AVX2, FMA and F16C are available; as [`dot16`]'s for each token's `qa[t]`, `ds[t]` and
+/// `out[t]`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot16_avx2<const T: u8>(
+pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
     grp: *const u8,
     nb: usize,
-    qa: *const i8,
-    ds: *const f32,
-    out: *mut f32,
+    qa: &[*const i8; NT],
+    ds: &[*const f32; NT],
+    out: &[*mut f32; NT],
 ) {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -651,58 +654,68 @@ pub(crate) unsafe fn dot16_avx2<const T: u8>(
     let bit4 = _mm256_set1_epi8(0x10);
     let ones16 = _mm256_set1_epi16(1);
     let ones8 = _mm256_set1_epi8(1);
+    let zero = _mm256_setzero_si256();
     // Written before they are read: by the first round of blocks (b < SLOTS), which starts
     // from zero; slots past `nb` are taken as zero at the end.
-    let mut slots = [[MaybeUninit::<__m256>::uninit(); legacy::SLOTS]; 2];
+    let mut slots = [[[MaybeUninit::<__m256>::uninit(); legacy::SLOTS]; 2]; NT];
     // SAFETY: every block index b < nb, so reads stay inside the ranges the caller guarantees;
-    // the loads are unaligned; `out` is valid for 16 floats.
+    // the loads are unaligned; each `out[t]` is valid for 16 floats.
     unsafe {
         for b in 0..nb {
             let p = grp.add(b * gbb);
             let s = b % legacy::SLOTS;
             let first = b < legacy::SLOTS;
-            let act = |k: usize| {
-                let at = qa.add(b * legacy::QK + 4 * k);
+            let act = |t: usize, k: usize| {
+                let at = qa[t].add(b * legacy::QK + 4 * k);
                 _mm256_set1_epi32(at.cast::<i32>().read_unaligned())
             };
-            let mut isum = [_mm256_setzero_si256(); 2];
+            let mut isum = [[zero; 2]; NT];
             if T == T_Q8_0 {
-                let (mut i0, mut i1) = ([_mm256_setzero_si256(); 2], [_mm256_setzero_si256(); 2]);
+                // Even and odd chunks apart, per token and half.
+                let mut acc = [[[zero; 2]; 2]; NT];
                 for k in (0..8).step_by(2) {
-                    let (a0, a1) = (act(k), act(k + 1));
+                    let a: [[__m256i; 2]; NT] = std::array::from_fn(|t| [act(t, k), act(t, k + 1)]);
                     for h in 0..2 {
-                        let w0 = _mm256_loadu_si256(p.add(64 * k + 32 * h).cast());
-                        let w1 = _mm256_loadu_si256(p.add(64 * k + 64 + 32 * h).cast());
-                        let p0 =
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(a0, w0));
-                        let p1 =
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(a1, w1));
-                        i0[h] = _mm256_add_epi32(i0[h], _mm256_madd_epi16(p0, ones16));
-                        i1[h] = _mm256_add_epi32(i1[h], _mm256_madd_epi16(p1, ones16));
+                        let w =
+                            [k, k + 1].map(|kk| _mm256_loadu_si256(p.add(64 * kk + 32 * h).cast()));
+                        let aw = w.map(|w| _mm256_abs_epi8(w));
+                        for t in 0..NT {
+                            for j in 0..2 {
+                                let pr =
+                                    _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(a[t][j], w[j]));
+                                acc[t][j][h] =
+                                    _mm256_add_epi32(acc[t][j][h], _mm256_madd_epi16(pr, ones16));
+                            }
+                        }
                     }
                 }
-                // 128 x the block's activation sum, in every lane.
-                let a = _mm256_loadu_si256(qa.add(b * legacy::QK).cast());
-                let sa = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, a), ones16);
-                let sa = _mm_add_epi32(
-                    _mm256_castsi256_si128(sa),
-                    _mm256_extracti128_si256::<1>(sa),
-                );
-                let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b01_00_11_10>(sa));
-                let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b10_11_00_01>(sa));
-                let sa = _mm256_slli_epi32::<7>(_mm256_broadcastd_epi32(sa));
-                for h in 0..2 {
-                    isum[h] = _mm256_add_epi32(_mm256_add_epi32(i0[h], i1[h]), sa);
+                for t in 0..NT {
+                    // 128 x the block's activation sum, in every lane.
+                    let a = _mm256_loadu_si256(qa[t].add(b * legacy::QK).cast());
+                    let sa = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, a), ones16);
+                    let sa = _mm_add_epi32(
+                        _mm256_castsi256_si128(sa),
+                        _mm256_extracti128_si256::<1>(sa),
+                    );
+                    let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b01_00_11_10>(sa));
+                    let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b10_11_00_01>(sa));
+                    let sa = _mm256_slli_epi32::<7>(_mm256_broadcastd_epi32(sa));
+                    for h in 0..2 {
+                        isum[t][h] =
+                            _mm256_add_epi32(_mm256_add_epi32(acc[t][0][h], acc[t][1][h]), sa);
+                    }
                 }
             } else {
                 let planes = if T == T_Q5_0 {
                     [0, 1].map(|h| _mm256_loadu_si256(p.add(64 * nq + 2 * ROWS + 32 * h).cast()))
                 } else {
-                    [_mm256_setzero_si256(); 2]
+                    [zero; 2]
                 };
-                let mut q = [[_mm256_setzero_si256(); 2]; 2];
+                // Chunks 0-1 and 2-3 apart, per token and half (Q5_0 widens each before the
+                // sum; the 4-bit types add them in i16).
+                let mut q = [[[zero; 2]; 2]; NT];
                 for k in 0..4 {
-                    let (al, ah) = (act(k), act(4 + k));
+                    let a: [[__m256i; 2]; NT] = std::array::from_fn(|t| [act(t, k), act(t, 4 + k)]);
                     for h in 0..2 {
                         let w = _mm256_loadu_si256(p.add(64 * k + 32 * h).cast());
                         let mut lo = _mm256_and_si256(w, lo4);
@@ -719,23 +732,26 @@ pub(crate) unsafe fn dot16_avx2<const T: u8>(
                             lo = _mm256_or_si256(lo, _mm256_and_si256(s0, bit4));
                             hi = _mm256_or_si256(hi, _mm256_and_si256(s1, bit4));
                         }
-                        let pair = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, al),
-                            _mm256_maddubs_epi16(hi, ah),
-                        );
-                        // Chunks 0-1 and 2-3 apart (Q5_0 widens each before the sum).
-                        q[k / 2][h] = _mm256_add_epi16(q[k / 2][h], pair);
+                        for t in 0..NT {
+                            let pair = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, a[t][0]),
+                                _mm256_maddubs_epi16(hi, a[t][1]),
+                            );
+                            q[t][k / 2][h] = _mm256_add_epi16(q[t][k / 2][h], pair);
+                        }
                     }
                 }
-                for h in 0..2 {
-                    isum[h] = if T == T_Q5_0 {
-                        _mm256_add_epi32(
-                            _mm256_madd_epi16(q[0][h], ones16),
-                            _mm256_madd_epi16(q[1][h], ones16),
-                        )
-                    } else {
-                        _mm256_madd_epi16(_mm256_add_epi16(q[0][h], q[1][h]), ones16)
-                    };
+                for t in 0..NT {
+                    for h in 0..2 {
+                        isum[t][h] = if T == T_Q5_0 {
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(q[t][0][h], ones16),
+                                _mm256_madd_epi16(q[t][1][h], ones16),
+                            )
+                        } else {
+                            _mm256_madd_epi16(_mm256_add_epi16(q[t][0][h], q[t][1][h]), ones16)
+                        };
+                    }
                 }
             }
             for h in 0..2 {
@@ -748,24 +764,49 @@ pub(crate) unsafe fn dot16_avx2<const T: u8>(
                     T_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
                     _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
                 };
-                scale(&mut slots[h][s], first, isum[h], d, m, ds.add(2 * b));
-            }
-        }
-        for (h, sl) in slots.iter().enumerate() {
-            let mut sl: [__m256; legacy::SLOTS] = std::array::from_fn(|j| {
-                if j < nb {
-                    sl[j].assume_init()
-                } else {
-                    _mm256_setzero_ps()
-                }
-            });
-            for hw in [4, 2, 1] {
-                for j in 0..hw {
-                    sl[j] = _mm256_add_ps(sl[j], sl[j + hw]);
+                for t in 0..NT {
+                    scale(
+                        &mut slots[t][h][s],
+                        first,
+                        isum[t][h],
+                        d,
+                        m,
+                        ds[t].add(2 * b),
+                    );
                 }
             }
-            _mm256_storeu_ps(out.add(8 * h), sl[0]);
         }
+        for (t, halves) in slots.iter().enumerate() {
+            for (h, sl) in halves.iter().enumerate() {
+                let mut sl: [__m256; legacy::SLOTS] = std::array::from_fn(|j| {
+                    if j < nb {
+                        sl[j].assume_init()
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                });
+                for hw in [4, 2, 1] {
+                    for j in 0..hw {
+                        sl[j] = _mm256_add_ps(sl[j], sl[j + hw]);
+                    }
+                }
+                _mm256_storeu_ps(out[t].add(8 * h), sl[0]);
+            }
+        }
+    }
+}
+
+/// Most tokens for which the matmul takes [`dot16_pass_avx2`] for weights of type `ty` (more
+/// take [`dot16_tokens_avx2`]). Measured on the AVX2-only Zen 3 host (interleaved in one
+/// process, a group in L1 and a whole matrix streamed): the 4-bit types 1.18-1.24x at 1 token,
+/// 1.31-1.49x at 2 and 3, 0.97x at 4; Q8_0 (whose two-pass kernel keeps 16 vectors of quants
+/// and their absolute values, and spills) 1.17-1.25x at 1, 1.34-1.53x at 2 to 4, 1.19-1.48x at
+/// 5, 1.19-1.33x at 6, 1.04-1.14x at 8.
+pub(crate) fn pass_tokens(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q8_0 {
+        6
+    } else {
+        3
     }
 }
 
@@ -918,6 +959,48 @@ mod tests {
         all
     }
 
+    /// [`dot16_pass_avx2`] with the first 1, 2 and 3 of the tokens `qas`/`dss`: every result
+    /// with its token.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C are available; `grp` covers `nb` blocks, each token's slices `nb` blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn pass_kernel(
+        ty: GgmlType,
+        grp: *const u8,
+        nb: usize,
+        qas: &[Vec<i8>],
+        dss: &[Vec<f32>],
+    ) -> Vec<(usize, [f32; ROWS])> {
+        fn run<const NT: usize>(
+            ty: GgmlType,
+            grp: *const u8,
+            nb: usize,
+            qas: &[Vec<i8>],
+            dss: &[Vec<f32>],
+        ) -> [[f32; ROWS]; NT] {
+            let qa: [*const i8; NT] = std::array::from_fn(|t| qas[t].as_ptr());
+            let ds: [*const f32; NT] = std::array::from_fn(|t| dss[t].as_ptr());
+            let mut out = [[f32::NAN; ROWS]; NT];
+            let o: [*mut f32; NT] = std::array::from_fn(|t| out[t].as_mut_ptr());
+            // SAFETY: the caller's contract; `o` points at 16 floats of `out` per token.
+            unsafe {
+                match ty {
+                    GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, NT>(grp, nb, &qa, &ds, &o),
+                    GgmlType::Q4_1 => dot16_pass_avx2::<T_Q4_1, NT>(grp, nb, &qa, &ds, &o),
+                    GgmlType::Q5_0 => dot16_pass_avx2::<T_Q5_0, NT>(grp, nb, &qa, &ds, &o),
+                    _ => dot16_pass_avx2::<T_Q8_0, NT>(grp, nb, &qa, &ds, &o),
+                }
+            }
+            out
+        }
+        let mut all = Vec::new();
+        all.extend(run::<1>(ty, grp, nb, qas, dss).into_iter().enumerate());
+        all.extend(run::<2>(ty, grp, nb, qas, dss).into_iter().enumerate());
+        all.extend(run::<3>(ty, grp, nb, qas, dss).into_iter().enumerate());
+        all
+    }
+
     /// Every row of every full group, through the scalar twin and (where the CPU has it) the
     /// AVX-512 kernels, one token and several at once, gives the reference's bits on the GGUF
     /// row; the rows past the last full group are not copied.
@@ -1006,28 +1089,13 @@ mod tests {
                                 let bits = got.map(f32::to_bits).to_vec();
                                 assert_eq!(bits, want_of(*t), "{ty:?} avx2, token {t}");
                             }
-                        }
-                    }
-                    #[cfg(target_arch = "x86_64")]
-                    if !avx2.is_empty() {
-                        let mut out = [f32::NAN; ROWS];
-                        // SAFETY: AVX2/FMA/F16C are available (checked); the slices cover nb
-                        // blocks.
-                        unsafe {
-                            let (p, q, d, o) =
-                                (grp.as_ptr(), qa.as_ptr(), ds.as_ptr(), out.as_mut_ptr());
-                            match ty {
-                                GgmlType::Q4_0 => dot16_avx2::<T_Q4_0>(p, nb, q, d, o),
-                                GgmlType::Q4_1 => dot16_avx2::<T_Q4_1>(p, nb, q, d, o),
-                                GgmlType::Q5_0 => dot16_avx2::<T_Q5_0>(p, nb, q, d, o),
-                                _ => dot16_avx2::<T_Q8_0>(p, nb, q, d, o),
+                            let got = pass_kernel(ty, grp.as_ptr(), nb, &qas, &dss);
+                            assert_eq!(got.len(), 1 + 2 + 3);
+                            for (t, got) in got.iter() {
+                                let bits = got.map(f32::to_bits).to_vec();
+                                assert_eq!(bits, want_of(*t), "{ty:?} avx2 one pass, token {t}");
                             }
                         }
-                        assert_eq!(
-                            out.map(f32::to_bits).to_vec(),
-                            want,
-                            "{ty:?} avx2 one token"
-                        );
                     }
                     let scalar = dot16_scalar(ty, grp, qa, ds);
                     assert_eq!(scalar.map(f32::to_bits).to_vec(), want, "{ty:?} scalar");
