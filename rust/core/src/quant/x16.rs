@@ -489,10 +489,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
         _ => (544, 8),
     };
     let lo4 = _mm256_set1_epi8(0x0F);
-    let bit4 = _mm256_set1_epi8(0x10);
     let ones16 = _mm256_set1_epi16(1);
-    let ones8 = _mm256_set1_epi8(1);
-    let zps = _mm256_setzero_ps();
     // SAFETY: every block index b < nb, so reads stay inside the ranges the caller guarantees
     // (half h reads bytes 32h..32h + 32 of each 64-byte chunk, and its 8 rows' scales); the
     // loads are unaligned; each `out[t]` is valid for 16 floats.
@@ -538,16 +535,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
                             i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p0, ones16));
                             i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p1, ones16));
                         }
-                        // 128 x the block's activation sum, in every lane.
-                        let a = _mm256_loadu_si256(qa[t].add(b * legacy::QK).cast());
-                        let sa = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, a), ones16);
-                        let sa = _mm_add_epi32(
-                            _mm256_castsi256_si128(sa),
-                            _mm256_extracti128_si256::<1>(sa),
-                        );
-                        let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b01_00_11_10>(sa));
-                        let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b10_11_00_01>(sa));
-                        let sa = _mm256_slli_epi32::<7>(_mm256_broadcastd_epi32(sa));
+                        let sa = act_sum128(qa[t].add(b * legacy::QK));
                         let isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), sa);
                         scale(&mut slots[t][s], first, isum, d, m, ds[t].add(2 * b));
                     }
@@ -564,24 +552,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
                         lo[k] = _mm256_and_si256(w, lo4);
                         hi[k] = _mm256_and_si256(_mm256_srli_epi16::<4>(w), lo4);
                         if T == T_Q5_0 {
-                            // Plane 2k to bit 4 for the low nibbles, 2k + 1 for the high ones.
-                            let (s0, s1) = match k {
-                                0 => (
-                                    _mm256_slli_epi32::<4>(planes),
-                                    _mm256_slli_epi32::<3>(planes),
-                                ),
-                                1 => (
-                                    _mm256_slli_epi32::<2>(planes),
-                                    _mm256_slli_epi32::<1>(planes),
-                                ),
-                                2 => (planes, _mm256_srli_epi32::<1>(planes)),
-                                _ => (
-                                    _mm256_srli_epi32::<2>(planes),
-                                    _mm256_srli_epi32::<3>(planes),
-                                ),
-                            };
-                            lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(s0, bit4));
-                            hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(s1, bit4));
+                            (lo[k], hi[k]) = with_high_bits(lo[k], hi[k], planes, k);
                         }
                     }
                     for t in 0..NT {
@@ -608,14 +579,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
                 }
             }
             for (t, sl) in slots.iter().enumerate() {
-                let mut sl: [__m256; legacy::SLOTS] =
-                    std::array::from_fn(|j| if j < nb { sl[j].assume_init() } else { zps });
-                for hw in [4, 2, 1] {
-                    for j in 0..hw {
-                        sl[j] = _mm256_add_ps(sl[j], sl[j + hw]);
-                    }
-                }
-                _mm256_storeu_ps(out[t].add(8 * h), sl[0]);
+                reduce_slots(sl, nb, out[t].add(8 * h));
             }
         }
     }
@@ -651,9 +615,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
         _ => (544, 8),
     };
     let lo4 = _mm256_set1_epi8(0x0F);
-    let bit4 = _mm256_set1_epi8(0x10);
     let ones16 = _mm256_set1_epi16(1);
-    let ones8 = _mm256_set1_epi8(1);
     let zero = _mm256_setzero_si256();
     // Written before they are read: by the first round of blocks (b < SLOTS), which starts
     // from zero; slots past `nb` are taken as zero at the end.
@@ -690,16 +652,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
                     }
                 }
                 for t in 0..NT {
-                    // 128 x the block's activation sum, in every lane.
-                    let a = _mm256_loadu_si256(qa[t].add(b * legacy::QK).cast());
-                    let sa = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, a), ones16);
-                    let sa = _mm_add_epi32(
-                        _mm256_castsi256_si128(sa),
-                        _mm256_extracti128_si256::<1>(sa),
-                    );
-                    let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b01_00_11_10>(sa));
-                    let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b10_11_00_01>(sa));
-                    let sa = _mm256_slli_epi32::<7>(_mm256_broadcastd_epi32(sa));
+                    let sa = act_sum128(qa[t].add(b * legacy::QK));
                     for h in 0..2 {
                         isum[t][h] =
                             _mm256_add_epi32(_mm256_add_epi32(acc[t][0][h], acc[t][1][h]), sa);
@@ -721,16 +674,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
                         let mut lo = _mm256_and_si256(w, lo4);
                         let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), lo4);
                         if T == T_Q5_0 {
-                            // Plane 2k to bit 4 for the low nibbles, 2k + 1 for the high ones.
-                            let pl = planes[h];
-                            let (s0, s1) = match k {
-                                0 => (_mm256_slli_epi32::<4>(pl), _mm256_slli_epi32::<3>(pl)),
-                                1 => (_mm256_slli_epi32::<2>(pl), _mm256_slli_epi32::<1>(pl)),
-                                2 => (pl, _mm256_srli_epi32::<1>(pl)),
-                                _ => (_mm256_srli_epi32::<2>(pl), _mm256_srli_epi32::<3>(pl)),
-                            };
-                            lo = _mm256_or_si256(lo, _mm256_and_si256(s0, bit4));
-                            hi = _mm256_or_si256(hi, _mm256_and_si256(s1, bit4));
+                            (lo, hi) = with_high_bits(lo, hi, planes[h], k);
                         }
                         for t in 0..NT {
                             let pair = _mm256_add_epi16(
@@ -778,19 +722,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
         }
         for (t, halves) in slots.iter().enumerate() {
             for (h, sl) in halves.iter().enumerate() {
-                let mut sl: [__m256; legacy::SLOTS] = std::array::from_fn(|j| {
-                    if j < nb {
-                        sl[j].assume_init()
-                    } else {
-                        _mm256_setzero_ps()
-                    }
-                });
-                for hw in [4, 2, 1] {
-                    for j in 0..hw {
-                        sl[j] = _mm256_add_ps(sl[j], sl[j + hw]);
-                    }
-                }
-                _mm256_storeu_ps(out[t].add(8 * h), sl[0]);
+                reduce_slots(sl, nb, out[t].add(8 * h));
             }
         }
     }
@@ -808,6 +740,90 @@ pub(crate) fn pass_tokens(ty: GgmlType) -> usize {
     } else {
         3
     }
+}
+
+/// `128 x` the sum of one block's 32 activation quants at `qa`, in every lane (Q8_0's
+/// correction for taking `|w|` with `w`'s sign on the activations).
+///
+/// # Safety
+/// AVX2 is available; 32 readable bytes at `qa`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn act_sum128(qa: *const i8) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: 32 readable bytes at `qa` (the contract); the load is unaligned.
+    let a = unsafe { _mm256_loadu_si256(qa.cast()) };
+    let ones16 = _mm256_set1_epi16(1);
+    let sa = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), a), ones16);
+    let sa = _mm_add_epi32(
+        _mm256_castsi256_si128(sa),
+        _mm256_extracti128_si256::<1>(sa),
+    );
+    let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b01_00_11_10>(sa));
+    let sa = _mm_add_epi32(sa, _mm_shuffle_epi32::<0b10_11_00_01>(sa));
+    _mm256_slli_epi32::<7>(_mm256_broadcastd_epi32(sa))
+}
+
+/// Q5_0's high bits into chunk `k`'s nibbles of 8 rows: plane `2k` to bit 4 of the low
+/// nibbles `lo`, plane `2k + 1` of the high ones `hi` (`planes`: the half's high-bit bytes).
+///
+/// # Safety
+/// AVX2 is available.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn with_high_bits(
+    lo: std::arch::x86_64::__m256i,
+    hi: std::arch::x86_64::__m256i,
+    planes: std::arch::x86_64::__m256i,
+    k: usize,
+) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+    use std::arch::x86_64::*;
+    let pl = planes;
+    let (s0, s1) = match k {
+        0 => (_mm256_slli_epi32::<4>(pl), _mm256_slli_epi32::<3>(pl)),
+        1 => (_mm256_slli_epi32::<2>(pl), _mm256_slli_epi32::<1>(pl)),
+        2 => (pl, _mm256_srli_epi32::<1>(pl)),
+        _ => (_mm256_srli_epi32::<2>(pl), _mm256_srli_epi32::<3>(pl)),
+    };
+    let bit4 = _mm256_set1_epi8(0x10);
+    (
+        _mm256_or_si256(lo, _mm256_and_si256(s0, bit4)),
+        _mm256_or_si256(hi, _mm256_and_si256(s1, bit4)),
+    )
+}
+
+/// The canonical final tree of 8 rows' slots (those from `nb` on taken as zero), stored as 8
+/// floats at `out`.
+///
+/// # Safety
+/// AVX2 is available; the first `min(nb, SLOTS)` slots are initialized; `out` is valid for 8
+/// floats.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn reduce_slots(
+    slots: &[std::mem::MaybeUninit<std::arch::x86_64::__m256>; legacy::SLOTS],
+    nb: usize,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let mut sl: [__m256; legacy::SLOTS] = std::array::from_fn(|j| {
+        if j < nb {
+            // SAFETY: slots below `nb` were written (the contract); the others are not read.
+            unsafe { slots[j].assume_init() }
+        } else {
+            _mm256_setzero_ps()
+        }
+    });
+    for hw in [4, 2, 1] {
+        for j in 0..hw {
+            sl[j] = _mm256_add_ps(sl[j], sl[j + hw]);
+        }
+    }
+    // SAFETY: 8 writable floats at `out` (the contract).
+    unsafe { _mm256_storeu_ps(out, sl[0]) };
 }
 
 /// The canonical slot update of 8 rows: `slot = fma(m, sa, fma(isum, d * da, slot))`, the
