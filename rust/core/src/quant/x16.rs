@@ -482,12 +482,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
     out: &[*mut f32; NT],
 ) {
     use std::arch::x86_64::*;
-    let (gbb, nq) = match T {
-        T_Q4_0 => (288, 4),
-        T_Q4_1 => (320, 4),
-        T_Q5_0 => (352, 4),
-        _ => (544, 8),
-    };
+    let (gbb, nq) = avx2_layout(T);
     let lo4 = _mm256_set1_epi8(0x0F);
     let ones16 = _mm256_set1_epi16(1);
     // SAFETY: every block index b < nb, so reads stay inside the ranges the caller guarantees
@@ -507,15 +502,7 @@ pub(crate) unsafe fn dot16_tokens_avx2<const T: u8, const NT: usize>(
                     let at = qa[t].add(b * legacy::QK + 4 * k);
                     _mm256_set1_epi32(at.cast::<i32>().read_unaligned())
                 };
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(p.add(64 * nq + 16 * h).cast()));
-                let m = match T {
-                    T_Q4_1 => {
-                        _mm256_cvtph_ps(_mm_loadu_si128(p.add(64 * nq + 2 * ROWS + 16 * h).cast()))
-                    }
-                    T_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                    T_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-                    _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
-                };
+                let (d, m) = half_scales::<T>(p, h);
                 if T == T_Q8_0 {
                     let mut w = [_mm256_setzero_si256(); 8];
                     let mut aw = [_mm256_setzero_si256(); 8];
@@ -608,12 +595,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
 ) {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
-    let (gbb, nq) = match T {
-        T_Q4_0 => (288, 4),
-        T_Q4_1 => (320, 4),
-        T_Q5_0 => (352, 4),
-        _ => (544, 8),
-    };
+    let (gbb, nq) = avx2_layout(T);
     let lo4 = _mm256_set1_epi8(0x0F);
     let ones16 = _mm256_set1_epi16(1);
     let zero = _mm256_setzero_si256();
@@ -699,15 +681,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
                 }
             }
             for h in 0..2 {
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(p.add(64 * nq + 16 * h).cast()));
-                let m = match T {
-                    T_Q4_1 => {
-                        _mm256_cvtph_ps(_mm_loadu_si128(p.add(64 * nq + 2 * ROWS + 16 * h).cast()))
-                    }
-                    T_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                    T_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-                    _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
-                };
+                let (d, m) = half_scales::<T>(p, h);
                 for t in 0..NT {
                     scale(
                         &mut slots[t][h][s],
@@ -740,6 +714,45 @@ pub(crate) fn pass_tokens(ty: GgmlType) -> usize {
     } else {
         3
     }
+}
+
+/// Bytes of a (group, block) and its quant chunks of 64 bytes, for the kernel type `t`.
+#[cfg(target_arch = "x86_64")]
+const fn avx2_layout(t: u8) -> (usize, usize) {
+    match t {
+        T_Q4_0 => (288, 4),
+        T_Q4_1 => (320, 4),
+        T_Q5_0 => (352, 4),
+        _ => (544, 8),
+    }
+}
+
+/// Half `h`'s 8 rows' `d` and the factor `m` of the activation sum (Q4_1's `m`; the other
+/// types' offset times `d`) of the (group, block) at `p`, for the kernel type `T`.
+///
+/// # Safety
+/// AVX2/F16C are available; `p` points at a whole (group, block) of type `T`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_scales<const T: u8>(
+    p: *const u8,
+    h: usize,
+) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+    use std::arch::x86_64::*;
+    let nq = avx2_layout(T).1;
+    // SAFETY: the scales lie inside the (group, block) (the contract); the loads are unaligned.
+    let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.add(64 * nq + 16 * h).cast())) };
+    let m = match T {
+        // SAFETY: as above (Q4_1's `m` follow the `d`).
+        T_Q4_1 => unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(64 * nq + 2 * ROWS + 16 * h).cast()))
+        },
+        T_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+        T_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+        _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
+    };
+    (d, m)
 }
 
 /// `128 x` the sum of one block's 32 activation quants at `qa`, in every lane (Q8_0's
