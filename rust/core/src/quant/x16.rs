@@ -708,6 +708,7 @@ pub(crate) unsafe fn dot16_pass_avx2<const T: u8, const NT: usize>(
 /// 1.31-1.49x at 2 and 3, 0.97x at 4; Q8_0 (whose two-pass kernel keeps 16 vectors of quants
 /// and their absolute values, and spills) 1.17-1.25x at 1, 1.34-1.53x at 2 to 4, 1.19-1.48x at
 /// 5, 1.19-1.33x at 6, 1.04-1.14x at 8.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn pass_tokens(ty: GgmlType) -> usize {
     if ty == GgmlType::Q8_0 {
         6
