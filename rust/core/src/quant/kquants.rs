@@ -449,6 +449,41 @@ pub fn vec_dot_q6_k(w: &[u8], a: &[BlockQ8K], level: SimdLevel) -> f32 {
     dot_q6_k_scalar(w, a)
 }
 
+/// `out[i]` = the row dot of `w` (`ty`: Q4_K, Q5_K or Q6_K) with `a[i]` at the AVX2 level,
+/// for 1 to 4 tokens: each weight block is unpacked once for all of them, and each result has
+/// the bits of [`vec_dot_q4_k`] (and the others) at that level on its token alone.
+///
+/// # Panics
+/// Unless the CPU has AVX2, FMA and F16C, `a` and `out` have the same length (1 to 4), and
+/// each token holds a block per whole block of `w`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn dot_row_tokens_avx2(
+    ty: super::GgmlType,
+    w: &[u8],
+    a: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    assert!(
+        super::simd::cap(SimdLevel::Avx2) == SimdLevel::Avx2,
+        "dot_row_tokens_avx2 needs AVX2, FMA and F16C"
+    );
+    assert_eq!(a.len(), out.len(), "one result per token");
+    macro_rules! run {
+        ($n:literal) => {{
+            let a: &[&[BlockQ8K]; $n] = a.try_into().expect("length");
+            // SAFETY: AVX2, FMA and F16C were detected (asserted); the bodies bound their reads.
+            out.copy_from_slice(&unsafe { x86::dot_k_avx2_tokens::<$n>(ty, w, a) });
+        }};
+    }
+    match a.len() {
+        1 => run!(1),
+        2 => run!(2),
+        3 => run!(3),
+        4 => run!(4),
+        n => panic!("dot_row_tokens_avx2: {n} tokens (1 to 4)"),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // x86-64 kernels
 // ---------------------------------------------------------------------------------------------
@@ -499,22 +534,41 @@ mod x86 {
 
     // ---------------------------------------------------------------- AVX2
 
+    /// The blocks of a weight row shared by `NT` tokens' activations: every token's row must
+    /// hold at least as many blocks as the weights.
     #[inline(always)]
-    unsafe fn dot_q45_k_avx2_body<const Q5: bool>(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    fn check_tokens<const NT: usize>(w: &[u8], bytes: usize, a: &[&[BlockQ8K]; NT]) -> usize {
+        let nb = w.len() / bytes;
+        assert!(
+            a.iter().all(|t| t.len() >= nb),
+            "K-quant dot: a token has fewer blocks than the weight row"
+        );
+        nb
+    }
+
+    /// Q4_K (Q5_K when `Q5`) row dots with `NT` tokens: each weight block is unpacked once and
+    /// dotted with every token, each token's accumulators advanced exactly as with `NT = 1`
+    /// (the same bits per token whatever `NT`).
+    #[inline(always)]
+    unsafe fn dot_q45_k_avx2_body<const Q5: bool, const NT: usize>(
+        w: &[u8],
+        a: &[&[BlockQ8K]; NT],
+    ) -> [f32; NT] {
         let bytes = if Q5 { Q5_K_BYTES } else { Q4_K_BYTES };
         let qs_off = if Q5 { 48 } else { 16 };
+        let nb = check_tokens(w, bytes, a);
         // SAFETY: every pointer read stays within the current block (`blk`, exactly `bytes`
-        // long: qs at qs_off..qs_off+128, qh at 16..48) or the current `BlockQ8K` (qs 0..256);
-        // AVX2/FMA/F16C are enabled by the calling wrapper.
+        // long: qs at qs_off..qs_off+128, qh at 16..48) or the current `BlockQ8K` of each token
+        // (qs 0..256; `check_tokens`: each token has block `bi`); AVX2/FMA/F16C are enabled by
+        // the calling wrapper.
         unsafe {
             let m4 = _mm256_set1_epi8(0x0f);
             let b4 = _mm256_set1_epi8(0x10);
-            let mut accf = _mm256_setzero_ps();
-            let mut accm = _mm256_setzero_ps();
-            for (blk, ab) in w.chunks_exact(bytes).zip(a) {
+            let mut accf = [_mm256_setzero_ps(); NT];
+            let mut accm = [_mm256_setzero_ps(); NT];
+            for (bi, blk) in w.chunks_exact(bytes).take(nb).enumerate() {
                 let p = blk.as_ptr();
-                let d = f16_at(blk, 0) * ab.d;
-                let dmin = f16_at(blk, 2) * ab.d;
+                let (dw, dminw) = (f16_at(blk, 0), f16_at(blk, 2));
                 let (sc, m) = unpack_scales_mins(&blk[4..16]);
                 let sc = sc.to_le_bytes();
                 let mut qh = if Q5 {
@@ -522,7 +576,7 @@ mod x86 {
                 } else {
                     _mm256_setzero_si256()
                 };
-                let mut acc = _mm256_setzero_si256();
+                let mut acc = [_mm256_setzero_si256(); NT];
                 for j in 0..4 {
                     let qv = _mm256_loadu_si256(p.add(qs_off + 32 * j) as *const __m256i);
                     let mut lo = _mm256_and_si256(qv, m4);
@@ -533,80 +587,55 @@ mod x86 {
                         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16::<3>(qh), b4));
                         qh = _mm256_srli_epi16::<2>(qh);
                     }
-                    let aq = ab.qs.as_ptr().add(64 * j);
-                    let a0 = _mm256_loadu_si256(aq as *const __m256i);
-                    let a1 = _mm256_loadu_si256(aq.add(32) as *const __m256i);
-                    let p0 = _mm256_maddubs_epi16(lo, a0);
-                    let p1 = _mm256_maddubs_epi16(hi, a1);
                     let s0 = _mm256_set1_epi16(sc[2 * j] as i16);
                     let s1 = _mm256_set1_epi16(sc[2 * j + 1] as i16);
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, s0));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, s1));
+                    for t in 0..NT {
+                        let aq = a[t][bi].qs.as_ptr().add(64 * j);
+                        let a0 = _mm256_loadu_si256(aq as *const __m256i);
+                        let a1 = _mm256_loadu_si256(aq.add(32) as *const __m256i);
+                        let p0 = _mm256_maddubs_epi16(lo, a0);
+                        let p1 = _mm256_maddubs_epi16(hi, a1);
+                        acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p0, s0));
+                        acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p1, s1));
+                    }
                 }
-                accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d), accf);
-                let mm = mins_times_bsums(m, ab);
-                accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(dmin), accm);
+                for t in 0..NT {
+                    let ab = &a[t][bi];
+                    let (d, dmin) = (dw * ab.d, dminw * ab.d);
+                    accf[t] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_set1_ps(d), accf[t]);
+                    let mm = mins_times_bsums(m, ab);
+                    accm[t] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(dmin), accm[t]);
+                }
             }
-            hsum256_ps(accf) - hsum256_ps(accm)
+            core::array::from_fn(|t| hsum256_ps(accf[t]) - hsum256_ps(accm[t]))
         }
     }
 
+    /// Q6_K row dots with `NT` tokens, each weight block unpacked once (the same bits per token
+    /// whatever `NT`, as `dot_q45_k_avx2_body`).
     #[inline(always)]
-    unsafe fn dot_q6_k_avx2_body(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    unsafe fn dot_q6_k_avx2_body<const NT: usize>(w: &[u8], a: &[&[BlockQ8K]; NT]) -> [f32; NT] {
+        let nb = check_tokens(w, Q6_K_BYTES, a);
         // SAFETY: reads stay within the current 210-byte block (ql 0..128, qh 128..192,
-        // scales 192..208) and the current BlockQ8K; AVX2/FMA/F16C enabled by the wrapper.
+        // scales 192..208) and each token's current BlockQ8K (`check_tokens`); AVX2/FMA/F16C
+        // enabled by the wrapper.
         unsafe {
             let m4 = _mm256_set1_epi8(0x0f);
             let m30 = _mm256_set1_epi8(0x30);
             let k32 = _mm256_set1_epi8(32);
             // Shuffle controls selecting i16 scale 2k (low 128-bit lane) and 2k+1 (high lane).
             let ctrl: [__m256i; 4] = core::array::from_fn(|k| {
-                let lo = (4 * k) as i8;
-                let hi = (4 * k + 2) as i8;
-                let l = _mm_setr_epi8(
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                );
-                let h = _mm_setr_epi8(
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                );
-                _mm256_set_m128i(h, l)
+                let pair = |i: i8| _mm_set1_epi16(i16::from_le_bytes([i as u8, i as u8 + 1]));
+                _mm256_set_m128i(pair((4 * k + 2) as i8), pair((4 * k) as i8))
             });
-            let mut accf = _mm256_setzero_ps();
-            for (blk, ab) in w.chunks_exact(Q6_K_BYTES).zip(a) {
+            let mut accf = [_mm256_setzero_ps(); NT];
+            for (bi, blk) in w.chunks_exact(Q6_K_BYTES).take(nb).enumerate() {
                 let p = blk.as_ptr();
-                let d = f16_at(blk, 208) * ab.d;
+                let dw = f16_at(blk, 208);
                 let sc8 = _mm_loadu_si128(p.add(192) as *const __m128i);
-                let mut acc = _mm256_setzero_si256();
+                let mut acc = [_mm256_setzero_si256(); NT];
                 for h in 0..2 {
                     let sc16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(if h == 0 {
                         sc8
@@ -635,21 +664,27 @@ mod x86 {
                         ),
                     ];
                     for k in 0..4 {
-                        let av = _mm256_loadu_si256(
-                            ab.qs.as_ptr().add(128 * h + 32 * k) as *const __m256i
-                        );
-                        // (q - 32) * a per pair, exact in i16 (|.| <= 2*32*127).
-                        let prod = _mm256_sub_epi16(
-                            _mm256_maddubs_epi16(q[k], av),
-                            _mm256_maddubs_epi16(k32, av),
-                        );
                         let s = _mm256_shuffle_epi8(sc16, ctrl[k]);
-                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, s));
+                        for t in 0..NT {
+                            let av = _mm256_loadu_si256(
+                                a[t][bi].qs.as_ptr().add(128 * h + 32 * k) as *const __m256i
+                            );
+                            // (q - 32) * a per pair, exact in i16 (|.| <= 2*32*127).
+                            let prod = _mm256_sub_epi16(
+                                _mm256_maddubs_epi16(q[k], av),
+                                _mm256_maddubs_epi16(k32, av),
+                            );
+                            acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(prod, s));
+                        }
                     }
                 }
-                accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d), accf);
+                for t in 0..NT {
+                    let d = dw * a[t][bi].d;
+                    accf[t] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_set1_ps(d), accf[t]);
+                }
             }
-            hsum256_ps(accf)
+            core::array::from_fn(|t| hsum256_ps(accf[t]))
         }
     }
 
@@ -815,9 +850,45 @@ mod x86 {
         };
     }
 
-    kernel!(dot_q4_k_avx2, "avx2,fma,f16c", dot_q45_k_avx2_body::<false>);
-    kernel!(dot_q5_k_avx2, "avx2,fma,f16c", dot_q45_k_avx2_body::<true>);
-    kernel!(dot_q6_k_avx2, "avx2,fma,f16c", dot_q6_k_avx2_body);
+    /// One token through the AVX2 bodies (as `dot_k_avx2_tokens` with one token).
+    #[inline(always)]
+    unsafe fn q45_k_avx2_one<const Q5: bool>(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: forwarded (the caller's features; the body's bounds are its own).
+        unsafe { dot_q45_k_avx2_body::<Q5, 1>(w, &[a])[0] }
+    }
+
+    #[inline(always)]
+    unsafe fn q6_k_avx2_one(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: as `q45_k_avx2_one`.
+        unsafe { dot_q6_k_avx2_body::<1>(w, &[a])[0] }
+    }
+
+    kernel!(dot_q4_k_avx2, "avx2,fma,f16c", q45_k_avx2_one::<false>);
+    kernel!(dot_q5_k_avx2, "avx2,fma,f16c", q45_k_avx2_one::<true>);
+    kernel!(dot_q6_k_avx2, "avx2,fma,f16c", q6_k_avx2_one);
+
+    /// `ty`'s row `w` dotted with `NT` tokens' activations at AVX2, each weight block
+    /// unpacked once for all of them; token `t`'s result has the bits of the one-token AVX2
+    /// kernel (`dot_q4_k_avx2` ...) on `a[t]`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_k_avx2_tokens<const NT: usize>(
+        ty: crate::quant::GgmlType,
+        w: &[u8],
+        a: &[&[BlockQ8K]; NT],
+    ) -> [f32; NT] {
+        use crate::quant::GgmlType;
+        // SAFETY: the caller guarantees the features; the bodies bound their own reads.
+        unsafe {
+            match ty {
+                GgmlType::Q4_K => dot_q45_k_avx2_body::<false, NT>(w, a),
+                GgmlType::Q5_K => dot_q45_k_avx2_body::<true, NT>(w, a),
+                _ => dot_q6_k_avx2_body::<NT>(w, a),
+            }
+        }
+    }
     kernel!(
         dot_q4_k_avx512,
         "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c",
@@ -1100,6 +1171,49 @@ mod tests {
             }
         }
         coverage::report("K-quant row dot", &DOT_KERNELS, &kernels);
+    }
+
+    /// The several-token AVX2 kernel gives each token the bits of the one-token AVX2 kernel
+    /// (batch invariance), for every K-quant type and 1 to 4 tokens, and stays close to the
+    /// scalar reference.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn kquants_avx2_tokens_give_each_tokens_bits() {
+        let tested = coverage::simd_kernels(&[SimdLevel::Avx2]);
+        if tested.contains(&SimdLevel::Avx2) {
+            let mut rng = Rng(77);
+            for kind in Kind::ALL {
+                for &nb in &[1usize, 3, 8] {
+                    let w = kind.random_blocks(&mut rng, nb);
+                    let acts: Vec<Vec<BlockQ8K>> = (0..4)
+                        .map(|_| quantize(&random_activations(&mut rng, nb * QK_K)))
+                        .collect();
+                    for n in 1..=4 {
+                        let a: Vec<&[BlockQ8K]> = acts[..n].iter().map(|a| &a[..]).collect();
+                        let mut got = vec![0.0f32; n];
+                        dot_row_tokens_avx2(kind.ggml_type(), &w, &a, &mut got);
+                        for (t, g) in got.iter().enumerate() {
+                            let one = kind.dot(&w, a[t], SimdLevel::Avx2);
+                            assert_eq!(
+                                g.to_bits(),
+                                one.to_bits(),
+                                "{kind:?} nb={nb} token {t} of {n}: {g} vs one token {one}"
+                            );
+                            let want = kind.dot(&w, a[t], SimdLevel::Scalar);
+                            assert!(
+                                (g - want).abs() <= 1e-3 * want.abs().max(1.0),
+                                "{kind:?} nb={nb} token {t} of {n}: {g} vs scalar {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        coverage::report(
+            "K-quant several-token AVX2 row dot",
+            &[SimdLevel::Avx2],
+            &tested,
+        );
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //!   group per row as below;
 //! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
 //!   every token while it is hot in L1 (one token, non-VNNI CPUs, K-quant and float weights;
-//!   legacy weights at the AVX2 levels unpack each block once for up to 4 tokens);
+//!   legacy weights at the AVX2 levels, and K-quant weights at the AVX2 level, unpack each
+//!   block once for up to 4 tokens);
 //! - narrow tile (legacy weights, AVX-512 VNNI, 2 to 32 tokens packed narrow by
 //!   `quantize_acts`): row chunks as above; inside, 4 rows x all tokens per kernel call with
 //!   each weight block unpacked once per group of tokens (`tile4`: 2 rows x 4 tokens per
@@ -25,7 +26,8 @@
 //! every level (the AVX2 and AVX-512 per-row kernels, the tiles, the interleaved copy's AVX2
 //! and VNNI kernels, NEON), so a token's outputs are bit-identical whatever path its batch
 //! takes (batch invariance) and on every CPU. K-quants follow `kquants::dot_q4_k_scalar`'s
-//! order at AVX-512 VNNI; at the AVX2 levels every token goes through the same per-row kernel.
+//! order at AVX-512 VNNI; at the AVX2 levels every token goes through the same per-row kernel
+//! (at AVX2, several tokens at once with each token's one-token bits).
 //! On aarch64 only the per-row path exists.
 //!
 //! No allocation happens inside the parallel loops.

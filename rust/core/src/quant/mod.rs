@@ -243,8 +243,9 @@ pub(crate) const DOT_ROW_TOKENS: usize = 4;
 
 /// `out[i]` = [`dot_row`] of `row` with token `t0 + i` of `a`, for at most
 /// [`DOT_ROW_TOKENS`] tokens: legacy weights at the AVX2 levels (below VNNI) unpack each
-/// block once for all of them (`avx2::dot_row_tokens`, same bits as `dot_row` per token);
-/// elsewhere one `dot_row` per token.
+/// block once for all of them (`avx2::dot_row_tokens`, same bits as `dot_row` per token), and
+/// so do K-quant weights at the AVX2 level (`kquants::dot_row_tokens_avx2`); elsewhere one
+/// `dot_row` per token.
 #[inline]
 pub(crate) fn dot_row_tokens(
     ty: GgmlType,
@@ -298,6 +299,16 @@ pub(crate) fn dot_row_tokens(
             3 => run!(3),
             _ => run!(4),
         }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if a.kind == ActKind::Q8K && simd::cap(level) == SimdLevel::Avx2 && !out.is_empty() {
+        let n = out.len();
+        assert!(n <= DOT_ROW_TOKENS && t0 + n <= a.n_tokens);
+        let nb = a.cols / kquants::QK_K;
+        let k: [&[kquants::BlockQ8K]; DOT_ROW_TOKENS] =
+            std::array::from_fn(|i| &a.k[(t0 + i.min(n - 1)) * nb..][..nb]);
+        kquants::dot_row_tokens_avx2(ty, row, &k[..n], out);
         return;
     }
     for (i, o) in out.iter_mut().enumerate() {
