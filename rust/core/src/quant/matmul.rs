@@ -6,12 +6,11 @@
 //!   sums advanced together per `vpdpbusd` (`x16::dot16`, `x16::dot16_tokens`; without VNNI
 //!   8 rows at a time per `maddubs`, `x16::dot16_tokens_avx2`), the rows past the last full
 //!   group per row as below;
-//! - per-row: output rows are split into about `4 * threads` chunks; each row is dotted with
-//!   the tokens while it is hot in L1, by blocks of rows and tokens that stay in L2 together
-//!   (`per_row_blocks`: a prompt's activations are not reread from memory for every row)
-//!   (one token, non-VNNI CPUs, K-quant and float weights;
-//!   legacy weights at the AVX2 levels, and K-quant weights at the AVX2 level, unpack each
-//!   block once for up to 4 tokens);
+//! - per-row (one token, non-VNNI CPUs, K-quant and float weights): output rows are split
+//!   into about `4 * threads` chunks; each row is dotted with the tokens while it is hot in
+//!   L1, by blocks of rows and tokens that stay in L2 together (`per_row_blocks`: a prompt's
+//!   activations are not reread from memory for every row); legacy weights at the AVX2
+//!   levels, and K-quant weights at the AVX2 level, unpack each block once for up to 4 tokens;
 //! - narrow tile (legacy weights, AVX-512 VNNI, 2 to 32 tokens packed narrow by
 //!   `quantize_acts`): row chunks as above; inside, 4 rows x all tokens per kernel call with
 //!   each weight block unpacked once per group of tokens (`tile4`: 2 rows x 4 tokens per
