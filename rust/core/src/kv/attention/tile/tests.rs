@@ -112,7 +112,7 @@ fn tile_gives_each_token_its_single_token_bits() {
                 _ => i,
             })
             .collect();
-        for (group, qh) in [(1, 1), (3, kv_heads), (5, 1), (2, kv_heads.min(2))] {
+        for (group, qh) in [(1, 1), (3, kv_heads), (5, 1), (2, kv_heads.min(2)), (4, 1)] {
             let kv_head = kv_heads - qh;
             for tokens in [2, 7, 16] {
                 // The tile's last `tokens` positions, the first one before any cell for one
