@@ -1853,9 +1853,8 @@ mod x86 {
             }
             return;
         }
-        if hd.is_multiple_of(32) {
-            // Q8_0's register path: 32 output columns stay in 4 registers across the block's
-            // rows.
+        if T == 2 && hd.is_multiple_of(32) {
+            // Q8_0: 32 output columns stay in 4 registers across the block's rows.
             for h in 0..g {
                 for c in (0..hd).step_by(32) {
                     // SAFETY: columns c..c+32 of head h are inside acc; row segments and
@@ -1873,18 +1872,10 @@ mod x86 {
                             if w == 0.0 {
                                 continue;
                             }
-                            let seg = rows.add(j * stride);
-                            if T == 2 {
-                                let blk = seg.add(34 * (c / 32));
-                                let wd = _mm256_set1_ps(w * f16_scale(blk));
-                                for (k, rk) in r.iter_mut().enumerate() {
-                                    *rk = _mm256_fmadd_ps(wd, q8x8(blk.add(2 + 8 * k)), *rk);
-                                }
-                            } else {
-                                let wv = _mm256_set1_ps(w);
-                                for (k, rk) in r.iter_mut().enumerate() {
-                                    *rk = _mm256_fmadd_ps(wv, load8::<T>(seg, c + 8 * k), *rk);
-                                }
+                            let blk = rows.add(j * stride + 34 * (c / 32));
+                            let wd = _mm256_set1_ps(w * f16_scale(blk));
+                            for (k, rk) in r.iter_mut().enumerate() {
+                                *rk = _mm256_fmadd_ps(wd, q8x8(blk.add(2 + 8 * k)), *rk);
                             }
                         }
                         for (k, rk) in r.iter().enumerate() {
