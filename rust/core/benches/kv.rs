@@ -1,6 +1,6 @@
 //! KV cache hot paths: attention of one query token (a GQA group of 3 heads, head_dim 64, as
-//! SmolLM2) over 128-4096 cached cells of each K/V type at each SIMD level, of a tile of prompt
-//! tokens, and taking a block from a pool full of cached blocks (evict the LRU block, key it,
+//! SmolLM2, over 128-4096 cached cells of each K/V type at each SIMD level; and Gemma 3's group
+//! of 4 heads of 256 over f16 K/V), of a tile of prompt tokens, and taking a block from a pool full of cached blocks (evict the LRU block, key it,
 //! release it).
 //!
 //! `cargo bench -p kvserve-core --bench kv`. Moved here from the `#[ignore]`d `kv_measure`
@@ -31,12 +31,16 @@ struct Case {
     ty: KvType,
     level: SimdLevel,
     n_kv: usize,
+    /// Query heads of the group and their size: SmolLM2's (3 x 64, one of 3 KV heads in
+    /// each row) or Gemma 3's (4 x 256, the only KV head).
+    gemma: bool,
 }
 
 impl std::fmt::Display for Case {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (ty, lvl, n) = (self.ty.name(), self.level.name(), self.n_kv);
-        write!(f, "{ty} {lvl} n_kv={n:04}")
+        let geo = if self.gemma { "gemma 4x256 " } else { "" };
+        write!(f, "{geo}{ty} {lvl} n_kv={n:04}")
     }
 }
 
@@ -49,7 +53,22 @@ fn cases() -> Vec<Case> {
                 continue;
             }
             for n_kv in [128, 1024, 4096] {
-                out.push(Case { ty, level, n_kv });
+                out.push(Case {
+                    ty,
+                    level,
+                    n_kv,
+                    gemma: false,
+                });
+            }
+            if ty == KvType::F16 {
+                for n_kv in [256, 1024] {
+                    out.push(Case {
+                        ty,
+                        level,
+                        n_kv,
+                        gemma: true,
+                    });
+                }
             }
         }
     }
@@ -60,7 +79,13 @@ fn cases() -> Vec<Case> {
 /// counts cells.
 #[divan::bench(args = cases(), max_time = 1)]
 fn attend(bencher: Bencher, c: Case) {
-    let kv_dim = HEAD_DIM * KV_HEADS;
+    // (head_dim, KV heads in a row, query heads of the group, the group's KV head)
+    let (hd, kv_heads, group, kv_head) = if c.gemma {
+        (256, 1, 4, 0)
+    } else {
+        (HEAD_DIM, KV_HEADS, GROUP, 1)
+    };
+    let kv_dim = hd * kv_heads;
     let nb = c.n_kv / BLOCK;
     let mut rng = Rng(c.n_kv as u64);
     let layout = KvLayout {
@@ -78,17 +103,17 @@ fn attend(bencher: Bencher, c: Case) {
         let (k, v) = (rng.normals(kv_dim, 1.0), rng.normals(kv_dim, 1.0));
         store.write(0, table[i / BLOCK], i % BLOCK, &k, &v).unwrap();
     }
-    let q = rng.normals(GROUP * HEAD_DIM, 1.5);
+    let q = rng.normals(group * hd, 1.5);
     let query = Query {
         layer: 0,
-        kv_head: 1,
+        kv_head,
         kv_heads: 1,
-        head_dim: HEAD_DIM,
+        head_dim: hd,
         q: &q,
-        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        scale: 1.0 / (hd as f32).sqrt(),
         mask: Mask::All,
     };
-    let mut out = vec![0.0; GROUP * HEAD_DIM];
+    let mut out = vec![0.0; group * hd];
     let mut scratch = Scratch::default();
     bencher.counter(ItemsCount::new(c.n_kv)).bench_local(|| {
         attend_at(
