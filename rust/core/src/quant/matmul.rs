@@ -545,8 +545,8 @@ unsafe fn group_tokens<const NT: usize>(
     vnni: bool,
 ) {
     use super::x16::{
-        dot16, dot16_pass_avx2, dot16_tokens, dot16_tokens_avx2, pass_tokens, T_Q4_0, T_Q4_1,
-        T_Q5_0, T_Q8_0,
+        dot16, dot16_pass_avx2, dot16_tokens, dot16_tokens_avx2, pass_in_pairs, pass_tokens,
+        T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0,
     };
     // Rows r..r + 16 of token t0 + t: contiguous, written by the kernel's one store.
     debug_assert!((t0 + NT - 1) * rows + r + 16 <= out.len());
@@ -561,6 +561,27 @@ unsafe fn group_tokens<const NT: usize>(
                 super::GgmlType::Q4_1 => dot16_pass_avx2::<T_Q4_1, NT>(grp, nb, &q, &d, &o),
                 super::GgmlType::Q5_0 => dot16_pass_avx2::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
                 _ => dot16_pass_avx2::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
+            }
+        } else if !vnni && pass_in_pairs(ty) {
+            // Two tokens at a time through the one-pass kernel (the last alone when NT is odd).
+            let mut t = 0;
+            while t < NT {
+                if t + 1 < NT {
+                    let (q, d) = ([qa(t), qa(t + 1)], [ds(t), ds(t + 1)]);
+                    let o2 = [o[t], o[t + 1]];
+                    match ty {
+                        super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, 2>(grp, nb, &q, &d, &o2),
+                        _ => dot16_pass_avx2::<T_Q4_1, 2>(grp, nb, &q, &d, &o2),
+                    }
+                    t += 2;
+                } else {
+                    let (q, d, o1) = ([qa(t)], [ds(t)], [o[t]]);
+                    match ty {
+                        super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, 1>(grp, nb, &q, &d, &o1),
+                        _ => dot16_pass_avx2::<T_Q4_1, 1>(grp, nb, &q, &d, &o1),
+                    }
+                    t += 1;
+                }
             }
         } else if !vnni {
             let q: [*const i8; NT] = std::array::from_fn(&qa);
