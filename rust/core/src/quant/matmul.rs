@@ -545,8 +545,8 @@ unsafe fn group_tokens<const NT: usize>(
     vnni: bool,
 ) {
     use super::x16::{
-        dot16, dot16_pass_avx2, dot16_tokens, dot16_tokens_avx2, pass_in_pairs, pass_tokens,
-        T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0,
+        dot16, dot16_pass_avx2, dot16_tokens, dot16_tokens_avx2, pass_tokens, pass_turn, T_Q4_0,
+        T_Q4_1, T_Q5_0, T_Q8_0,
     };
     // Rows r..r + 16 of token t0 + t: contiguous, written by the kernel's one store.
     debug_assert!((t0 + NT - 1) * rows + r + 16 <= out.len());
@@ -562,26 +562,17 @@ unsafe fn group_tokens<const NT: usize>(
                 super::GgmlType::Q5_0 => dot16_pass_avx2::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
                 _ => dot16_pass_avx2::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
             }
-        } else if !vnni && pass_in_pairs(ty) {
-            // Two tokens at a time through the one-pass kernel (the last alone when NT is odd).
+        } else if let Some(turn) = pass_turn(ty).filter(|_| !vnni) {
+            // A few tokens at a time through the one-pass kernel (`pass_turn`).
             let mut t = 0;
             while t < NT {
-                if t + 1 < NT {
-                    let (q, d) = ([qa(t), qa(t + 1)], [ds(t), ds(t + 1)]);
-                    let o2 = [o[t], o[t + 1]];
-                    match ty {
-                        super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, 2>(grp, nb, &q, &d, &o2),
-                        _ => dot16_pass_avx2::<T_Q4_1, 2>(grp, nb, &q, &d, &o2),
-                    }
-                    t += 2;
-                } else {
-                    let (q, d, o1) = ([qa(t)], [ds(t)], [o[t]]);
-                    match ty {
-                        super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, 1>(grp, nb, &q, &d, &o1),
-                        _ => dot16_pass_avx2::<T_Q4_1, 1>(grp, nb, &q, &d, &o1),
-                    }
-                    t += 1;
+                let k = (NT - t).min(turn);
+                match k {
+                    1 => pass_turn_tokens::<1>(ty, grp, nb, t, &qa, &ds, &o),
+                    2 => pass_turn_tokens::<2>(ty, grp, nb, t, &qa, &ds, &o),
+                    _ => pass_turn_tokens::<3>(ty, grp, nb, t, &qa, &ds, &o),
                 }
+                t += k;
             }
         } else if !vnni {
             let q: [*const i8; NT] = std::array::from_fn(&qa);
@@ -609,6 +600,37 @@ unsafe fn group_tokens<const NT: usize>(
                 super::GgmlType::Q5_0 => dot16_tokens::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
                 _ => dot16_tokens::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
             }
+        }
+    }
+}
+
+/// [`dot16_pass_avx2`] for tokens `t..t + K` of a [`group_tokens`] call (`o`: every token's
+/// output pointer).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; as [`group_tokens`] for those tokens.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn pass_turn_tokens<const K: usize>(
+    ty: super::GgmlType,
+    grp: *const u8,
+    nb: usize,
+    t: usize,
+    qa: &impl Fn(usize) -> *const i8,
+    ds: &impl Fn(usize) -> *const f32,
+    o: &[*mut f32],
+) {
+    use super::x16::{dot16_pass_avx2, T_Q4_0, T_Q4_1, T_Q5_0, T_Q8_0};
+    let q: [*const i8; K] = std::array::from_fn(|i| qa(t + i));
+    let d: [*const f32; K] = std::array::from_fn(|i| ds(t + i));
+    let out: [*mut f32; K] = std::array::from_fn(|i| o[t + i]);
+    // SAFETY: the caller's contract, for these K tokens.
+    unsafe {
+        match ty {
+            super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, K>(grp, nb, &q, &d, &out),
+            super::GgmlType::Q4_1 => dot16_pass_avx2::<T_Q4_1, K>(grp, nb, &q, &d, &out),
+            super::GgmlType::Q5_0 => dot16_pass_avx2::<T_Q5_0, K>(grp, nb, &q, &d, &out),
+            _ => dot16_pass_avx2::<T_Q8_0, K>(grp, nb, &q, &d, &out),
         }
     }
 }

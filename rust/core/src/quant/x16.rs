@@ -717,16 +717,21 @@ pub(crate) fn pass_tokens(ty: GgmlType) -> usize {
     }
 }
 
-/// Whether more than [`pass_tokens`] tokens with weights of type `ty` go through
-/// [`dot16_pass_avx2`] two at a time (each pair reading the group's bytes from L1 again) rather
-/// than all at once through [`dot16_tokens_avx2`]. The same bits either way. Measured on the
-/// AVX2-only Zen 3 host (1536 x 576 with the copy, 2 threads, the two ways alternating in one
-/// process, 40 rounds, median time ratio): Q4_1 1.19x at 512 tokens, 1.15x at 8, 1.03x at 4;
-/// Q4_0 1.23x, 1.16x, 1.14x. Not Q5_0 (0.97-1.06x; three at a time 0.70-0.84x), nor Q8_0
-/// (not measured).
+/// How many tokens at a time a group of more than [`pass_tokens`] tokens with weights of type
+/// `ty` takes through [`dot16_pass_avx2`] (each turn reading the group's bytes from L1 again);
+/// `None`: all at once through [`dot16_tokens_avx2`]. The same bits either way. Measured on the
+/// AVX2-only Zen 3 host (2 threads, with the copy, the ways alternating in one process, median
+/// time ratio against all at once): Q4_1 (1536 x 576) in pairs 1.19x at 512 tokens, 1.15x at
+/// 8, 1.03x at 4 (in threes 1.13x, 1.13x, 1.05x); Q4_0 in pairs 1.23x, 1.16x, 1.14x; Q8_0
+/// (49152 x 576, the head) in threes 1.32x at 512, 1.45x at 8, 1.40x at 7 (pairs 1.29-1.37x,
+/// fours 1.15-1.34x). Q5_0 stays on the all-token kernel: pairs 0.97-1.06x, threes 0.70-0.84x.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn pass_in_pairs(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1)
+pub(crate) fn pass_turn(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => Some(2),
+        GgmlType::Q8_0 => Some(3),
+        _ => None,
+    }
 }
 
 /// Bytes of a (group, block) and its quant chunks of 64 bytes, for the kernel type `t`.
