@@ -1,7 +1,7 @@
 //! KV cache hot paths: attention of one query token (a GQA group of 3 heads, head_dim 64, as
 //! SmolLM2, over 128-4096 cached cells of each K/V type at each SIMD level; and Gemma 3's group
-//! of 4 heads of 256 over f16 K/V), of a tile of prompt tokens, and taking a block from a pool full of cached blocks (evict the LRU block, key it,
-//! release it).
+//! of 4 heads of 256 over f16 K/V), of a tile of prompt tokens, and taking a block from a pool
+//! full of cached blocks (evict the LRU block, key it, release it).
 //!
 //! `cargo bench -p kvserve-core --bench kv`. Moved here from the `#[ignore]`d `kv_measure`
 //! and `measure_eviction` tests; the accuracy of the K/V types is asserted by the attention

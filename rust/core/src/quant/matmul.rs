@@ -545,8 +545,8 @@ unsafe fn group_tokens<const NT: usize>(
     vnni: bool,
 ) {
     use super::x16::{
-        dot16, dot16_pass_avx2, dot16_tokens, dot16_tokens_avx2, pass_tokens, pass_turn, T_Q4_0,
-        T_Q4_1, T_Q5_0, T_Q8_0,
+        dot16, dot16_tokens, dot16_tokens_avx2, pass_tokens, pass_turn, T_Q4_0, T_Q4_1, T_Q5_0,
+        T_Q8_0,
     };
     // Rows r..r + 16 of token t0 + t: contiguous, written by the kernel's one store.
     debug_assert!((t0 + NT - 1) * rows + r + 16 <= out.len());
@@ -554,19 +554,13 @@ unsafe fn group_tokens<const NT: usize>(
     // SAFETY: the caller's contract; it owns those 16 floats of each token.
     unsafe {
         if !vnni && NT <= pass_tokens(ty) {
-            let q: [*const i8; NT] = std::array::from_fn(&qa);
-            let d: [*const f32; NT] = std::array::from_fn(&ds);
-            match ty {
-                super::GgmlType::Q4_0 => dot16_pass_avx2::<T_Q4_0, NT>(grp, nb, &q, &d, &o),
-                super::GgmlType::Q4_1 => dot16_pass_avx2::<T_Q4_1, NT>(grp, nb, &q, &d, &o),
-                super::GgmlType::Q5_0 => dot16_pass_avx2::<T_Q5_0, NT>(grp, nb, &q, &d, &o),
-                _ => dot16_pass_avx2::<T_Q8_0, NT>(grp, nb, &q, &d, &o),
-            }
+            pass_turn_tokens::<NT>(ty, grp, nb, 0, &qa, &ds, &o);
         } else if let Some(turn) = pass_turn(ty).filter(|_| !vnni) {
             // A few tokens at a time through the one-pass kernel (`pass_turn`).
             let mut t = 0;
             while t < NT {
-                let k = (NT - t).min(turn);
+                // `pass_turn` is at most 3: the arms below cover every k.
+                let k = (NT - t).min(turn).min(3);
                 match k {
                     1 => pass_turn_tokens::<1>(ty, grp, nb, t, &qa, &ds, &o),
                     2 => pass_turn_tokens::<2>(ty, grp, nb, t, &qa, &ds, &o),
@@ -605,7 +599,7 @@ unsafe fn group_tokens<const NT: usize>(
 }
 
 /// [`dot16_pass_avx2`] for tokens `t..t + K` of a [`group_tokens`] call (`o`: every token's
-/// output pointer).
+/// output pointer): all of them, or one turn of a few.
 ///
 /// # Safety
 /// AVX2, FMA and F16C are available; as [`group_tokens`] for those tokens.

@@ -717,8 +717,8 @@ pub(crate) fn pass_tokens(ty: GgmlType) -> usize {
     }
 }
 
-/// How many tokens at a time a group of more than [`pass_tokens`] tokens with weights of type
-/// `ty` takes through [`dot16_pass_avx2`] (each turn reading the group's bytes from L1 again);
+/// How many tokens (at most 3) at a time a group of more than [`pass_tokens`] tokens with
+/// weights of type `ty` takes through [`dot16_pass_avx2`] (each turn reading the group's bytes from L1 again);
 /// `None`: all at once through [`dot16_tokens_avx2`]. The same bits either way. Measured on the
 /// AVX2-only Zen 3 host (2 threads, with the copy, the ways alternating in one process, median
 /// time ratio against all at once): Q4_1 (1536 x 576) in pairs 1.19x at 512 tokens, 1.15x at
