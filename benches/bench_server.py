@@ -37,6 +37,9 @@ llama-server keeps its defaults otherwise (continuous batching, prompt cache on,
 llama-cpp-python's server runs one request at a time (its ``Llama`` reuses the longest common
 prefix with the previous request); by default a new request interrupts the running one (each
 user would get an empty answer), so ``--interrupt_requests False`` makes them wait their turn.
+kvserve runs with ``--step-log`` (one JSON line per computed batch, in the log folder): the
+report gives how long its engine computed, and how many prompt tokens, until the last first
+turn's first token (where a first turn's wait goes: computing, or idle).
 ``--write`` appends the table to BENCHMARKS.md.
 
   python benches/bench_server.py --scenario A --llama-python PY --write
@@ -165,6 +168,7 @@ def conversations(args: argparse.Namespace) -> list[tuple[list[dict[str, str]], 
 class Turn:
     def __init__(self) -> None:
         self.ttft: float | None = None
+        self.first_at: float | None = None  # time.monotonic() of the first text
         self.text = ""
         self.tokens = 0
         self.error: str | None = None
@@ -209,6 +213,7 @@ async def one_turn(
                     if piece:
                         if turn.ttft is None:
                             turn.ttft = time.perf_counter() - t0
+                            turn.first_at = time.monotonic()
                         turn.text += piece
                         chunks += 1
     except Exception as e:  # a failed connection or a broken stream counts as an error
@@ -241,7 +246,7 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=4 * args.users)
     timeout = httpx.Timeout(args.timeout, connect=30)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.monotonic()
         tasks = [asyncio.ensure_future(user(http, u)) for u in range(args.users)]
         _, pending = await asyncio.wait(tasks, timeout=args.timeout)
         wall = time.perf_counter() - t0
@@ -253,7 +258,10 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
     ttfts = [t.ttft for t in turns.values() if t.ttft is not None]
     firsts = [t.ttft for k, t in turns.items() if k.endswith(".0") and t.ttft is not None]
     tokens = sum(t.tokens for t in turns.values())
+    first_ats = [t.first_at for k, t in turns.items() if k.endswith(".0") and t.first_at]
     return {
+        "start": start,
+        "last_first_at": max(first_ats, default=None),
         "wall_s": wall,
         "ttft_p50": statistics.median(ttfts) if ttfts else None,
         "ttft_p95": pct(ttfts, 0.95) if ttfts else None,
@@ -284,9 +292,10 @@ def server_cmd(name: str, args: argparse.Namespace, port: int) -> list[str]:
     t, users, ctx = str(args.threads), str(args.users), str(args.ctx)
     if name in ("kvserve", "kvserve-fcfs"):
         order = ["--prompt-order", "fcfs"] if name == "kvserve-fcfs" else []
+        steps = ["--step-log", str(step_log(name, args))]
         return [
             sys.executable, "-m", "kvserve", "serve", "--model", args.model, "--threads", t,
-            "--parallel", users, "--ctx-size", ctx, "--port", str(port), *order,
+            "--parallel", users, "--ctx-size", ctx, "--port", str(port), *order, *steps,
         ]  # fmt: skip
     if name == "llama-server":
         return [
@@ -301,12 +310,33 @@ def server_cmd(name: str, args: argparse.Namespace, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def step_log(name: str, args: argparse.Namespace) -> Path:
+    """Where a kvserve server's step log goes (a fresh file each run)."""
+    return Path(args.log_dir) / f"{name}-{args.scenario}.steps.jsonl"
+
+
+def engine_time(path: Path, start: float, until: float) -> dict[str, float]:
+    """From a kvserve step log (python/kvserve/engine/steplog.py): the seconds the engine
+    computed between ``start`` and ``until`` (monotonic times) and the tokens it computed then:
+    prompt tokens and fed-back generated ones (steps that started in the window)."""
+    busy = prompt = decode = 0.0
+    for line in path.read_text().splitlines():
+        st = json.loads(line)
+        if start <= st["t"] < until:
+            busy += min(st["s"], until - st["t"])
+            prompt += st["tokens"] - st["decode"]
+            decode += st["decode"]
+    return {"window_s": until - start, "busy_s": busy, "prompt": prompt, "decode": decode}
+
+
 def display(cmd: list[str], args: argparse.Namespace) -> str:
     """``cmd`` with this machine's paths as placeholders."""
     words = []
     for i, w in enumerate(cmd):
         if i and cmd[i - 1] == "--port":
             w = "PORT"
+        elif i and cmd[i - 1] == "--step-log":
+            w = "STEPS.jsonl"
         w = w.replace(args.model, "MODEL").replace(args.llama_bin_dir, "$LLAMA_CPP_BIN_DIR")
         if w == sys.executable:
             w = "python"
@@ -413,6 +443,8 @@ def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, 
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     log = open(log_dir / f"{name}-{args.scenario}.log", "wb")  # noqa: SIM115 - closed below
+    if name.startswith("kvserve"):
+        step_log(name, args).unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     sampler = RssSampler(proc.pid)
     sampler.start()
@@ -433,6 +465,8 @@ def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, 
             proc.kill()
             proc.wait()
         log.close()
+    if name.startswith("kvserve") and res.get("last_first_at"):
+        res["engine"] = engine_time(step_log(name, args), res["start"], res["last_first_at"])
     res["command"] = display(cmd, args)
     return res
 
@@ -485,6 +519,15 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], load: s
             f"  - first turns' TTFT: mean {fmt(r.get('ttft1_mean'))} s, p50 "
             f"{fmt(r.get('ttft1_p50'))} s, p95 {fmt(r.get('ttft1_p95'))} s"
         )
+        e = r.get("engine")
+        if e:
+            lines.append(
+                f"  - until the last first turn's first token ({e['window_s']:.2f} s, its step "
+                f"log): the engine computed for {e['busy_s']:.2f} s "
+                f"({e['busy_s'] / e['window_s']:.0%}), {e['prompt']:.0f} prompt tokens and "
+                f"{e['decode']:.0f} generated ones ({e['prompt'] / e['busy_s']:.0f} prompt "
+                "tok/s of computing time)"
+            )
         if r.get("resumed"):
             lines.append(f"  - its processes were found stopped and resumed {r['resumed']} times")
         if r.get("timed_out"):
@@ -590,6 +633,7 @@ def main() -> int:
             return 2
     log_dir = Path(args.log_dir or f"/tmp/bench_server-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
+    args.log_dir = str(log_dir)
     load = loadavg()
     results: dict[str, dict[str, Any]] = {}
     for name in names:

@@ -9,6 +9,7 @@ preemption must not change what a request generates.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -429,6 +430,74 @@ def test_bad_engine_arguments(served: Model) -> None:
     ):
         with pytest.raises(ValueError, match=match):
             Engine(served, **kw)  # type: ignore[arg-type]
+
+
+def test_the_step_log_holds_every_computed_batch(
+    served: Model, oracle: Model, tmp_path: Path
+) -> None:
+    """``Engine(step_log=PATH)``: one JSON line per computed batch, appended. Checked against a
+    model of the steps: two requests run together with 48-token prompt steps; each request's
+    rows, in log order, tile its prompt and then its fed-back tokens (every generated token
+    but the last) exactly once, a step's prompt rows hold at most 48 tokens, ``decode``
+    counts the generated rows, the steps do not overlap and lie within the run, and the
+    lines' tokens sum to the engine's ``computed_tokens``. A path that cannot be opened is an
+    error before the model loads."""
+    path = tmp_path / "steps.jsonl"
+    path.write_text("earlier\n")
+    texts = [
+        "Steps of the mill: " + "the wheel turns and the stone grinds the grain. " * 14,
+        "Tides of the bay: " + "the water rises over the rocks and falls again. " * 9,
+    ]
+    n_prompt = [len(oracle.tokenize(t, add_special=True, parse_special=True)) for t in texts]
+    assert n_prompt[0] != n_prompt[1] and min(n_prompt) > 2 * 48  # several steps each
+    n_gen = 6
+    t0 = time.monotonic()
+    with Engine(served, parallel=4, ctx_size=512, batch_tokens=48, prefix_cache=False,
+                step_log=path) as eng:  # fmt: skip
+
+        async def main() -> list[GenerateResult]:
+            return list(
+                await asyncio.gather(
+                    *(eng.agenerate(t, max_tokens=n_gen, ignore_eos=True) for t in texts)
+                )
+            )
+
+        got = asyncio.run(main())
+        computed = eng.stats()["computed_tokens"]
+    t1 = time.monotonic()
+    first, *lines = path.read_text().splitlines()
+    assert first == "earlier"  # appended, not truncated
+    steps = [json.loads(line) for line in lines]
+    assert sum(st["tokens"] for st in steps) == computed == sum(n_prompt) + 2 * (n_gen - 1)
+    for r in got:
+        assert len(r.tokens) == n_gen
+    # Each request's rows, by arrival number (the one with the longer prompt has more rows).
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for st in steps:
+        assert st["tokens"] == sum(n for _, _, n in st["rows"])
+        for arrival, at, n in st["rows"]:
+            rows.setdefault(arrival, []).append((at, n))
+    assert len(rows) == 2
+    by_length = {sum(n for _, n in rs) - (n_gen - 1): arrival for arrival, rs in rows.items()}
+    assert sorted(by_length) == sorted(n_prompt)
+    for np_ in n_prompt:
+        ranges = rows[by_length[np_]]
+        at = 0
+        for start, n in ranges:  # contiguous, in order, once
+            assert start == at and n >= 1
+            at += n
+        assert at == np_ + n_gen - 1
+        assert all(n == 1 for start, n in ranges if start >= np_)  # fed back one at a time
+    for st in steps:
+        length = {by_length[np_]: np_ for np_ in n_prompt}
+        prompt = sum(n for a, at, n in st["rows"] if at < length[a])
+        assert prompt <= 48
+        assert st["decode"] == sum(1 for a, at, _ in st["rows"] if at >= length[a])
+    assert t0 <= steps[0]["t"] and steps[-1]["t"] + steps[-1]["s"] <= t1
+    for a, b in pairwise(steps):
+        assert a["s"] > 0 and b["t"] >= a["t"] + a["s"] - 1e-6  # one batch at a time
+    with pytest.raises(FileNotFoundError, match="missing"):  # the log's path, not the model's
+        Engine("no-such-model.gguf", step_log=tmp_path / "missing" / "steps.jsonl")
 
 
 def test_parse_size() -> None:

@@ -1869,6 +1869,7 @@ def test_serve_help_shows_every_environment_twin(capsys: pytest.CaptureFixture[s
         ("--body-timeout", "KVSERVE_BODY_TIMEOUT; default: 30"),
         ("--shutdown-grace", "KVSERVE_SHUTDOWN_GRACE; default: 3"),
         ("--cors-origins", "KVSERVE_CORS_ORIGINS"),
+        ("--step-log", "KVSERVE_STEP_LOG"),
     ):
         assert flag in out and f"[{env}" in out, (flag, env)
 
@@ -1906,6 +1907,7 @@ def _serve_configs(
     with the server replaced by a recorder."""
     others = ["KVSERVE_MODEL", "KVSERVE_CONTEXT_SHIFT", "KVSERVE_MAX_PROMPT_CHARS"]
     others += ["KVSERVE_KV_DISK", "KVSERVE_MAX_STORED_RESPONSES", "KVSERVE_CORS_ORIGINS"]
+    others += ["KVSERVE_STEP_LOG"]
     for var in [*(v[0] for v in _ENGINE_FLAGS.values()), *others]:
         monkeypatch.delenv(var, raising=False)
     for k, v in (env or {}).items():
@@ -1923,15 +1925,18 @@ def test_serve_flags_reach_the_engine(
 ) -> None:
     """Each engine flag of `kvserve serve`, and its variable, becomes its Engine argument
     (ServerConfig.engine_kwargs) and an Engine built from those has the setting."""
-    disk = str(tmp_path / "kv")
+    disk, steps = str(tmp_path / "kv"), str(tmp_path / "steps.jsonl")
     argv = ["--model", str(model_path), "--context-shift", "--kv-disk", disk]
+    argv += ["--step-log", steps]
     env = {"KVSERVE_MODEL": str(model_path), "KVSERVE_CONTEXT_SHIFT": "1", "KVSERVE_KV_DISK": disk}
+    env["KVSERVE_STEP_LOG"] = steps
     for flag, (var, value, _arg, _want) in _ENGINE_FLAGS.items():
         argv += [flag, value]
         env[var] = value
     want = {arg: value for _var, _value, arg, value in _ENGINE_FLAGS.values()}
     want["context_shift"] = True
     want["kv_disk"] = disk
+    want["step_log"] = steps
     by_flags = _serve_configs(argv, monkeypatch)
     by_env = _serve_configs([], monkeypatch, env)
     assert by_flags.engine_kwargs() == want
@@ -1953,7 +1958,7 @@ def test_serve_flags_reach_the_engine(
             "context_shift": engine.context_shift,
         }
         st = engine.stats()
-    not_attrs = ("kv_memory", "kv_disk", "kv_disk_size", "kv_remote", "kv_remote_ttl")
+    not_attrs = ("kv_memory", "kv_disk", "kv_disk_size", "kv_remote", "kv_remote_ttl", "step_log")
     assert got == {k: v for k, v in want.items() if k not in not_attrs}
     block = st["kv_full_bytes_total"] // st["kv_blocks_total"]
     assert st["kv_blocks_total"] == 3 * 2**20 // block  # --kv-memory, in whole blocks
@@ -1963,6 +1968,8 @@ def test_serve_flags_reach_the_engine(
     assert (st["kv_remote_enabled"], st["kv_remote_down"]) == (1, 1)
     (sub,) = (tmp_path / "kv").iterdir()  # one directory per model and K/V format
     assert re.fullmatch("[0-9a-f]{32}", sub.name) and (sub / "LOCK").is_file()
+    # --step-log: the engine opened (created) its log; it computed nothing, so it is empty.
+    assert Path(steps).read_text() == ""
 
 
 def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1985,6 +1992,7 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         "kv_low_watermark": 0.7,
         "session_ttl": None,
         "max_sessions": None,
+        "step_log": None,
         "max_tokens_limit": 512,
     }
     assert (config.max_prompt_chars, config.max_queue, config.cors_origins) == (None, 256, None)
@@ -2022,6 +2030,7 @@ def test_serve_defaults_reach_the_engine(model_path: Path, monkeypatch: pytest.M
         ({}, ["--max-prompt-chars", "-1"], "expected a positive integer"),
         ({}, ["--cors-origins", "http://a.example/"], "no path or trailing slash"),
         ({"KVSERVE_CORS_ORIGINS": "*,http://a"}, [], "KVSERVE_CORS_ORIGINS: cors origins: '*'"),
+        ({}, ["--step-log", "s.jsonl", "--replicas", "2"], "does not go with --replicas"),
     ],
 )
 def test_serve_bad_settings_are_one_line_errors(

@@ -395,6 +395,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, str, Callable[[str], Any], Any, s
      "seconds a request body may take to arrive; a slower one is cut off with a 408"),
     (("--shutdown-grace",), "SECONDS", "KVSERVE_SHUTDOWN_GRACE", _seconds, 3.0,
      "seconds requests in flight at SIGTERM get to finish before they end with an error"),
+    (("--step-log",), "PATH", "KVSERVE_STEP_LOG", str, None,
+     "append one JSON line per computed batch to PATH (its start, seconds, tokens and"
+     " requests: python/kvserve/engine/steplog.py), to see where a workload's time goes"),
     (("--log-format",), "{text,json}", "KVSERVE_LOG_FORMAT", _choice("text", "json"), "text",
      "log lines as text, or one JSON object per line"),
     (("--replicas",), "N", "KVSERVE_REPLICAS", _positive_int, 1,
@@ -484,6 +487,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         special_in_content=s["special_in_content"],
         max_stored_responses=s["max_stored_responses"],
         cors_origins=s["cors_origins"],
+        step_log=s["step_log"],
     )
 
 
@@ -496,6 +500,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas, ray_address = settings["replicas"], settings["ray_address"]
     if replicas == 1 and ray_address is not None:
         raise ValueError("--ray-address needs --replicas N (N >= 2)")
+    if replicas > 1 and config.step_log is not None:
+        raise ValueError("--step-log logs one engine's steps; it does not go with --replicas")
     if replicas > 1:
         from .cluster.launch import import_ray
 

@@ -38,6 +38,7 @@ from .requests import (
     parse_size,
 )
 from .scheduler import PROMPT_ORDERS, Scheduler
+from .steplog import StepLog
 from .tenancy import DEFAULT_POLICY, SHARED_POLICY, TenantPolicy, check_policies, salt_for
 
 if TYPE_CHECKING:
@@ -197,6 +198,10 @@ class Engine:
     get (``kv_remote_errors`` counts it, and the tier rests a few seconds). Every model can
     use it; for one with recurrent layers (LFM2) the fetch also brings the state checkpoint at
     the end of the fetched K/V run (or one a few blocks below it).
+
+    ``step_log``: a file that gets one JSON line per batch the engine computes (appended; its
+    start, seconds, tokens and the rows of each request: python/kvserve/engine/steplog.py), to
+    see where a workload's time goes; None (default): no log.
     """
 
     def __init__(
@@ -226,6 +231,7 @@ class Engine:
         kv_remote_ttl: float | None = None,
         kv_remote_min_tokens: int | None = None,
         kv_remote_timeout: float | None = None,
+        step_log: StrPath | None = None,
     ) -> None:
         for name, value in (
             ("parallel", parallel),
@@ -260,6 +266,8 @@ class Engine:
             raise ValueError(
                 f"priority_aging_s must be > 0 seconds or None, got {priority_aging_s}"
             )
+        # Opened first: a step log that cannot be written fails here, before the model loads.
+        steps = None if step_log is None else StepLog(step_log)
         self.model = _load_model(model, threads)
         self._grammars = Grammars(self.model)  # structured output's compiled grammars
         # The context may use the whole pool (its token limit is the pool): idle sessions are
@@ -330,6 +338,7 @@ class Engine:
             kv_low_watermark=kv_low_watermark,
             session_ttl=session_ttl,
             max_sessions=max_sessions,
+            step_log=steps,
         )
         self._sessions = self._loop.sessions
 

@@ -44,6 +44,7 @@ from .output import argmax_rows, deliver, pick
 from .requests import DONE, RUNNING, WAITING, Call, EngineClosed, Request
 from .scheduler import PlanEntry, Scheduler
 from .session_manager import SessionManager
+from .steplog import StepLog
 
 if TYPE_CHECKING:
     from .._core import Logits
@@ -85,8 +86,10 @@ class EngineLoop:
         kv_low_watermark: float,
         session_ttl: float | None,
         max_sessions: int | None,
+        step_log: StepLog | None = None,
     ) -> None:
         self.model = model
+        self.step_log = step_log  # one line per computed batch (engine.steplog), or None
         self.kv = kv
         self.sched = sched
         self.seq_limit = seq_limit
@@ -301,6 +304,8 @@ class EngineLoop:
                     r.state = DONE
                     r.sink.fail(error)
         self.masks.close()
+        if self.step_log is not None:
+            self.step_log.close()
         self.kv.clear()
 
     def _reset(self, error: BaseException) -> None:
@@ -815,10 +820,13 @@ class EngineLoop:
         masking = self.masks.start([e[0] for e in plan if e[3] and e[0].matcher is not None])
         try:
             flush_wakes()  # the GIL is released next: the woken loops run during the pass
+            start = time.monotonic()
             logits = self.kv.decode(tokens, positions, seqs, flags)
         finally:
             self.masks.finish(masking)  # always waited for: the matchers are not shared
         self.computed_tokens += len(tokens)
+        if self.step_log is not None:
+            self.step_log.write(start, time.monotonic() - start, plan)
         return logits
 
     def _decode_failed(

@@ -49,7 +49,8 @@ class ServerConfig:
     ``/v1/responses`` responses kept for ``previous_response_id`` and ``GET`` (least recently
     used out first; python/kvserve/server/responses.py). ``cors_origins``: the origins whose
     browser pages may call the server (``https://app.example.com``, or ``*`` alone for any;
-    :mod:`kvserve.server.cors`); None: no CORS headers at all."""
+    :mod:`kvserve.server.cors`); None: no CORS headers at all. ``step_log``: the engine's step log
+    file, as :class:`kvserve.Engine` takes it (None: none)."""
 
     model: str | None = None
     chat_template: str | None = None
@@ -85,6 +86,7 @@ class ServerConfig:
     special_in_content: bool = False
     max_stored_responses: int = 1024
     cors_origins: list[str] | None = None
+    step_log: str | None = None
 
     def body_limit(self, ctx_size: int | None = None) -> int:
         """``max_body``, or its default for ``ctx_size`` (the engine's; default: this config's
@@ -112,6 +114,7 @@ class ServerConfig:
             "kv_low_watermark": self.kv_low_watermark,
             "session_ttl": self.session_ttl,
             "max_sessions": self.max_sessions,
+            "step_log": self.step_log,
             "max_tokens_limit": (
                 self.ctx_size if self.max_tokens_limit is None else self.max_tokens_limit
             ),
