@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
 import time
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -498,6 +500,90 @@ def test_the_step_log_holds_every_computed_batch(
         assert a["s"] > 0 and b["t"] >= a["t"] + a["s"] - 1e-6  # one batch at a time
     with pytest.raises(FileNotFoundError, match="missing"):  # the log's path, not the model's
         Engine("no-such-model.gguf", step_log=tmp_path / "missing" / "steps.jsonl")
+
+
+class _SlowFile:
+    """A file whose writes wait for ``go`` (a stalled disk), or fail (``fail``)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.go = threading.Event()
+        self.lines: list[str] = []
+        self.fail = fail
+        self.closed = False
+
+    def write(self, text: str) -> int:
+        if self.fail:
+            raise OSError("disk gone")
+        self.go.wait()
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _plan(arrival: int, first: int, n: int, n_prompt: int = 100) -> list[Any]:
+    return [(SimpleNamespace(key=(0, arrival), n_prompt=n_prompt), first, n, True)]
+
+
+def test_a_stalled_step_log_never_holds_up_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The step log's writer runs beside the engine: with its disk stalled, ``write`` still
+    returns at once; past ``MAX_QUEUED`` queued steps the rest are left out and counted; once
+    the disk moves, closing writes the queued steps in order. A failing disk ends the log
+    (later steps ignored) without an error to the engine, and a writer stuck for good costs
+    closing at most ``CLOSE_WAIT_S`` seconds per wait."""
+    from kvserve.engine import steplog
+
+    monkeypatch.setattr(steplog, "MAX_QUEUED", 2)
+    monkeypatch.setattr(steplog, "CLOSE_WAIT_S", 0.3)
+    sl = steplog.StepLog(tmp_path / "a.jsonl")
+    slow = _SlowFile()
+    sl._file.close()  # the real file, replaced by the stand-in
+    sl._file = slow  # type: ignore[assignment]
+    t0 = time.monotonic()
+    sl.write(1.0, 0.5, _plan(3, 0, 64))  # taken by the writer, which stalls on it
+    wait_for(lambda: sl._queue.empty())
+    for i in range(5):  # two fit in the queue, three are left out
+        sl.write(2.0 + i, 0.1, _plan(3, 100 + i, 1) if i else _plan(3, 64, 36))
+    assert time.monotonic() - t0 < 5  # never waited for the disk
+    assert sl.dropped == 3
+    slow.go.set()
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        sl.close()
+    got = [json.loads(line) for line in slow.lines]
+    assert [g["t"] for g in got] == [1.0, 2.0, 3.0]
+    assert got[0] == {"t": 1.0, "s": 0.5, "tokens": 64, "decode": 0, "rows": [[3, 0, 64]]}
+    assert (got[1]["tokens"], got[1]["decode"], got[2]["decode"]) == (36, 0, 1)
+    assert slow.closed and "left out 3 steps" in caplog.text
+    sl.write(9.0, 0.1, _plan(3, 200, 1))  # after close: ignored
+    assert len(slow.lines) == 3
+
+    failing = steplog.StepLog(tmp_path / "b.jsonl")
+    bad = _SlowFile(fail=True)
+    failing._file.close()  # the real file, replaced by the stand-in
+    failing._file = bad  # type: ignore[assignment]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        failing.write(1.0, 0.1, _plan(1, 0, 8))
+        wait_for(lambda: not failing._open)
+        failing.write(2.0, 0.1, _plan(1, 8, 1))  # ignored: the log ended
+        failing.close()
+    assert "disk gone" in caplog.text and bad.closed and failing._queue.empty()
+
+    stuck = steplog.StepLog(tmp_path / "c.jsonl")
+    forever = _SlowFile()
+    stuck._file.close()  # the real file, replaced by the stand-in
+    stuck._file = forever  # type: ignore[assignment]
+    stuck.write(1.0, 0.1, _plan(1, 0, 8))
+    t0 = time.monotonic()
+    stuck.close()
+    assert time.monotonic() - t0 < 2 * 0.3 + 1  # bounded, then the writer is left behind
+    forever.go.set()  # let the daemon thread finish
 
 
 def test_parse_size() -> None:

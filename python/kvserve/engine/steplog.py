@@ -8,9 +8,14 @@ host); ``s``, the seconds the forward pass took; ``tokens``, the tokens computed
 how many of them are generated tokens fed back (one per generating sequence); ``rows``, one
 ``[request, first, count]`` per request in the batch: the request's arrival number (unique in
 the engine), the index of its first token computed in this step and how many. A prompt's
-chunks are its rows with ``count > 1`` (or its last token's row). The file is opened (created,
-appended to) when the engine starts, so a path that cannot be written is an error then; a
-write that fails later is logged once and ends the log, never the step.
+chunks are its rows with ``count > 1`` (or its last token's row).
+
+The file is opened (created, appended to) when the engine is made, so a path that cannot be
+written is an error then. The engine thread only queues each step's numbers; a writer thread
+formats and writes them, so a slow disk never holds up a step. If the writer falls
+``MAX_QUEUED`` steps behind, further steps are left out (a warning says how many when the log
+closes); a write that fails is logged once and ends the log, never the engine. Closing the
+engine writes what is queued (waiting at most ``CLOSE_WAIT_S`` seconds for it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
@@ -29,42 +36,84 @@ __all__ = ["StepLog"]
 
 log = logging.getLogger("kvserve.engine")
 
+# Steps the writer may fall behind before the engine leaves steps out of the log.
+MAX_QUEUED = 4096
+# Seconds closing waits for the writer to write what is queued.
+CLOSE_WAIT_S = 5.0
+
+# One step as the engine thread queues it: (start, seconds, decode rows, rows).
+_Step = tuple[float, float, int, list[tuple[int, int, int]]]
+
 
 class StepLog:
-    """The engine thread's step log (module docs); only that thread writes to it."""
+    """The engine's step log (module docs): :meth:`write` is called by the engine thread only."""
 
     def __init__(self, path: StrPath) -> None:
         self.path = os.fspath(path)
-        # Line-buffered: each step's line is in the file when the step ends (one small
-        # write a step), so a reader can follow it while the engine runs.
-        self._file: TextIO | None = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        self._file: TextIO = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._open = True  # steps are taken (until closed, or a write fails)
+        self._queue: queue.Queue[_Step | None] = queue.Queue(MAX_QUEUED)
+        self._writer: threading.Thread | None = None  # started by the first step
+        self.dropped = 0  # steps left out because the writer was behind
 
     def write(self, start: float, seconds: float, plan: Sequence[PlanEntry]) -> None:
-        """Logs one computed batch (``start``: its monotonic start, ``seconds``: its time)."""
-        if self._file is None:
+        """Queues one computed batch (``start``: its monotonic start, ``seconds``: its time)."""
+        if not self._open:
             return
-        rows = [[req.key[1], first, n] for req, first, n, _ in plan]
+        rows = [(req.key[1], first, n) for req, first, n, _ in plan]
         decode = sum(1 for req, first, n, _ in plan if n == 1 and first >= req.n_prompt)
-        line = json.dumps(
-            {
-                "t": round(start, 6),
-                "s": round(seconds, 6),
-                "tokens": sum(n for _, _, n, _ in plan),
-                "decode": decode,
-                "rows": rows,
-            },
-            separators=(",", ":"),
-        )
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._run, name="kvserve-step-log", daemon=True)
+            self._writer.start()
         try:
-            self._file.write(line + "\n")
-        except (OSError, ValueError) as e:
-            log.warning("writing the step log %s failed (%s); it ends here", self.path, e)
-            self.close()
+            self._queue.put_nowait((start, seconds, decode, rows))
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        f = self._file
+        while (step := self._queue.get()) is not None:
+            start, seconds, decode, rows = step
+            line = json.dumps(
+                {
+                    "t": round(start, 6),
+                    "s": round(seconds, 6),
+                    "tokens": sum(n for _, _, n in rows),
+                    "decode": decode,
+                    "rows": rows,
+                },
+                separators=(",", ":"),
+            )
+            try:
+                f.write(line + "\n")
+                if self._queue.empty():
+                    f.flush()  # a reader following the file sees every step written so far
+            except (OSError, ValueError) as e:
+                log.warning("writing the step log %s failed (%s); it ends here", self.path, e)
+                self._open = False
+                break
 
     def close(self) -> None:
-        f, self._file = self._file, None
-        if f is not None:
+        """Writes what is queued (waiting at most ``CLOSE_WAIT_S``) and closes the file; called
+        by the engine thread as it stops (idempotent)."""
+        self._open = False
+        if self._writer is not None:
+            if self._writer.is_alive():
+                try:
+                    self._queue.put(None, timeout=CLOSE_WAIT_S)
+                except queue.Full:
+                    pass
+                self._writer.join(CLOSE_WAIT_S)
+            if self._writer.is_alive():
+                log.warning("the step log %s did not finish writing in time", self.path)
+                return  # the writer still owns the file (a daemon thread: gone at exit)
+            self._writer = None
+        if self.dropped:
+            n, path = self.dropped, self.path
+            log.warning("the step log %s left out %d steps (its writer fell behind)", path, n)
+            self.dropped = 0
+        if not self._file.closed:
             try:
-                f.close()
+                self._file.close()
             except OSError as e:
                 log.warning("closing the step log %s failed (%s)", self.path, e)
