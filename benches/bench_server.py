@@ -315,10 +315,13 @@ def step_log(name: str, args: argparse.Namespace) -> Path:
     return Path(args.log_dir) / f"{name}-{args.scenario}.steps.jsonl"
 
 
-def engine_time(path: Path, start: float, until: float) -> dict[str, float]:
+def engine_time(path: Path, start: float, until: float) -> dict[str, float] | None:
     """From a kvserve step log (python/kvserve/engine/steplog.py): the seconds the engine
     computed between ``start`` and ``until`` (monotonic times) and the tokens it computed then:
-    prompt tokens and fed-back generated ones (steps that started in the window)."""
+    prompt tokens and fed-back generated ones (steps that started in the window); None
+    without a log."""
+    if not path.is_file():  # the server did not get to write it (it failed to start)
+        return None
     busy = prompt = decode = 0.0
     for line in path.read_text().splitlines():
         st = json.loads(line)

@@ -36,8 +36,9 @@ __all__ = ["StepLog"]
 
 log = logging.getLogger("kvserve.engine")
 
-# Steps the writer may fall behind before the engine leaves steps out of the log.
-MAX_QUEUED = 4096
+# Steps the writer may fall behind before the engine leaves steps out of the log (a few
+# seconds to minutes of steps; at most ~20 MB queued even with 256 rows a step).
+MAX_QUEUED = 1024
 # Seconds closing waits for the writer to write what is queued.
 CLOSE_WAIT_S = 5.0
 
