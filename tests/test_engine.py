@@ -525,8 +525,8 @@ class _SlowFile:
         self.closed = True
 
 
-def _plan(arrival: int, first: int, n: int, n_prompt: int = 100) -> list[Any]:
-    return [(SimpleNamespace(key=(0, arrival), n_prompt=n_prompt), first, n, True)]
+def _plan(arrival: int, first: int, n: int, generated: int = 0) -> list[Any]:
+    return [(SimpleNamespace(key=(0, arrival), n_generated=generated), first, n, True)]
 
 
 def test_a_stalled_step_log_never_holds_up_the_engine(
@@ -549,7 +549,8 @@ def test_a_stalled_step_log_never_holds_up_the_engine(
     sl.write(1.0, 0.5, _plan(3, 0, 64))  # taken by the writer, which stalls on it
     wait_for(lambda: sl._queue.empty())
     for i in range(5):  # two fit in the queue, three are left out
-        sl.write(2.0 + i, 0.1, _plan(3, 100 + i, 1) if i else _plan(3, 64, 36))
+        # The prompt's last token alone (not a generated one), then generated tokens.
+        sl.write(2.0 + i, 0.1, _plan(3, 64 + i, 1, generated=i))
     assert time.monotonic() - t0 < 5  # never waited for the disk
     assert sl.dropped == 3
     slow.go.set()
@@ -558,9 +559,9 @@ def test_a_stalled_step_log_never_holds_up_the_engine(
     got = [json.loads(line) for line in slow.lines]
     assert [g["t"] for g in got] == [1.0, 2.0, 3.0]
     assert got[0] == {"t": 1.0, "s": 0.5, "tokens": 64, "decode": 0, "rows": [[3, 0, 64]]}
-    assert (got[1]["tokens"], got[1]["decode"], got[2]["decode"]) == (36, 0, 1)
+    assert (got[1]["tokens"], got[1]["decode"], got[2]["decode"]) == (1, 0, 1)
     assert slow.closed and "left out 3 steps" in caplog.text
-    sl.write(9.0, 0.1, _plan(3, 200, 1))  # after close: ignored
+    sl.write(9.0, 0.1, _plan(3, 200, 1, generated=9))  # after close: ignored
     assert len(slow.lines) == 3
 
     failing = steplog.StepLog(tmp_path / "b.jsonl")

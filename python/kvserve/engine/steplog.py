@@ -7,8 +7,10 @@ Each line is an object: ``t``, the step's start by the system's monotonic clock
 host); ``s``, the seconds the forward pass took; ``tokens``, the tokens computed; ``decode``,
 how many of them are generated tokens fed back (one per generating sequence); ``rows``, one
 ``[request, first, count]`` per request in the batch: the request's arrival number (unique in
-the engine), the index of its first token computed in this step and how many. A prompt's
-chunks are its rows with ``count > 1`` (or its last token's row).
+the engine), the position in its sequence of its first token computed in this step (after a
+context shift, in the shifted sequence) and how many. A prompt's chunks are its rows with
+``count > 1`` (or its last token's row). A batch that fails (the core rolls it back) has no
+line; its retry or its halves do.
 
 The file is opened (created, appended to) when the engine is made, so a path that cannot be
 written is an error then. The engine thread only queues each step's numbers; a writer thread
@@ -62,7 +64,7 @@ class StepLog:
         if not self._open:
             return
         rows = [(req.key[1], first, n) for req, first, n, _ in plan]
-        decode = sum(1 for req, first, n, _ in plan if n == 1 and first >= req.n_prompt)
+        decode = sum(1 for req, _, n, _ in plan if n == 1 and req.n_generated > 0)
         if self._writer is None:
             self._writer = threading.Thread(target=self._run, name="kvserve-step-log", daemon=True)
             self._writer.start()
