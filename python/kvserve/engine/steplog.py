@@ -9,8 +9,9 @@ how many of them are generated tokens fed back (one per generating sequence); ``
 ``[request, first, count]`` per request in the batch: the request's arrival number (unique in
 the engine), the position in its sequence of its first token computed in this step (after a
 context shift, in the shifted sequence) and how many. A prompt's chunks are its rows with
-``count > 1`` (or its last token's row). A batch that fails (the core rolls it back) has no
-line; its retry or its halves do.
+``count > 1`` (or its last token's row); a preempted request that resumes recomputes its
+tokens in such chunks too. A batch that fails (the core rolls it back) has no line; its retry
+or its halves do.
 
 The file is opened (created, appended to) when the engine is made, so a path that cannot be
 written is an error then. The engine thread only queues each step's numbers; a writer thread
